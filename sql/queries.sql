@@ -1,0 +1,473 @@
+-- Every statement agentd sends, by name. Bound parameters only; no SQL is built from input.
+-- Format: a "-- name --" line, comment lines naming the invariant it protects, the statement.
+-- All lease comparisons use clock_timestamp() (the database clock, sampled once per statement).
+
+-- enqueue_run --
+-- Rule 1: the user message, the run, journal seq 1-2 and the wake commit as ONE statement.
+-- A repeated idempotency key inserts nothing (the unique index arbitrates, even mid-flight).
+WITH run AS (
+    INSERT INTO agent_run (account_id, conversation_id, user_message_id, origin_device_id,
+                           request, request_hash, idempotency_key)
+    SELECT c.account_id, c.id, gen_random_uuid(), $3::uuid, $5::jsonb, $6::text, $7::text
+    FROM conversation c
+    WHERE c.id = $2::uuid AND c.account_id = $1::uuid
+    ON CONFLICT (account_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, conversation_id, user_message_id, status, created_at
+), msg AS (
+    INSERT INTO message (id, conversation_id, run_id, role, content, status)
+    SELECT user_message_id, conversation_id, id, 'user', $4::text, 'queued' FROM run
+), journal AS (
+    INSERT INTO run_event (run_id, seq, type, payload)
+    SELECT run.id, e.seq, e.type, e.payload
+    FROM run CROSS JOIN LATERAL (VALUES
+        (1, 'user_message', jsonb_build_object(
+            'message_id', run.user_message_id, 'role', 'user', 'content', $4::text)),
+        (2, 'run_queued', jsonb_build_object(
+            'run_id', run.id, 'conversation_id', run.conversation_id))
+    ) AS e (seq, type, payload)
+), touched AS (
+    UPDATE conversation SET updated_at = clock_timestamp()
+    WHERE id IN (SELECT conversation_id FROM run)
+)
+SELECT run.id, run.status, run.conversation_id, run.user_message_id, run.created_at,
+       pg_notify('agentd_run_enqueued', run.conversation_id::text),
+       pg_notify('agentd_conversation', run.conversation_id::text)
+FROM run;
+
+-- find_run_by_idempotency_key --
+-- The first run minted for a key, so a retried POST answers with it instead of a second run.
+SELECT id, status, conversation_id, request_hash
+FROM agent_run
+WHERE account_id = $1::uuid AND idempotency_key = $2::text;
+
+-- claim_runs --
+-- Rule 2: claim in one statement; SKIP LOCKED so claimers pass over each other, never wait.
+-- Only the oldest queued turn of a conversation with nothing running is eligible (FIFO, rule 5);
+-- the pre-filter can be fooled by snapshots, the one_running_per_conversation index cannot.
+-- Stamps a fresh claim_token, a monotonic fence and a deadline on the database clock, and
+-- acquires the seed-000 conversation lease: its conditional UPSERT takes over only a holder
+-- whose run is no longer live (leased = false means not acquired; the caller rolls back).
+WITH clock AS (
+    SELECT clock_timestamp() AS now
+), picked AS (
+    SELECT r.id
+    FROM agent_run r
+    WHERE r.status = 'queued'
+      AND NOT EXISTS (
+          SELECT 1 FROM agent_run busy
+          WHERE busy.conversation_id = r.conversation_id AND busy.status = 'running')
+      AND NOT EXISTS (
+          SELECT 1 FROM agent_run older
+          WHERE older.conversation_id = r.conversation_id AND older.status = 'queued'
+            AND (older.created_at, older.id) < (r.created_at, r.id))
+    ORDER BY r.created_at, r.id
+    LIMIT $3::int
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE agent_run r
+    SET status = 'running',
+        claim_token = gen_random_uuid(),
+        fence = nextval('agent_run_fence_seq'),
+        worker_id = $1::text,
+        lease_expires_at = clock.now + make_interval(secs => $2::float8),
+        last_heartbeat_at = clock.now,
+        started_at = clock.now
+    FROM picked, clock
+    WHERE r.id = picked.id AND r.status = 'queued'
+    RETURNING r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
+              r.request, r.claim_token, r.fence, r.worker_id, r.lease_expires_at,
+              r.cancel_requested
+), asked AS (
+    UPDATE message m SET status = 'complete'
+    FROM claimed
+    WHERE m.id = claimed.user_message_id AND m.status = 'queued'
+), lease AS (
+    INSERT INTO conversation_lease AS held (account_id, conversation_id, run_id, execution_id,
+                                            fence, worker_id, device_id, acquired_at)
+    SELECT c.account_id, c.conversation_id, c.id, c.claim_token, c.fence, c.worker_id,
+           c.origin_device_id, clock.now
+    FROM claimed c, clock
+    ON CONFLICT (account_id, conversation_id) DO UPDATE
+    SET run_id = EXCLUDED.run_id,
+        execution_id = EXCLUDED.execution_id,
+        fence = EXCLUDED.fence,
+        worker_id = EXCLUDED.worker_id,
+        device_id = EXCLUDED.device_id,
+        acquired_at = EXCLUDED.acquired_at
+    WHERE NOT EXISTS (
+        SELECT 1 FROM agent_run holder, clock
+        WHERE holder.id = held.run_id AND holder.claim_token = held.execution_id
+          AND holder.status = 'running' AND holder.lease_expires_at > clock.now)
+    RETURNING run_id
+)
+SELECT c.*,
+       (SELECT max(e.seq) FROM run_event e WHERE e.run_id = c.id) AS last_seq,
+       EXISTS (SELECT 1 FROM lease WHERE lease.run_id = c.id) AS leased
+FROM claimed c;
+
+-- heartbeat --
+-- Rule 3: renew only a lease we still hold. Token + status + unexpired deadline, so a late beat
+-- can never revive an execution the reaper may already have judged dead. Zero rows = LeaseLost.
+-- Returns the cancel flag: the heartbeat is also the missed-NOTIFY poll for stops (rule 8).
+UPDATE agent_run r
+SET lease_expires_at = clock.now + make_interval(secs => $3::float8),
+    last_heartbeat_at = clock.now
+FROM (SELECT clock_timestamp() AS now) clock
+WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
+  AND r.lease_expires_at > clock.now
+RETURNING r.cancel_requested, r.lease_expires_at;
+
+-- append_events_fenced --
+-- Rule 7: a worker's journal batch lands whole or not at all, only while it owns the run.
+-- FOR SHARE on the run row serializes with the reaper and stop, so a finalizer's max(seq)+1
+-- never races an append; zero rows written = LeaseLost. The NOTIFY dies with a rolled-back batch.
+WITH owner AS (
+    SELECT id FROM agent_run
+    WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
+      AND lease_expires_at > clock_timestamp()
+    FOR SHARE
+), written AS (
+    INSERT INTO run_event (run_id, seq, type, payload)
+    SELECT owner.id, e.seq, e.type, e.payload::jsonb
+    FROM owner, unnest($3::bigint[], $4::text[], $5::text[]) AS e (seq, type, payload)
+    RETURNING seq
+)
+SELECT (SELECT count(*) FROM written) AS written, pg_notify('agentd_run_event', $1::text)
+FROM owner;
+
+-- insert_message_fenced --
+-- A worker's transcript write (assistant tool-call turns, tool results) lands only while it
+-- owns the run; a zombie writes zero rows.
+WITH owner AS (
+    SELECT id, conversation_id FROM agent_run
+    WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
+      AND lease_expires_at > clock_timestamp()
+    FOR SHARE
+)
+INSERT INTO message (conversation_id, run_id, role, content, status, tool_calls, tool_call_id)
+SELECT owner.conversation_id, owner.id, $3::text, $4::text, $5::text, $6::jsonb, $7::text
+FROM owner
+RETURNING id;
+
+-- finish_run_fenced --
+-- Rule 3: the worker's terminal write. Fenced like every other write; terminal states are
+-- sticky (status = 'running' in the WHERE). In the same statement: the answer message, the one
+-- 'complete' event (seq $8, or max+1 for the dispatcher's backstop), the lease release by
+-- execution id, and the knock that starts the conversation's next turn at once.
+WITH clock AS (
+    SELECT clock_timestamp() AS now
+), fin AS (
+    UPDATE agent_run r
+    SET status = $3::text, error = $4::text, usage = $5::jsonb, finished_at = clock.now
+    FROM clock
+    WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
+      AND r.lease_expires_at > clock.now
+    RETURNING r.id, r.account_id, r.conversation_id, r.claim_token
+), answer AS (
+    INSERT INTO message (conversation_id, run_id, role, content, status)
+    SELECT fin.conversation_id, fin.id, 'assistant', $6::text, $7::text
+    FROM fin
+    WHERE $6::text IS NOT NULL
+    RETURNING id
+), ended AS (
+    INSERT INTO run_event (run_id, seq, type, payload)
+    SELECT fin.id,
+           coalesce($8::bigint,
+                    (SELECT max(e.seq) + 1 FROM run_event e WHERE e.run_id = fin.id)),
+           'complete',
+           jsonb_build_object('status', $3::text, 'error', $4::text,
+                              'message_id', (SELECT id FROM answer))
+    FROM fin
+), released AS (
+    DELETE FROM conversation_lease l
+    USING fin
+    WHERE l.account_id = fin.account_id AND l.conversation_id = fin.conversation_id
+      AND l.execution_id = fin.claim_token
+)
+SELECT fin.id, (SELECT id FROM answer) AS message_id,
+       pg_notify('agentd_run_event', fin.id::text),
+       pg_notify('agentd_run_enqueued', fin.conversation_id::text),
+       pg_notify('agentd_conversation', fin.conversation_id::text)
+FROM fin;
+
+-- reap_expired_runs --
+-- Rules 3-4: finalize 'failed' only runs whose deadline has passed, re-checked inside this
+-- write against the row as it is now (a heartbeat that landed first wins; SKIP LOCKED passes
+-- over a run whose heartbeat is in flight). Never re-queued: at most once.
+-- The caller journals the ending with journal_endings in the same transaction.
+UPDATE agent_run r
+SET status = 'failed',
+    error = 'lease expired: worker ' || r.worker_id || ' stopped renewing it',
+    finished_at = clock.now
+FROM (SELECT clock_timestamp() AS now) clock
+WHERE r.id IN (
+        SELECT id FROM agent_run
+        WHERE status = 'running'
+          AND lease_expires_at <= clock_timestamp() - make_interval(secs => $1::float8)
+        ORDER BY lease_expires_at
+        LIMIT $2::int
+        FOR UPDATE SKIP LOCKED)
+  AND r.status = 'running'
+  AND r.lease_expires_at <= clock.now - make_interval(secs => $1::float8)
+RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.error;
+
+-- journal_endings --
+-- Finalizers other than the worker (reaper, stop) append 'complete' at max(seq)+1. Run as its
+-- own statement AFTER the fencing UPDATE in the same transaction: READ COMMITTED gives it a
+-- fresh snapshot that sees every append committed before our row lock, and the lock holds off
+-- the rest. one_complete_per_run makes a second ending impossible regardless.
+-- Releases the runs' leases by execution id and knocks the queue.
+WITH ended AS (
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[],
+                         $6::text[]) AS t (run_id, account_id, conversation_id, claim_token,
+                                           status, error)
+), journal AS (
+    INSERT INTO run_event (run_id, seq, type, payload)
+    SELECT ended.run_id,
+           coalesce((SELECT max(e.seq) FROM run_event e WHERE e.run_id = ended.run_id), 0) + 1,
+           'complete',
+           jsonb_build_object('status', ended.status, 'error', ended.error, 'message_id', NULL)
+    FROM ended
+), released AS (
+    DELETE FROM conversation_lease l
+    USING ended
+    WHERE l.account_id = ended.account_id AND l.conversation_id = ended.conversation_id
+      AND l.execution_id = ended.claim_token
+)
+SELECT ended.run_id,
+       pg_notify('agentd_run_event', ended.run_id::text),
+       pg_notify('agentd_run_enqueued', ended.conversation_id::text),
+       pg_notify('agentd_conversation', ended.conversation_id::text)
+FROM ended;
+
+-- release_lease --
+-- Seed 000: release only by execution id. If A expired and B took over, A's late cleanup
+-- matches zero rows and B's lease survives; zero rows is a normal, idempotent outcome.
+DELETE FROM conversation_lease
+WHERE account_id = $1::uuid AND conversation_id = $2::uuid AND execution_id = $3::uuid
+RETURNING run_id;
+
+-- lock_active_runs --
+-- Rule 8: the stop sweep locks every active run of the conversation, queued and running,
+-- in ONE transaction, so no claim or terminal wake can start a turn in the middle of it.
+SELECT id, status
+FROM agent_run
+WHERE conversation_id = $1::uuid AND account_id = $2::uuid
+  AND status IN ('queued', 'running')
+ORDER BY created_at, id
+FOR UPDATE;
+
+-- cancel_queued_runs --
+-- A queued turn never started: cancel it outright and hand its text back as a draft.
+-- Runs only under lock_active_runs' locks; status = 'queued' re-checked in the write.
+WITH cancelled AS (
+    UPDATE agent_run r
+    SET status = 'cancelled', error = 'stopped before it started',
+        finished_at = clock_timestamp()
+    WHERE r.id = ANY ($1::uuid[]) AND r.status = 'queued'
+    RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.error,
+              r.user_message_id
+), drafts AS (
+    UPDATE message m SET status = 'draft'
+    FROM cancelled
+    WHERE m.id = cancelled.user_message_id
+    RETURNING m.id, m.run_id, m.content
+)
+SELECT c.id, c.account_id, c.conversation_id, c.claim_token, c.status, c.error,
+       d.id AS message_id, d.content
+FROM cancelled c JOIN drafts d ON d.run_id = c.id;
+
+-- request_cancel --
+-- Rule 8: stop is a state. Flag running runs; the NOTIFY is only the fast path, the worker
+-- re-reads the flag on every heartbeat. Terminal runs are untouched (sticky).
+UPDATE agent_run
+SET cancel_requested = true
+WHERE id = ANY ($1::uuid[]) AND status = 'running'
+RETURNING id, pg_notify('agentd_run_cancel', id::text);
+
+-- notify_conversation --
+-- Ownership or presence of a conversation changed: wake its feeds (they re-read rows).
+SELECT pg_notify('agentd_conversation', $1::text);
+
+-- read_events_after --
+-- Rule 7: a tail is a cursor over the journal; any process can serve it.
+SELECT seq, type, payload, created_at
+FROM run_event
+WHERE run_id = $1::uuid AND seq > $2::bigint
+ORDER BY seq
+LIMIT $3::int;
+
+-- get_run --
+-- Rule 9: a run is visible only to its own account.
+SELECT id, account_id, conversation_id, user_message_id, origin_device_id, status, request,
+       idempotency_key, worker_id, claim_token, fence, lease_expires_at, last_heartbeat_at,
+       cancel_requested, error, usage, created_at, started_at, finished_at
+FROM agent_run
+WHERE id = $1::uuid AND account_id = $2::uuid;
+
+-- list_messages --
+-- The durable transcript in turn order: each run's answer follows its own question, even when
+-- later questions were queued (written) before it ran.
+SELECT m.id, m.run_id, m.role, m.content, m.status, m.tool_calls, m.tool_call_id, m.created_at
+FROM message m
+LEFT JOIN agent_run r ON r.id = m.run_id
+LEFT JOIN message asked ON asked.id = r.user_message_id
+WHERE m.conversation_id = $1::uuid
+ORDER BY coalesce(asked.position, m.position), m.position;
+
+-- list_active_runs --
+-- The running turn and the queued ones behind it, in the order they will run.
+SELECT id, account_id, conversation_id, user_message_id, origin_device_id, status, request,
+       idempotency_key, worker_id, claim_token, fence, lease_expires_at, last_heartbeat_at,
+       cancel_requested, error, usage, created_at, started_at, finished_at
+FROM agent_run
+WHERE conversation_id = $1::uuid AND status IN ('queued', 'running')
+ORDER BY created_at, id;
+
+-- get_conversation_lease --
+-- Seed 000: who owns the conversation and until when. The deadline is joined from the owning
+-- run (one source of truth); live is decided by the database clock.
+SELECT l.run_id, l.execution_id, l.fence, l.worker_id, l.device_id, d.name AS device,
+       r.lease_expires_at AS expires_at,
+       (r.status = 'running' AND r.lease_expires_at > clock_timestamp()) AS live
+FROM conversation_lease l
+JOIN agent_run r ON r.id = l.run_id AND r.claim_token = l.execution_id
+LEFT JOIN device d ON d.id = l.device_id
+WHERE l.account_id = $1::uuid AND l.conversation_id = $2::uuid;
+
+-- trim_journal --
+-- Retention: the journal is a delivery buffer; the message table is the record. Trim events of
+-- runs terminal for longer than the retention age and null their request snapshots.
+WITH old AS (
+    UPDATE agent_run SET request = NULL
+    WHERE status IN ('completed', 'failed', 'cancelled')
+      AND finished_at < clock_timestamp() - make_interval(secs => $1::float8)
+      AND (request IS NOT NULL OR EXISTS (SELECT 1 FROM run_event e WHERE e.run_id = id))
+    RETURNING id
+)
+DELETE FROM run_event e USING old WHERE e.run_id = old.id;
+
+-- ensure_account --
+-- Accounts are named; creating one that exists returns it (token create is re-runnable).
+INSERT INTO account (name) VALUES ($1::text)
+ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
+RETURNING id, name, created_at;
+
+-- create_device --
+-- A device credential; only the token's hash is stored (unique, so a hash names one device).
+INSERT INTO device (account_id, name, token_hash)
+VALUES ($1::uuid, $2::text, $3::bytea)
+RETURNING id, account_id, name, created_at;
+
+-- authenticate_device --
+-- Rule 9: a bearer token resolves to (account, device) only while not revoked; marks it seen.
+UPDATE device d
+SET last_seen_at = clock_timestamp()
+FROM account a
+WHERE d.token_hash = $1::bytea AND d.revoked_at IS NULL AND a.id = d.account_id
+RETURNING d.id AS device_id, d.name AS device_name, d.account_id, a.name AS account_name;
+
+-- list_devices --
+-- Operators see every credential, never a token.
+SELECT d.id, a.name AS account, d.name, d.created_at, d.last_seen_at, d.revoked_at
+FROM device d JOIN account a ON a.id = d.account_id
+ORDER BY a.name, d.created_at;
+
+-- revoke_device --
+-- Revocation is a timestamp, so audit keeps the row; a revoked token authenticates nothing.
+UPDATE device SET revoked_at = clock_timestamp()
+WHERE id = $1::uuid AND revoked_at IS NULL
+RETURNING id;
+
+-- create_conversation --
+-- A conversation belongs to exactly one account from birth.
+INSERT INTO conversation (account_id, title)
+VALUES ($1::uuid, $2::text)
+RETURNING id, account_id, title, created_at, updated_at;
+
+-- get_conversation --
+-- Rule 9: another account's conversation does not exist for you.
+SELECT id, account_id, title, created_at, updated_at
+FROM conversation
+WHERE id = $1::uuid AND account_id = $2::uuid;
+
+-- list_conversations --
+-- Most recently active first.
+SELECT id, account_id, title, created_at, updated_at
+FROM conversation
+WHERE account_id = $1::uuid
+ORDER BY updated_at DESC, id
+LIMIT $2::int;
+
+-- migration_lock --
+-- One migrator at a time across the fleet; the others wait, then find nothing left to do.
+SELECT pg_advisory_lock($1::bigint);
+
+-- migration_unlock --
+-- Released explicitly: the migrator's session outlives the migrations.
+SELECT pg_advisory_unlock($1::bigint);
+
+-- create_schema_migrations --
+-- The ledger of applied migrations, created before the first one runs.
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version     integer PRIMARY KEY,
+    name        text NOT NULL,
+    checksum    text NOT NULL,
+    applied_at  timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+-- list_applied_migrations --
+-- What is already applied, with checksums so an edited migration is caught.
+SELECT version, checksum FROM schema_migrations ORDER BY version;
+
+-- record_migration --
+-- Committed in the same transaction as the migration itself: applied exactly once.
+INSERT INTO schema_migrations (version, name, checksum) VALUES ($1::int, $2::text, $3::text);
+
+-- schema_migrations_exists --
+-- Lets status/doctor report pending migrations on a database never migrated.
+SELECT to_regclass('schema_migrations') IS NOT NULL;
+
+-- ping --
+-- Liveness probe for the hub's LISTEN connection and for readiness checks.
+SELECT 1;
+
+-- database_clock --
+-- The daemon's clock is not trusted (rule 10): time comes from the database.
+SELECT clock_timestamp();
+
+-- database_exists --
+-- The embedded server's database is created once, on first start.
+SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1::text);
+
+-- create_agentd_database --
+-- A fixed name (identifiers cannot be bound parameters); used only on the embedded server.
+CREATE DATABASE agentd;
+
+-- queue_status --
+-- What `agentd status` shows: queue depth, running turns and the workers holding live leases.
+SELECT
+    count(*) FILTER (WHERE status = 'queued') AS queued,
+    count(*) FILTER (WHERE status = 'running') AS running,
+    count(*) FILTER (WHERE status = 'running' AND lease_expires_at <= clock_timestamp())
+        AS expired,
+    coalesce(array_agg(DISTINCT worker_id) FILTER (
+        WHERE status = 'running' AND lease_expires_at > clock_timestamp()), '{}') AS workers
+FROM agent_run
+WHERE status IN ('queued', 'running');
+
+-- server_version --
+-- Reported by doctor; agentd needs PostgreSQL 15 or newer.
+SHOW server_version;
+
+-- transcript_for_run --
+-- What the model sees for a turn: every earlier turn (question, tool steps, answer) and its own
+-- question, in turn order; minus turns not yet run (queued) or handed back (draft).
+SELECT m.role, m.content, m.tool_calls, m.tool_call_id
+FROM message m
+LEFT JOIN agent_run r ON r.id = m.run_id
+LEFT JOIN message asked ON asked.id = r.user_message_id
+WHERE m.conversation_id = $1::uuid
+  AND coalesce(asked.position, m.position) <= (SELECT position FROM message WHERE id = $2::uuid)
+  AND m.status NOT IN ('queued', 'draft')
+ORDER BY coalesce(asked.position, m.position), m.position;

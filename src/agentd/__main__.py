@@ -1,0 +1,3 @@
+from agentd.cli import main
+
+main()

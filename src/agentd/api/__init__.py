@@ -1,0 +1,1 @@
+"""agentd's HTTP surface (aiohttp): handlers call the service layer, never SQL directly."""

@@ -1,0 +1,35 @@
+"""Liveness, readiness and metrics: what a supervisor or load balancer asks."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from agentd.queries import Q
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """The process is up and its event loop answers."""
+    return web.json_response({"status": "ok", "worker_id": request.app["runtime"].worker_id})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready = the database answers, the hub listens, and we are not draining."""
+    runtime = request.app["runtime"]
+    database = True
+    try:
+        async with asyncio.timeout(2):
+            await runtime.pool.fetchval(Q["ping"])
+    except Exception:
+        database = False
+    body = {"database": database, "hub": runtime.hub.connected, "draining": runtime.draining,
+            "worker_id": runtime.worker_id}
+    ready = database and runtime.hub.connected and not runtime.draining
+    return web.json_response({"status": "ready" if ready else "unready", **body},
+                             status=200 if ready else 503)

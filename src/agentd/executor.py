@@ -1,0 +1,243 @@
+"""Runs one claimed turn: model stream ⇄ tools, journaled behind the fence, finalized once.
+
+A heartbeat task renews the lease every heartbeat_s and re-reads the cancel flag; a cancel NOTIFY
+triggers that beat at once. On LeaseLost everything stops and nothing more is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+
+from agentd.hub import Hub, Subscription
+from agentd.journal import Emitter
+from agentd.providers import ModelRef, ProviderRegistry, parse_model
+from agentd.providers.base import (
+    ProviderError,
+    TextDelta,
+    ToolCallRequest,
+    Usage,
+)
+from agentd.queries import Q
+from agentd.queue import Claim, LeaseLost, finish_run, heartbeat, insert_message
+from agentd.settings import Settings
+from agentd.tools import ToolContext, ToolError, ToolRegistry
+from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
+
+log = logging.getLogger("agentd.executor")
+
+_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+
+
+class TooManyToolSteps(ProviderError):
+    pass
+
+
+@dataclass
+class _Turn:
+    """What one execution has produced so far (kept on cancel or failure)."""
+
+    claim: Claim
+    emitter: Emitter
+    text: list[str] = field(default_factory=list)
+    open_calls: dict[str, str] = field(default_factory=dict)  # call id -> tool name
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def answer(self) -> str:
+        return "".join(self.text)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
+
+
+class TurnRunner:
+    """Executes claims for one worker; `run` returns True once the terminal write landed."""
+
+    def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings,
+                 providers: ProviderRegistry, tools: ToolRegistry) -> None:
+        self._pool = pool
+        self._hub = hub
+        self._settings = settings
+        self._providers = providers
+        self._tools = tools
+
+    async def run(self, claim: Claim) -> bool:
+        ctx = {"run_id": str(claim.run_id), "fence": claim.fence}
+        # Subscribe before the first beat so a stop committed in between still wakes us.
+        async with self._hub.subscribe(Channel.RUN_CANCEL, str(claim.run_id)) as cancel_sub:
+            try:
+                # Seed 000: the granted deadline must still be ahead before any work starts.
+                beat = await heartbeat(self._pool, claim, self._settings.lease_ttl_s)
+            except LeaseLost:
+                log.warning("lease gone before the turn started; standing down", extra=ctx)
+                return False
+            emitter = Emitter(self._pool, claim,
+                              flush_interval_s=self._settings.flush_ms / 1000)
+            turn = _Turn(claim, emitter)
+            cancel, lost = asyncio.Event(), asyncio.Event()
+            if beat.cancel_requested or claim.cancel_requested:
+                cancel.set()
+            beating = asyncio.create_task(self._keep_lease(claim, cancel_sub, cancel, lost))
+            try:
+                return await self._execute(turn, beat.lease_expires_at.isoformat(), cancel,
+                                           lost, ctx)
+            except LeaseLost:
+                log.warning("lease lost; stopped and wrote nothing more", extra=ctx)
+                return False
+            finally:
+                beating.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beating
+
+    async def _execute(self, turn: _Turn, deadline: str, cancel: asyncio.Event,
+                       lost: asyncio.Event, ctx: dict[str, Any]) -> bool:
+        claim, emitter = turn.claim, turn.emitter
+        await emitter.event(EventType.RUN_STARTED, {
+            "worker_id": claim.worker_id, "fence": claim.fence, "lease_expires_at": deadline})
+        log.info("run started", extra=ctx)
+        generating = asyncio.create_task(self._generate(turn))
+        stops = [asyncio.create_task(cancel.wait()), asyncio.create_task(lost.wait())]
+        try:
+            await asyncio.wait([generating, *stops], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in stops:
+                task.cancel()
+            if not generating.done():
+                # Closes the provider stream at once: no tokens keep being paid for.
+                generating.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await generating
+        if lost.is_set() or emitter.lost is not None:
+            raise LeaseLost(claim.run_id, "heartbeat")
+        if generating.cancelled() or (cancel.is_set() and not _finished_ok(generating)):
+            await self._repair_open_calls(turn)
+            await emitter.event(EventType.CANCEL_REQUESTED, {"partial": bool(turn.text)})
+            return await self._finish(turn, RunStatus.CANCELLED, None, ctx)
+        error = generating.exception()
+        if isinstance(error, LeaseLost):
+            raise error
+        if error is not None:
+            if not isinstance(error, ProviderError):
+                log.exception("turn crashed", exc_info=error, extra=ctx)
+            await self._repair_open_calls(turn)
+            message = str(error) if isinstance(error, ProviderError) else \
+                f"internal error: {type(error).__name__}: {error}"
+            return await self._finish(turn, RunStatus.FAILED, message, ctx)
+        return await self._finish(turn, RunStatus.COMPLETED, None, ctx)
+
+    async def _finish(self, turn: _Turn, status: RunStatus, error: str | None,
+                      ctx: dict[str, Any]) -> bool:
+        await turn.emitter.close()
+        answer = turn.answer
+        complete = status == RunStatus.COMPLETED
+        await finish_run(
+            self._pool, turn.claim, status, seq=turn.emitter.next_seq,
+            content=answer if (answer or complete) else None,
+            message_status=MessageStatus.COMPLETE if complete else MessageStatus.PARTIAL,
+            error=error, usage=turn.usage)
+        log.info("run finished", extra={**ctx, "status": str(status), "error": error,
+                                        "journal_rows": turn.emitter.rows_written})
+        return True
+
+    async def _keep_lease(self, claim: Claim, cancel_sub: Subscription, cancel: asyncio.Event,
+                          lost: asyncio.Event) -> None:
+        """Renew every heartbeat_s; a cancel hint beats at once. Stops only when cancelled."""
+        while True:
+            await cancel_sub.wait(self._settings.heartbeat_s)
+            try:
+                beat = await heartbeat(self._pool, claim, self._settings.lease_ttl_s)
+            except LeaseLost:
+                lost.set()
+                return
+            except _DB_ERRORS as exc:
+                # Keep trying: the deadline, checked by the database, decides if we lost it.
+                log.warning("heartbeat failed; retrying",
+                            extra={"run_id": str(claim.run_id), "error": str(exc)})
+                continue
+            if beat.cancel_requested:
+                cancel.set()
+
+    async def _generate(self, turn: _Turn) -> None:
+        claim = turn.claim
+        request = claim.request
+        ref = parse_model(request.get("model"), self._settings)
+        provider = self._providers.resolve(ref)
+        params = dict(request.get("params") or {})
+        messages = [_chat_message(r) for r in await self._pool.fetch(
+            Q["transcript_for_run"], claim.conversation_id, claim.user_message_id)]
+        specs = self._tools.specs()
+        for _step in range(self._settings.max_tool_steps + 1):
+            calls: list[ToolCallRequest] = []
+            async for item in provider.stream(ref.model, messages, specs, params):
+                if isinstance(item, TextDelta):
+                    turn.text.append(item.text)
+                    await turn.emitter.delta(item.text)
+                elif isinstance(item, ToolCallRequest):
+                    calls.append(item)
+                elif isinstance(item, Usage):
+                    turn.input_tokens += item.input_tokens
+                    turn.output_tokens += item.output_tokens
+            if not calls:
+                return
+            messages.extend(await self._run_tools(turn, ref, calls))
+        raise TooManyToolSteps(f"more than {self._settings.max_tool_steps} tool steps in one turn")
+
+    async def _run_tools(self, turn: _Turn, ref: ModelRef,
+                         calls: list[ToolCallRequest]) -> list[dict[str, Any]]:
+        claim = turn.claim
+        wire_calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+        await insert_message(self._pool, claim, role=MessageRole.ASSISTANT, content="",
+                             tool_calls=wire_calls)
+        added: list[dict[str, Any]] = [{"role": "assistant", "content": "",
+                                        "tool_calls": wire_calls}]
+        ctx = ToolContext(claim.run_id, claim.conversation_id, claim.account_id, claim.fence,
+                          self._pool)
+        for call in calls:
+            turn.open_calls[call.id] = call.name
+            await turn.emitter.event(EventType.TOOL_CALL, {
+                "call_id": call.id, "name": call.name, "arguments": call.arguments})
+            try:
+                result: dict[str, Any] = {"result": await self._tools.call(
+                    call.name, call.arguments, ctx)}
+            except ToolError as exc:
+                result = {"error": str(exc)}
+            content = json.dumps(result, default=str)
+            await insert_message(self._pool, claim, role=MessageRole.TOOL, content=content,
+                                 tool_call_id=call.id)
+            del turn.open_calls[call.id]
+            await turn.emitter.event(EventType.TOOL_RESULT, {
+                "call_id": call.id, "name": call.name, **json.loads(content)})
+            added.append({"role": "tool", "content": content, "tool_call_id": call.id})
+        return added
+
+    async def _repair_open_calls(self, turn: _Turn) -> None:
+        """A tool call without a result gets a `cancelled` one: the next request stays valid."""
+        for call_id, name in list(turn.open_calls.items()):
+            content = json.dumps({"error": "cancelled"})
+            await insert_message(self._pool, turn.claim, role=MessageRole.TOOL, content=content,
+                                 status=MessageStatus.CANCELLED, tool_call_id=call_id)
+            await turn.emitter.event(EventType.TOOL_RESULT, {
+                "call_id": call_id, "name": name, "error": "cancelled"})
+            del turn.open_calls[call_id]
+
+
+def _finished_ok(task: asyncio.Task[None]) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is None
+
+
+def _chat_message(row: asyncpg.Record) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": row["role"], "content": row["content"]}
+    if row["tool_calls"]:
+        message["tool_calls"] = row["tool_calls"]
+    if row["tool_call_id"]:
+        message["tool_call_id"] = row["tool_call_id"]
+    return message

@@ -1,0 +1,197 @@
+"""The hub: one dedicated LISTEN connection per process, fanned out to in-process subscribers.
+
+Signals are hints; rows are truth (rule 6). Subscriber queues are bounded and drop on overflow,
+and after a reconnect every subscriber is woken, because notifications sent while the connection
+was down are gone: consumers re-read rows on every wake, and poll on their own clock meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import asyncpg
+
+from agentd.queries import Q
+from agentd.vocabulary import Channel
+
+log = logging.getLogger("agentd.hub")
+
+RECONNECTED = "*reconnected*"  # payload delivered to every subscriber after a reconnect
+
+
+class Subscription:
+    """A bounded inbox of wake hints for one (channel, key)."""
+
+    def __init__(self, channel: Channel, key: str | None, size: int) -> None:
+        self.channel = channel
+        self.key = key
+        self._queue: asyncio.Queue[str] = asyncio.Queue(maxsize=size)
+        self.dropped = 0
+
+    def deliver(self, payload: str) -> None:
+        try:
+            self._queue.put_nowait(payload)
+        except asyncio.QueueFull:
+            # A full inbox already means "something changed"; the consumer re-reads rows.
+            self.dropped += 1
+
+    async def wait(self, poll_s: float) -> bool:
+        """Wait for a hint; True if one came, False if the poll interval passed first."""
+        try:
+            await asyncio.wait_for(self._queue.get(), timeout=poll_s)
+        except TimeoutError:
+            return False
+        self.clear()
+        return True
+
+    def clear(self) -> None:
+        """Forget pending hints (call before re-reading rows, so later hints are kept)."""
+        while not self._queue.empty():
+            self._queue.get_nowait()
+
+    def pending(self) -> bool:
+        return not self._queue.empty()
+
+
+class Hub:
+    """Owns the LISTEN connection; a single supervisor task connects, listens and reconnects."""
+
+    def __init__(self, dsn: str, *, channels: Iterable[Channel] = tuple(Channel),
+                 queue_size: int = 64, probe_interval_s: float = 5.0,
+                 max_backoff_s: float = 5.0) -> None:
+        self._dsn = dsn
+        self._channels = tuple(channels)
+        self._queue_size = queue_size
+        self._probe_interval_s = probe_interval_s
+        self._max_backoff_s = max_backoff_s
+        self._subscribers: dict[tuple[Channel, str | None], set[Subscription]] = \
+            defaultdict(set)
+        self._conn: asyncpg.Connection | None = None
+        self._connected = asyncio.Event()
+        self._lost = asyncio.Event()
+        self._supervisor: asyncio.Task[None] | None = None
+        self.reconnects = 0
+        self.notifications = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    @property
+    def backend_pid(self) -> int | None:
+        conn = self._conn
+        return conn.get_server_pid() if conn is not None and not conn.is_closed() else None
+
+    async def start(self, *, wait_s: float = 5.0) -> None:
+        """Start the supervisor; waits briefly for the first connection but never fails on it."""
+        self._supervisor = asyncio.create_task(self._supervise(), name="agentd-hub")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._connected.wait(), timeout=wait_s)
+
+    async def close(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        await self._disconnect()
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, channel: Channel,
+                        key: str | None = None) -> AsyncIterator[Subscription]:
+        """Receive hints for `channel` (payload == key, or all payloads when key is None)."""
+        sub = Subscription(channel, key, self._queue_size)
+        self._subscribers[(channel, key)].add(sub)
+        try:
+            yield sub
+        finally:
+            subs = self._subscribers.get((channel, key))
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subscribers[(channel, key)]
+
+    def subscriber_count(self) -> int:
+        return sum(len(s) for s in self._subscribers.values())
+
+    def _on_notify(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
+        # Runs on the event loop inside asyncpg's protocol: only hand off, never do work here.
+        self.notifications += 1
+        try:
+            chan = Channel(channel)
+        except ValueError:
+            return
+        for sub in self._subscribers.get((chan, payload), ()):
+            sub.deliver(payload)
+        for sub in self._subscribers.get((chan, None), ()):
+            sub.deliver(payload)
+
+    def _on_terminate(self, _conn: Any) -> None:
+        self._lost.set()
+
+    def _wake_everyone(self) -> None:
+        for subs in list(self._subscribers.values()):
+            for sub in list(subs):
+                sub.deliver(RECONNECTED)
+
+    async def _connect(self) -> None:
+        conn = await asyncpg.connect(self._dsn, server_settings={"application_name":
+                                                                 "agentd-hub"})
+        conn.add_termination_listener(self._on_terminate)
+        for channel in self._channels:
+            await conn.add_listener(channel.value, self._on_notify)
+        self._conn = conn
+        self._lost.clear()
+        self._connected.set()
+
+    async def _disconnect(self) -> None:
+        self._connected.clear()
+        conn, self._conn = self._conn, None
+        if conn is not None and not conn.is_closed():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), timeout=1.0)
+            if not conn.is_closed():
+                conn.terminate()
+
+    async def _supervise(self) -> None:
+        backoff = 0.05
+        first = True
+        while True:
+            try:
+                await self._connect()
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
+                    TimeoutError) as exc:
+                log.warning("hub connect failed; retrying", extra={"error": str(exc),
+                                                                    "retry_s": backoff})
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff_s)
+                continue
+            backoff = 0.05
+            if not first:
+                self.reconnects += 1
+                log.info("hub reconnected", extra={"reconnects": self.reconnects})
+                self._wake_everyone()
+            first = False
+            await self._watch()
+            log.warning("hub connection lost; falling back to polling until it returns")
+            await self._disconnect()
+
+    async def _watch(self) -> None:
+        """Return when the connection is gone (terminated, or failing a liveness probe)."""
+        while True:
+            try:
+                await asyncio.wait_for(self._lost.wait(), timeout=self._probe_interval_s)
+                return
+            except TimeoutError:
+                pass
+            conn = self._conn
+            if conn is None or conn.is_closed():
+                return
+            try:
+                await asyncio.wait_for(conn.fetchval(Q["ping"]), timeout=2.0)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+                return

@@ -1,0 +1,128 @@
+"""The coalescing emitter: journals one run's events behind its fence (rule 7).
+
+Consecutive token deltas merge in memory and flush on a short clock; the first delta of a turn
+and every structural event write through at once. A fenced-out write surfaces as LeaseLost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agentd.queue import Claim, Db, LeaseLost, NewEvent, append_events
+from agentd.vocabulary import EventType
+
+DEFAULT_FLUSH_INTERVAL_S = 0.250
+
+
+class Emitter:
+    """Owns seq for one execution of one run; not shared between tasks of other runs."""
+
+    def __init__(self, db: Db, claim: Claim, *,
+                 flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._db = db
+        self._claim = claim
+        self._interval = flush_interval_s
+        self._clock = clock
+        self._next_seq = claim.last_seq + 1
+        self._pending: list[str] = []
+        self._pending_since = 0.0
+        self._generation = 0  # which pending buffer a timer was started for
+        self._timer: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._first_delta_written = False
+        self._lost: LeaseLost | None = None
+        self.rows_written = 0
+        self.deltas_seen = 0
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next journaled event will take (the terminal write uses it)."""
+        return self._next_seq
+
+    @property
+    def lost(self) -> LeaseLost | None:
+        return self._lost
+
+    async def delta(self, text: str) -> None:
+        """Queue a content delta; the first of the turn is written at once."""
+        self._raise_if_lost()
+        if not text:
+            return
+        self.deltas_seen += 1
+        if not self._first_delta_written:
+            self._first_delta_written = True
+            await self._write([_delta_event(text)])
+            return
+        if not self._pending:
+            self._pending_since = self._clock()
+            self._generation += 1
+            self._timer = asyncio.create_task(self._flush_later(self._generation))
+        self._pending.append(text)
+        if self._clock() - self._pending_since >= self._interval:
+            await self.flush()
+
+    async def event(self, type: EventType, payload: dict[str, Any]) -> None:
+        """Write a structural event through, after (and in one batch with) pending deltas."""
+        self._raise_if_lost()
+        await self._write([*self._take_pending(), (type, payload)])
+
+    async def flush(self) -> None:
+        """Write pending deltas now."""
+        self._raise_if_lost()
+        await self._write(self._take_pending())
+
+    async def close(self) -> None:
+        """Flush what is pending and stop the clock; raises LeaseLost if a write was fenced."""
+        if self._timer is not None and not self._timer.done():
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        self._raise_if_lost()
+        await self.flush()
+
+    def _take_pending(self) -> list[tuple[EventType, dict[str, Any]]]:
+        if not self._pending:
+            return []
+        text = "".join(self._pending)
+        self._pending = []
+        return [_delta_event(text)]
+
+    async def _flush_later(self, generation: int) -> None:
+        await asyncio.sleep(self._interval)
+        if generation != self._generation or self._lost is not None:
+            return
+        with contextlib.suppress(LeaseLost):  # recorded in self._lost; the owner sees it next
+            await self._write(self._take_pending())
+
+    async def _write(self, events: list[tuple[EventType, dict[str, Any]]]) -> None:
+        if not events:
+            return
+        async with self._lock:
+            self._raise_if_lost()
+            # Shielded: a cancelled caller must not leave a batch half-known (committed or
+            # not?), which would desynchronize seq. The write finishes; the cancel lands after.
+            await asyncio.shield(self._append(events))
+
+    async def _append(self, events: list[tuple[EventType, dict[str, Any]]]) -> None:
+        batch = [NewEvent(self._next_seq + i, type, payload)
+                 for i, (type, payload) in enumerate(events)]
+        try:
+            await append_events(self._db, self._claim, batch)
+        except LeaseLost as exc:
+            self._lost = exc
+            raise
+        self._next_seq += len(batch)
+        self.rows_written += len(batch)
+
+    def _raise_if_lost(self) -> None:
+        if self._lost is not None:
+            raise self._lost
+
+
+def _delta_event(text: str) -> tuple[EventType, dict[str, Any]]:
+    return (EventType.CONTENT_DELTA, {"delta": text})

@@ -1,0 +1,57 @@
+"""Model providers behind one interface, resolved from a run's `<provider>:<model>` name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentd.providers.base import Provider, UnknownModel
+from agentd.providers.demo import DemoProvider
+from agentd.settings import ProviderConfig, Settings
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRef:
+    provider: str  # the [providers.<name>] table
+    model: str  # what the provider calls the model
+
+    def __str__(self) -> str:
+        return self.provider if self.provider == "demo" else f"{self.provider}:{self.model}"
+
+
+def parse_model(name: str | None, settings: Settings) -> ModelRef:
+    """`demo`, `<provider>:<model>`, or None for the default; raises UnknownModel."""
+    name = (name or settings.default_model).strip()
+    provider, sep, model = name.partition(":")
+    if provider not in settings.providers:
+        raise UnknownModel(f"unknown model provider {provider!r} (known: "
+                           f"{', '.join(sorted(settings.providers))})")
+    config = settings.providers[provider]
+    if config.kind == "demo":
+        return ModelRef(provider, model or "demo")
+    if not sep or not model:
+        raise UnknownModel(f"model {name!r} must be written as {provider}:<model>")
+    return ModelRef(provider, model)
+
+
+class ProviderRegistry:
+    """Builds each configured provider once, on first use."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._built: dict[str, Provider] = {}
+
+    def resolve(self, ref: ModelRef) -> Provider:
+        if ref.provider not in self._built:
+            self._built[ref.provider] = self._build(self._settings.providers[ref.provider])
+        return self._built[ref.provider]
+
+    def _build(self, config: ProviderConfig) -> Provider:
+        if config.kind == "demo":
+            return DemoProvider()
+        raise UnknownModel(f"provider kind {config.kind!r} is not available in this build")
+
+    async def close(self) -> None:
+        for provider in self._built.values():
+            close = getattr(provider, "aclose", None)
+            if close is not None:
+                await close()

@@ -1,0 +1,57 @@
+"""The one interface every model provider implements: an async iterator of stream items.
+
+A provider turns (model, transcript, tool specs, params) into text deltas, tool-call requests,
+usage and a finish reason. Cancelling the consuming task must close the upstream stream at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallRequest:
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    reason: str  # "stop" | "tool_calls" | "length"
+
+
+StreamItem = TextDelta | ToolCallRequest | Usage | Finish
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    name: str
+    description: str
+    parameters: dict[str, Any] = field(default_factory=dict)  # JSON schema
+
+
+class ProviderError(Exception):
+    """The model provider failed; the run ends failed with this message journaled."""
+
+
+class UnknownModel(ValueError):
+    """A run named a provider or model agentd cannot serve (a 400 at enqueue)."""
+
+
+class Provider(Protocol):
+    def stream(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
+               params: dict[str, Any]) -> AsyncIterator[StreamItem]: ...

@@ -1,0 +1,321 @@
+"""The run lifecycle on PostgreSQL: enqueue, claim, heartbeat, fenced writes, finish, reap, stop.
+
+Every function runs named statements from sql/queries.sql. Worker writes are fenced by
+(run id, claim token, status running, unexpired deadline); a fenced-out write raises LeaseLost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from agentd.queries import Q
+from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
+
+Db = asyncpg.Pool | asyncpg.Connection
+
+
+class LeaseLost(Exception):
+    """This execution no longer owns its run: stop all work and write nothing more."""
+
+    def __init__(self, run_id: UUID, action: str) -> None:
+        super().__init__(f"run {run_id}: lease lost during {action}")
+        self.run_id = run_id
+        self.action = action
+
+
+class SeqConflict(LeaseLost):
+    """Another writer took one of our journal positions: a finalizer fenced us out, or (for a
+    max+1 writer) an append committed between our snapshot and our lock; re-read and retry."""
+
+
+class IdempotencyConflict(Exception):
+    """The Idempotency-Key was already used for a run with a different request."""
+
+    def __init__(self, run_id: UUID) -> None:
+        super().__init__(f"idempotency key already used by run {run_id} with another request")
+        self.run_id = run_id
+
+
+class ConversationNotFound(LookupError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueuedRun:
+    run_id: UUID
+    status: RunStatus
+    conversation_id: UUID
+    created: bool  # False when an idempotency key returned an earlier run
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What a worker holds after a claim: the fence it must present on every write."""
+
+    run_id: UUID
+    account_id: UUID
+    conversation_id: UUID
+    user_message_id: UUID
+    origin_device_id: UUID | None
+    request: dict[str, Any]
+    claim_token: UUID
+    fence: int
+    worker_id: str
+    lease_expires_at: datetime
+    cancel_requested: bool
+    last_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    cancel_requested: bool
+    lease_expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    seq: int
+    type: EventType
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    seq: int
+    type: EventType
+    payload: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    run_id: UUID
+    message_id: UUID
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class StopResult:
+    cancelled: list[UUID]  # queued runs cancelled outright
+    drafts: list[Draft]  # their text, handed back
+    flagged: list[UUID]  # running runs asked to stop
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """A run finalized by someone other than its worker (reaper, stop), to be journaled."""
+
+    run_id: UUID
+    account_id: UUID
+    conversation_id: UUID
+    claim_token: UUID | None
+    status: RunStatus
+    error: str | None
+
+
+def request_hash(request: dict[str, Any]) -> str:
+    """Stable digest of a run request: same key + same payload means the same run."""
+    canonical = json.dumps(request, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, content: str,
+                      request: dict[str, Any], device_id: UUID | None = None,
+                      idempotency_key: str | None = None) -> EnqueuedRun:
+    """Write message + run + journal seq 1-2 + wake in one statement (rule 1)."""
+    digest = request_hash(request)
+    row = await db.fetchrow(Q["enqueue_run"], account_id, conversation_id, device_id, content,
+                            request, digest, idempotency_key)
+    if row is not None:
+        return EnqueuedRun(row["id"], RunStatus(row["status"]), row["conversation_id"], True)
+    if idempotency_key is not None:
+        first = await db.fetchrow(Q["find_run_by_idempotency_key"], account_id, idempotency_key)
+        if first is not None:
+            if first["request_hash"] != digest:
+                raise IdempotencyConflict(first["id"])
+            return EnqueuedRun(first["id"], RunStatus(first["status"]),
+                               first["conversation_id"], False)
+    raise ConversationNotFound(str(conversation_id))
+
+
+def _claim_from_row(row: asyncpg.Record) -> Claim:
+    return Claim(
+        run_id=row["id"], account_id=row["account_id"], conversation_id=row["conversation_id"],
+        user_message_id=row["user_message_id"], origin_device_id=row["origin_device_id"],
+        request=row["request"] or {}, claim_token=row["claim_token"], fence=row["fence"],
+        worker_id=row["worker_id"], lease_expires_at=row["lease_expires_at"],
+        cancel_requested=row["cancel_requested"], last_seq=row["last_seq"] or 0)
+
+
+class _LeaseNotAcquiredError(Exception):
+    pass
+
+
+class _Borrowed:
+    """Lets functions that need a dedicated connection accept one the caller already holds."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+
+    async def __aenter__(self) -> asyncpg.Connection:
+        return self._conn
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+def _acquire(db: Db) -> Any:
+    return db.acquire() if isinstance(db, asyncpg.Pool) else _Borrowed(db)
+
+
+async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float,
+                     limit: int = 1) -> list[Claim]:
+    """Claim up to `limit` runs in one statement (rule 2). Losing a race claims nothing."""
+    async with _acquire(db) as conn:
+        try:
+            async with conn.transaction():
+                rows = await conn.fetch(Q["claim_runs"], worker_id, lease_ttl_s, limit)
+                if not all(row["leased"] for row in rows):
+                    # A live holder kept the conversation lease: this claim must not stand.
+                    raise _LeaseNotAcquiredError
+        except (asyncpg.UniqueViolationError, _LeaseNotAcquiredError):
+            # Another claimer won the conversation (rule 5 / seed 000); our runs stay queued.
+            return []
+    return [_claim_from_row(row) for row in rows]
+
+
+async def heartbeat(db: Db, claim: Claim, lease_ttl_s: float) -> Beat:
+    """Renew the lease; raises LeaseLost when this execution no longer owns the run."""
+    row = await db.fetchrow(Q["heartbeat"], claim.run_id, claim.claim_token, lease_ttl_s)
+    if row is None:
+        raise LeaseLost(claim.run_id, "heartbeat")
+    return Beat(row["cancel_requested"], row["lease_expires_at"])
+
+
+async def append_events(db: Db, claim: Claim, events: Sequence[NewEvent]) -> None:
+    """Append a batch to the journal behind the fence, all or nothing (rule 7)."""
+    if not events:
+        return
+    seqs = [e.seq for e in events]
+    types = [str(e.type) for e in events]
+    payloads = [json.dumps(e.payload, ensure_ascii=False) for e in events]
+    try:
+        row = await db.fetchrow(Q["append_events_fenced"], claim.run_id, claim.claim_token,
+                                seqs, types, payloads)
+    except asyncpg.UniqueViolationError as exc:
+        # Someone else wrote one of our seqs: only a finalizer does that, after fencing us out.
+        raise SeqConflict(claim.run_id, "journal append") from exc
+    if row is None or row["written"] != len(events):
+        raise LeaseLost(claim.run_id, "journal append")
+
+
+async def insert_message(db: Db, claim: Claim, *, role: MessageRole, content: str,
+                         status: MessageStatus = MessageStatus.COMPLETE,
+                         tool_calls: list[dict[str, Any]] | None = None,
+                         tool_call_id: str | None = None) -> UUID:
+    """Write a transcript message behind the fence; returns its id."""
+    message_id = await db.fetchval(Q["insert_message_fenced"], claim.run_id, claim.claim_token,
+                                   str(role), content, str(status), tool_calls, tool_call_id)
+    if message_id is None:
+        raise LeaseLost(claim.run_id, "message write")
+    return message_id
+
+
+async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None,
+                     content: str | None = None,
+                     message_status: MessageStatus = MessageStatus.COMPLETE,
+                     error: str | None = None,
+                     usage: dict[str, Any] | None = None) -> UUID | None:
+    """The worker's terminal write, fenced; returns the answer's message id (None if no text).
+
+    `seq` is the complete event's position; None lets the database take max+1 (the dispatcher's
+    backstop, which runs after the worker's task is gone).
+    """
+    if not status.terminal:
+        raise ValueError(f"{status} is not a terminal status")
+    try:
+        row = await db.fetchrow(Q["finish_run_fenced"], claim.run_id, claim.claim_token,
+                                str(status), error, usage, content, str(message_status), seq)
+    except asyncpg.UniqueViolationError as exc:
+        raise SeqConflict(claim.run_id, "terminal write") from exc
+    if row is None:
+        raise LeaseLost(claim.run_id, "terminal write")
+    return row["message_id"]
+
+
+async def journal_endings(conn: asyncpg.Connection, endings: Sequence[Ending]) -> None:
+    """Journal 'complete' for runs another party just finalized, in the caller's transaction."""
+    if not endings:
+        return
+    await conn.execute(
+        Q["journal_endings"],
+        [e.run_id for e in endings], [e.account_id for e in endings],
+        [e.conversation_id for e in endings], [e.claim_token for e in endings],
+        [str(e.status) for e in endings], [e.error for e in endings])
+
+
+def _ending(row: asyncpg.Record) -> Ending:
+    return Ending(row["id"], row["account_id"], row["conversation_id"], row["claim_token"],
+                  RunStatus(row["status"]), row["error"])
+
+
+async def reap_expired(pool: Db, *, grace_s: float = 0.0, limit: int = 100) -> list[UUID]:
+    """Finalize runs whose lease passed (re-checked in the write) as failed; never re-queue."""
+    async with _acquire(pool) as conn, conn.transaction():
+        rows = await conn.fetch(Q["reap_expired_runs"], grace_s, limit)
+        endings = [_ending(row) for row in rows]
+        await journal_endings(conn, endings)
+    return [e.run_id for e in endings]
+
+
+async def release_lease(db: Db, *, account_id: UUID, conversation_id: UUID,
+                        execution_id: UUID) -> bool:
+    """Delete the conversation lease only if this execution still holds it (seed 000)."""
+    return await db.fetchval(Q["release_lease"], account_id, conversation_id,
+                             execution_id) is not None
+
+
+async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID,
+                            run_ids: Sequence[UUID] | None = None) -> StopResult:
+    """Stop a conversation in ONE transaction (rule 8), or only `run_ids` of it.
+
+    Queued turns are cancelled outright and their text handed back as drafts; the running one is
+    flagged and woken; its worker finalizes it 'cancelled'.
+    """
+    async with _acquire(pool) as conn, conn.transaction():
+        locked = await conn.fetch(Q["lock_active_runs"], conversation_id, account_id)
+        if run_ids is not None:
+            wanted = set(run_ids)
+            locked = [row for row in locked if row["id"] in wanted]
+        queued = [row["id"] for row in locked if row["status"] == RunStatus.QUEUED]
+        running = [row["id"] for row in locked if row["status"] == RunStatus.RUNNING]
+        cancelled = await conn.fetch(Q["cancel_queued_runs"], queued) if queued else []
+        await journal_endings(conn, [_ending(row) for row in cancelled])
+        flagged = await conn.fetch(Q["request_cancel"], running) if running else []
+        if cancelled or flagged:
+            await conn.execute(Q["notify_conversation"], str(conversation_id))
+    return StopResult(
+        cancelled=[row["id"] for row in cancelled],
+        drafts=[Draft(row["id"], row["message_id"], row["content"]) for row in cancelled],
+        flagged=[row["id"] for row in flagged])
+
+
+async def read_events(db: Db, run_id: UUID, *, after_seq: int = 0,
+                      limit: int = 1000) -> list[Event]:
+    """Journal rows after a cursor, in seq order."""
+    rows = await db.fetch(Q["read_events_after"], run_id, after_seq, limit)
+    return [Event(r["seq"], EventType(r["type"]), r["payload"], r["created_at"]) for r in rows]
+
+
+async def trim_journal(db: Db, *, older_than_s: float) -> int:
+    """Retention: drop journal rows of long-terminal runs and null their request snapshots."""
+    result = await db.execute(Q["trim_journal"], older_than_s)
+    return int(result.split()[-1])

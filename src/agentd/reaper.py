@@ -1,0 +1,47 @@
+"""The reaper: a loop in every process (no singleton) plus one sweep at boot (the reconciler).
+
+It finalizes failed only runs whose lease has passed, re-checked inside the write (rule 3), so a
+run whose heartbeat landed first survives. It also trims the journal of long-finished runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import asyncpg
+
+from agentd.queue import reap_expired, trim_journal
+from agentd.settings import Settings
+
+log = logging.getLogger("agentd.reaper")
+
+_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+TRIM_EVERY_N_SWEEPS = 120
+
+
+async def sweep(pool: asyncpg.Pool, settings: Settings) -> int:
+    """Reap every expired run now; returns how many were finalized."""
+    total = 0
+    while True:
+        reaped = await reap_expired(pool, grace_s=settings.reap_grace_s, limit=100)
+        for run_id in reaped:
+            log.warning("reaped run whose lease expired", extra={"run_id": str(run_id)})
+        total += len(reaped)
+        if len(reaped) < 100:
+            return total
+
+
+async def reap_forever(pool: asyncpg.Pool, settings: Settings) -> None:
+    sweeps = 0
+    while True:
+        await asyncio.sleep(settings.reap_interval_s)
+        try:
+            await sweep(pool, settings)
+            sweeps += 1
+            if sweeps % TRIM_EVERY_N_SWEEPS == 0:
+                trimmed = await trim_journal(pool, older_than_s=settings.journal_retention_s)
+                if trimmed:
+                    log.info("trimmed journal", extra={"rows": trimmed})
+        except _DB_ERRORS as exc:
+            log.warning("reaper sweep failed; will retry", extra={"error": str(exc)})

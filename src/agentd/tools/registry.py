@@ -1,0 +1,103 @@
+"""The tool registry: validates a call's arguments against its schema before running it.
+
+Each call receives the run's fence so a downstream resource can reject a superseded writer
+(seed 000: a uuid distinguishes executions, only a monotonic token orders them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from agentd.providers.base import ToolSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    run_id: UUID
+    conversation_id: UUID
+    account_id: UUID
+    fence: int
+    db: asyncpg.Pool
+
+
+class ToolError(Exception):
+    """A tool refused or failed; the model receives the message as the tool's result."""
+
+
+ToolFn = Callable[[dict[str, Any], ToolContext], Awaitable[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    fn: ToolFn
+
+    @property
+    def spec(self) -> ToolSpec:
+        return ToolSpec(self.name, self.description, self.parameters)
+
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+    "object": (dict,), "array": (list,),
+}
+
+
+def validate_arguments(schema: dict[str, Any], args: Any) -> None:
+    """The subset of JSON schema tools use: object, properties, required, types, enum, maxLength."""
+    if not isinstance(args, dict):
+        raise ToolError("arguments must be a JSON object")
+    props: dict[str, Any] = schema.get("properties", {})
+    for name in schema.get("required", []):
+        if name not in args:
+            raise ToolError(f"missing required argument {name!r}")
+    if schema.get("additionalProperties") is False:
+        extra = set(args) - set(props)
+        if extra:
+            raise ToolError(f"unexpected arguments: {sorted(extra)}")
+    for name, value in args.items():
+        rule = props.get(name)
+        if rule is None:
+            continue
+        kind = rule.get("type")
+        if kind is not None:
+            allowed = _JSON_TYPES[kind]
+            is_bool = isinstance(value, bool)
+            if not isinstance(value, allowed) or (is_bool and kind != "boolean"):
+                raise ToolError(f"argument {name!r} must be of type {kind}")
+        if "enum" in rule and value not in rule["enum"]:
+            raise ToolError(f"argument {name!r} must be one of {rule['enum']}")
+        if "maxLength" in rule and isinstance(value, str) and len(value) > rule["maxLength"]:
+            raise ToolError(f"argument {name!r} is longer than {rule['maxLength']}")
+
+
+class ToolRegistry:
+    def __init__(self, tools: Iterable[Tool] = ()) -> None:
+        self._tools = {tool.name: tool for tool in tools}
+
+    def names(self) -> set[str]:
+        return set(self._tools)
+
+    def specs(self) -> list[ToolSpec]:
+        return [tool.spec for tool in self._tools.values()]
+
+    async def call(self, name: str, args: Any, ctx: ToolContext) -> Any:
+        """Run a tool; bad arguments or a tool's own refusal raise ToolError, never crash."""
+        tool = self._tools.get(name)
+        if tool is None:
+            raise ToolError(f"unknown tool {name!r}")
+        validate_arguments(tool.parameters, args)
+        return await tool.fn(args, ctx)
+
+
+def default_tools() -> ToolRegistry:
+    from agentd.tools.builtin import calculator_tool, clock_tool
+
+    return ToolRegistry([clock_tool(), calculator_tool()])

