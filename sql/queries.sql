@@ -5,12 +5,18 @@
 -- enqueue_run --
 -- Rule 1: the user message, the run, journal seq 1-2 and the wake commit as ONE statement.
 -- A repeated idempotency key inserts nothing (the unique index arbitrates, even mid-flight).
-WITH run AS (
+-- The conversation row is locked first, so runs of one conversation get created_at in commit
+-- order (a conversation feed's watermark relies on it) and on_busy checks serialize with us.
+WITH conv AS (
+    UPDATE conversation SET updated_at = clock_timestamp()
+    WHERE id = $2::uuid AND account_id = $1::uuid
+    RETURNING id, account_id
+), run AS (
     INSERT INTO agent_run (account_id, conversation_id, user_message_id, origin_device_id,
-                           request, request_hash, idempotency_key)
-    SELECT c.account_id, c.id, gen_random_uuid(), $3::uuid, $5::jsonb, $6::text, $7::text
-    FROM conversation c
-    WHERE c.id = $2::uuid AND c.account_id = $1::uuid
+                           request, request_hash, idempotency_key, created_at)
+    SELECT conv.account_id, conv.id, gen_random_uuid(), $3::uuid, $5::jsonb, $6::text, $7::text,
+           clock_timestamp()
+    FROM conv
     ON CONFLICT (account_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, conversation_id, user_message_id, status, created_at
 ), msg AS (
@@ -25,9 +31,6 @@ WITH run AS (
         (2, 'run_queued', jsonb_build_object(
             'run_id', run.id, 'conversation_id', run.conversation_id))
     ) AS e (seq, type, payload)
-), touched AS (
-    UPDATE conversation SET updated_at = clock_timestamp()
-    WHERE id IN (SELECT conversation_id FROM run)
 )
 SELECT run.id, run.status, run.conversation_id, run.user_message_id, run.created_at,
        pg_notify('agentd_run_enqueued', run.conversation_id::text),
@@ -471,3 +474,71 @@ WHERE m.conversation_id = $1::uuid
   AND coalesce(asked.position, m.position) <= (SELECT position FROM message WHERE id = $2::uuid)
   AND m.status NOT IN ('queued', 'draft')
 ORDER BY coalesce(asked.position, m.position), m.position;
+
+-- presence_attach --
+-- An open conversation stream registers its device; the row lives only while renewed.
+WITH attached AS (
+    INSERT INTO presence (account_id, conversation_id, device_id, expires_at)
+    VALUES ($1::uuid, $2::uuid, $3::uuid, clock_timestamp() + make_interval(secs => $4::float8))
+    RETURNING id, conversation_id
+)
+SELECT attached.id, pg_notify('agentd_conversation', attached.conversation_id::text)
+FROM attached;
+
+-- presence_renew --
+-- Keeps a stream's presence alive; zero rows means it expired (the stream re-attaches).
+UPDATE presence SET expires_at = clock_timestamp() + make_interval(secs => $2::float8)
+WHERE id = $1::uuid AND expires_at > clock_timestamp()
+RETURNING id;
+
+-- presence_detach --
+-- The stream ended: the device is no longer attached (and the feeds hear it at once).
+WITH gone AS (
+    DELETE FROM presence WHERE id = $1::uuid RETURNING conversation_id
+)
+SELECT pg_notify('agentd_conversation', gone.conversation_id::text) FROM gone;
+
+-- list_attached --
+-- Attached devices of a conversation, by the database clock; a device with two streams counts
+-- once, attached since its earliest.
+SELECT d.id AS device_id, d.name AS device, min(p.since) AS since
+FROM presence p JOIN device d ON d.id = p.device_id
+WHERE p.conversation_id = $1::uuid AND p.expires_at > clock_timestamp()
+GROUP BY d.id, d.name
+ORDER BY min(p.since), d.name;
+
+-- purge_expired_presence --
+-- Rows of streams whose server died without detaching; cosmetic, the reads filter them anyway.
+DELETE FROM presence WHERE expires_at < clock_timestamp() - interval '1 minute';
+
+-- lock_conversation --
+-- Serializes run creation per conversation for on_busy decisions (enqueue takes this row lock
+-- too), so two `reject` requests cannot both see the conversation idle.
+SELECT id FROM conversation WHERE id = $1::uuid AND account_id = $2::uuid FOR UPDATE;
+
+-- list_runs_of_conversation_since --
+-- A conversation feed's discovery of runs: those after its watermark, plus the ones it still
+-- follows, in run order.
+SELECT id, status, created_at
+FROM agent_run
+WHERE conversation_id = $1::uuid
+  AND ((created_at, id) > ($2::timestamptz, $3::uuid) OR id = ANY ($4::uuid[]))
+ORDER BY created_at, id;
+
+-- rename_conversation --
+-- Titles are the user's own words; only the owning account can change them.
+UPDATE conversation SET title = $3::text, updated_at = clock_timestamp()
+WHERE id = $1::uuid AND account_id = $2::uuid
+RETURNING id, account_id, title, created_at, updated_at;
+
+-- latest_run_of_conversation --
+-- A feed's starting watermark: runs after it are new to the feed.
+SELECT created_at, id FROM agent_run
+WHERE conversation_id = $1::uuid
+ORDER BY created_at DESC, id DESC
+LIMIT 1;
+
+-- run_status --
+-- A tail's truth check when the journal is quiet: a terminal run without a journaled
+-- `complete` gets one synthesized from this row.
+SELECT status, error FROM agent_run WHERE id = $1::uuid;

@@ -228,11 +228,9 @@ class EmbeddedPostgres:
         settings: Mapping[str, str] | None = None,
         fast: bool = False,
     ) -> None:
-        """Describe the cluster; nothing runs until :meth:`start`.
+        """Describe the cluster (nothing runs until :meth:`start`); ``run_as`` applies to root only.
 
-        ``run_as`` names the server account and only applies when running as root;
-        ``listen_tcp`` is a ``listen_addresses`` value (initdb only trusts loopback clients);
-        ``fast`` turns off fsync and friends, for throwaway clusters.
+        ``listen_tcp`` is a ``listen_addresses`` value; ``fast`` drops durability, for tests.
         """
         overridden = _MANAGED_SETTINGS.intersection(settings or {})
         if overridden:
@@ -272,7 +270,12 @@ class EmbeddedPostgres:
     def server_user(self) -> str:
         """The account that runs the server processes."""
         account = self._account()
-        return account.name if account else pwd.getpwuid(os.geteuid()).pw_name
+        if account is not None:
+            return account.name
+        try:
+            return pwd.getpwuid(os.geteuid()).pw_name
+        except KeyError:
+            return str(os.geteuid())
 
     def start(self) -> None:
         """Initialise the cluster if needed and start it, or reuse the server already running."""
@@ -284,7 +287,13 @@ class EmbeddedPostgres:
                     f"{path} contains a character that pg_ctl cannot pass to its shell "
                     '(", $, `, \\ or a newline); choose another directory or pass --dsn'
                 )
-        _make_dirs(self.data_root)
+        try:
+            _make_dirs(self.data_root)
+        except OSError as exc:
+            raise EmbeddedPgError(
+                f"cannot create the data directory {self.data_root}: {exc}; "
+                "choose another one or pass --dsn"
+            ) from exc
         with self._locked():
             running = self._live_server(clean=True)
             if running is not None:
@@ -303,7 +312,7 @@ class EmbeddedPostgres:
         """Stop the server if this object started it (or always, with ``force``)."""
         if mode not in ("smart", "fast", "immediate"):
             raise ValueError(f"unknown stop mode {mode!r}")
-        if not (self._owns_server or force):
+        if not (self._owns_server or force) or not self.data_dir.is_dir():
             return
         with self._locked():
             if self._live_server(clean=True) is not None:
@@ -356,7 +365,11 @@ class EmbeddedPostgres:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         """Hold an exclusive lock on the data root so concurrent starts cannot both initdb."""
-        fd = os.open(self.data_root / _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        lock_path = self.data_root / _LOCK_NAME
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise EmbeddedPgError(f"cannot open the lock file {lock_path}: {exc}") from exc
         try:
             # Poll rather than block so that a wedged holder yields an error, not a hang.
             deadline = time.monotonic() + _LOCK_TIMEOUT_S
@@ -436,19 +449,27 @@ class EmbeddedPostgres:
         """Fail early, with advice, if the server account cannot run the binaries or use a dir."""
         if account is None:
             return
-        script = '"$1" --version >/dev/null 2>&1 || exit 10; shift; i=11; for d; do ' \
-            'test -x "$d" && test -w "$d" || exit $i; i=$((i+1)); done'
-        argv = ["/bin/sh", "-c", script, "sh", self._tool("initdb"), *map(str, directories)]
+        script = (
+            '"$1" --version >/dev/null 2>&1 || exit 10; shift; i=11; '
+            'for d; do test -x "$d" && test -w "$d" || exit $i; i=$((i+1)); done'
+        )
+        initdb = self._tool("initdb")
+        argv = ["/bin/sh", "-c", script, "sh", initdb, *map(str, directories)]
         result = self._run(argv, account, timeout=30)
         if result.returncode == 0:
             return
         index = result.returncode - 11
-        target = directories[index] if 0 <= index < len(directories) else self.binaries.bindir
-        blocked = _first_unreachable(target, account) or target
+        if 0 <= index < len(directories):
+            target = directories[index]
+            blocked = _first_unreachable(target, account)
+            problem = f"cannot reach {blocked}" if blocked else f"cannot write to {target}"
+        else:
+            blocked = _first_unreachable(self.binaries.bindir, account)
+            problem = f"cannot reach {blocked}" if blocked else f"cannot run {initdb}"
         raise EmbeddedPgError(
             f"PostgreSQL refuses to run as root, so agentd runs it as {account.name!r}, but that "
-            f"account cannot reach {blocked} (needed for {target}). Pass --dsn to use another "
-            f"server, or set AGENTD_PG_USER / choose a data directory {account.name!r} can reach."
+            f"account {problem}. Pass --dsn to use another server, or set AGENTD_PG_USER / "
+            f"choose a data directory {account.name!r} can reach."
         )
 
     # -- state of the data directory ----------------------------------------------------------
@@ -495,18 +516,16 @@ class EmbeddedPostgres:
         except FileNotFoundError:
             pass
         # The socket lock file names the same dead (or reused) pid, and PostgreSQL refuses to
-        # start when that pid now belongs to some other live process.
-        socket_dirs = {self._socket_dir}
-        if info is not None and info.socket_dir:
-            socket_dirs.add(Path(info.socket_dir))
-        for socket_dir in socket_dirs:
-            for lock in socket_dir.glob(".s.PGSQL.*.lock"):
-                lock_info = _read_pid_file(lock)
-                if lock_info is None or not _is_our_postgres(lock_info.pid, self.data_dir):
-                    try:
-                        lock.unlink()
-                    except FileNotFoundError:
-                        pass
+        # start when that pid now belongs to some other live process. Only our own socket
+        # directory is cleaned, never one the (server-writable) pid file points at.
+        socket_dir = _socket_dir_for(self.data_dir, self._configured_port)
+        for lock in socket_dir.glob(".s.PGSQL.*.lock"):
+            lock_info = _read_pid_file(lock)
+            if lock_info is None or not _is_our_postgres(lock_info.pid, self.data_dir):
+                try:
+                    lock.unlink()
+                except FileNotFoundError:
+                    pass
         if info is not None and info.pid > 0:
             # The crashed server's children may still hold its shared memory for a moment, and
             # PostgreSQL refuses to start until they are gone.
@@ -685,8 +704,8 @@ def _is_our_postgres(pid: int, data_dir: Path) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        # Another account's process: as non-root our server runs as us, so this is not it.
-        return os.geteuid() == 0
+        # Another account's process (we are not root), while our server runs as us.
+        return False
     proc = Path(f"/proc/{pid}")
     if proc.is_dir():
         try:
@@ -694,9 +713,8 @@ def _is_our_postgres(pid: int, data_dir: Path) -> bool:
                 return False
             # The postmaster chdirs into its data directory.
             return os.path.realpath(os.readlink(proc / "cwd")) == os.path.realpath(data_dir)
-        except FileNotFoundError:
-            return False
-        except PermissionError:
+        except OSError:
+            # Gone meanwhile, a zombie, or another account's process: not our server.
             return False
     # No /proc (macOS, BSD): the process name is the best cheap evidence available.
     try:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -88,7 +89,7 @@ class TurnRunner:
                 cancel.set()
             beating = asyncio.create_task(self._keep_lease(claim, cancel_sub, cancel, lost))
             try:
-                return await self._execute(turn, beat.lease_expires_at.isoformat(), cancel,
+                return await self._execute(turn, _rfc3339(beat.lease_expires_at), cancel,
                                            lost, ctx)
             except LeaseLost:
                 log.warning("lease lost; stopped and wrote nothing more", extra=ctx)
@@ -241,3 +242,7 @@ def _chat_message(row: asyncpg.Record) -> dict[str, Any]:
     if row["tool_call_id"]:
         message["tool_call_id"] = row["tool_call_id"]
     return message
+
+
+def _rfc3339(value: datetime) -> str:
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")

@@ -25,13 +25,24 @@ RECONNECTED = "*reconnected*"  # payload delivered to every subscriber after a r
 
 
 class Subscription:
-    """A bounded inbox of wake hints for one (channel, key)."""
+    """A bounded inbox of wake hints for one or more (channel, key) pairs."""
 
-    def __init__(self, channel: Channel, key: str | None, size: int) -> None:
-        self.channel = channel
-        self.key = key
+    def __init__(self, hub: Hub, size: int) -> None:
+        self._hub = hub
         self._queue: asyncio.Queue[str] = asyncio.Queue(maxsize=size)
+        self.keys: set[tuple[Channel, str | None]] = set()
         self.dropped = 0
+
+    def listen(self, channel: Channel, key: str | None = None) -> None:
+        """Also receive hints for `channel` (payload == key, or every payload if key is None)."""
+        if (channel, key) not in self.keys:
+            self.keys.add((channel, key))
+            self._hub._register(self, channel, key)
+
+    def unlisten(self, channel: Channel, key: str | None = None) -> None:
+        if (channel, key) in self.keys:
+            self.keys.discard((channel, key))
+            self._hub._unregister(self, channel, key)
 
     def deliver(self, payload: str) -> None:
         try:
@@ -40,19 +51,24 @@ class Subscription:
             # A full inbox already means "something changed"; the consumer re-reads rows.
             self.dropped += 1
 
-    async def wait(self, poll_s: float) -> bool:
-        """Wait for a hint; True if one came, False if the poll interval passed first."""
+    async def wait(self, poll_s: float) -> set[str]:
+        """Wait for hints; returns their payloads (empty when the poll interval passed first)."""
         try:
-            await asyncio.wait_for(self._queue.get(), timeout=poll_s)
+            first = await asyncio.wait_for(self._queue.get(), timeout=poll_s)
         except TimeoutError:
-            return False
-        self.clear()
-        return True
+            return set()
+        return {first, *self.drain()}
+
+    def drain(self) -> set[str]:
+        """Take every pending hint without waiting."""
+        payloads: set[str] = set()
+        while not self._queue.empty():
+            payloads.add(self._queue.get_nowait())
+        return payloads
 
     def clear(self) -> None:
         """Forget pending hints (call before re-reading rows, so later hints are kept)."""
-        while not self._queue.empty():
-            self._queue.get_nowait()
+        self.drain()
 
     def pending(self) -> bool:
         return not self._queue.empty()
@@ -101,19 +117,32 @@ class Hub:
         await self._disconnect()
 
     @contextlib.asynccontextmanager
-    async def subscribe(self, channel: Channel,
-                        key: str | None = None) -> AsyncIterator[Subscription]:
-        """Receive hints for `channel` (payload == key, or all payloads when key is None)."""
-        sub = Subscription(channel, key, self._queue_size)
-        self._subscribers[(channel, key)].add(sub)
+    async def watch(self) -> AsyncIterator[Subscription]:
+        """An inbox to `listen` on any number of (channel, key) pairs; all dropped on exit."""
+        sub = Subscription(self, self._queue_size)
         try:
             yield sub
         finally:
-            subs = self._subscribers.get((channel, key))
-            if subs is not None:
-                subs.discard(sub)
-                if not subs:
-                    del self._subscribers[(channel, key)]
+            for channel, key in list(sub.keys):
+                sub.unlisten(channel, key)
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, channel: Channel,
+                        key: str | None = None) -> AsyncIterator[Subscription]:
+        """Receive hints for `channel` (payload == key, or all payloads when key is None)."""
+        async with self.watch() as sub:
+            sub.listen(channel, key)
+            yield sub
+
+    def _register(self, sub: Subscription, channel: Channel, key: str | None) -> None:
+        self._subscribers[(channel, key)].add(sub)
+
+    def _unregister(self, sub: Subscription, channel: Channel, key: str | None) -> None:
+        subs = self._subscribers.get((channel, key))
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._subscribers[(channel, key)]
 
     def subscriber_count(self) -> int:
         return sum(len(s) for s in self._subscribers.values())

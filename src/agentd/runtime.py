@@ -109,16 +109,14 @@ class Runtime:
 
 
 def build_app(runtime: Runtime) -> web.Application:
-    from agentd.api import health
+    from agentd.api import RUNTIME, health, metrics, openapi, routes
 
     app = web.Application(client_max_size=1 << 20)
-    app["runtime"] = runtime
-    health.add_routes(app)
-    try:
-        from agentd.api import routes
-    except ImportError:
-        return app
+    app[RUNTIME] = runtime
     routes.add_routes(app)
+    health.add_routes(app)
+    app.router.add_get("/metrics", metrics.metrics)
+    app.router.add_get("/openapi.json", openapi.serve_spec)
     return app
 
 
@@ -152,10 +150,13 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     providers = ProviderRegistry(settings)
     worker_id = new_worker_id()
     runtime = Runtime(settings, pool, hub, worker_id, providers)
-    runner = TurnRunner(pool, hub, settings, providers, default_tools())
+    tools = default_tools()
+    runtime.extras["tool_names"] = tools.names()
+    runner = TurnRunner(pool, hub, settings, providers, tools)
     dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run)
     runtime.dispatcher = dispatcher
-    app_runner = web.AppRunner(build_app(runtime), access_log=None, shutdown_timeout=1.0)
+    app_runner = web.AppRunner(build_app(runtime), access_log=None, shutdown_timeout=1.0,
+                               handler_cancellation=True)
     await app_runner.setup()
     reaping = asyncio.create_task(reap_forever(pool, settings), name="agentd-reaper")
     try:

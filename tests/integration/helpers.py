@@ -29,28 +29,28 @@ DEFAULT_TIMEOUT_S = 10.0
 
 
 async def wait_for_state(predicate: Callable[[], Awaitable[T]], *,
-                         timeout: float = DEFAULT_TIMEOUT_S, interval: float = 0.002,
+                         within: float = DEFAULT_TIMEOUT_S, interval: float = 0.002,
                          what: str = "state") -> T:
-    """Poll `predicate` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
+    """Poll `predicate` until it returns something truthy; fail after `within` seconds."""
+    deadline = time.monotonic() + within
     while True:
         value = await predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
         await asyncio.sleep(interval)
 
 
 async def wait_lease_expired(db: Executor, run_id: UUID, *,
-                             timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                             within: float = DEFAULT_TIMEOUT_S) -> None:
     """Wait until the database clock has passed the run's lease deadline."""
 
     async def expired() -> bool:
         return bool(await db.fetchval(
             "SELECT lease_expires_at <= clock_timestamp() FROM agent_run WHERE id = $1", run_id))
 
-    await wait_for_state(expired, timeout=timeout, what=f"lease of run {run_id} to expire")
+    await wait_for_state(expired, within=within, what=f"lease of run {run_id} to expire")
 
 
 async def race(*actions: Callable[[], Awaitable[Any]]) -> list[Any]:
@@ -160,8 +160,8 @@ class Listener:
     async def listen(self, channel: str) -> None:
         await self.conn.add_listener(channel, self._on_notify)
 
-    async def next(self, timeout: float = DEFAULT_TIMEOUT_S) -> str:
-        return await asyncio.wait_for(self.received.get(), timeout)
+    async def next(self, within: float = DEFAULT_TIMEOUT_S) -> str:
+        return await asyncio.wait_for(self.received.get(), within)
 
     def drain(self) -> list[str]:
         items = []

@@ -120,7 +120,7 @@ async def test_two_processes_migrating_at_once_apply_the_schema_once(empty_dsn: 
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-    for proc, (out, err) in zip(procs, outputs, strict=True):
+    for proc, (_out, err) in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, err.decode()
     applied = sorted((json.loads(out) for out, _ in outputs), key=len)
     assert applied == [[], [m.name for m in discover()]]

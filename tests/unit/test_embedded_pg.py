@@ -89,6 +89,26 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 15) -> None:
         time.sleep(0.02)
 
 
+def dead_pid() -> int:
+    """The pid of a process that has already exited (and been reaped)."""
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    return finished.pid
+
+
+async def wait_for_query(pg: EmbeddedPostgres, sql: str, *args: Any) -> None:
+    """Poll until ``sql`` returns true (for at most 15 s)."""
+    conn = await asyncpg.connect(**pg.connect_kwargs())
+    try:
+        async with asyncio.timeout(15):
+            while True:
+                if await conn.fetchval(sql, *args):
+                    return
+                await asyncio.sleep(0.01)
+    finally:
+        await conn.close()
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -189,9 +209,7 @@ async def test_stale_postmaster_pid_is_removed_not_reused(make_pg: MakePg, holde
     pg.stop()
     with ExitStack() as stack:
         if holder == "dead process":
-            finished = subprocess.Popen(["true"])
-            finished.wait()
-            stale = finished.pid
+            stale = dead_pid()
         else:
             stale = stack.enter_context(process_of_server_account(pg))
         _write_lock_files(pg, stale)
@@ -215,14 +233,8 @@ async def test_killed_server_with_busy_orphan_and_reused_pid_restarts(make_pg: M
         "DO $$ BEGIN WHILE clock_timestamp() < now() + interval '2 seconds' LOOP END LOOP; END $$"
     ))
     try:
-        watcher = await asyncpg.connect(**pg.connect_kwargs())
-        try:
-            while not await watcher.fetchval(
-                "SELECT state = 'active' FROM pg_stat_activity WHERE pid = $1", orphan
-            ):
-                await asyncio.sleep(0.01)
-        finally:
-            await watcher.close()
+        await wait_for_query(pg, "SELECT state = 'active' FROM pg_stat_activity WHERE pid = $1",
+                             orphan)
         os.kill(crashed, signal.SIGKILL)
         wait_until(lambda: not pid_alive(crashed))
         assert pid_alive(orphan)

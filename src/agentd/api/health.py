@@ -6,6 +6,7 @@ import asyncio
 
 from aiohttp import web
 
+from agentd.api import RUNTIME
 from agentd.queries import Q
 
 
@@ -16,12 +17,12 @@ def add_routes(app: web.Application) -> None:
 
 async def healthz(request: web.Request) -> web.Response:
     """The process is up and its event loop answers."""
-    return web.json_response({"status": "ok", "worker_id": request.app["runtime"].worker_id})
+    return web.json_response({"status": "ok", "worker_id": request.app[RUNTIME].worker_id})
 
 
 async def readyz(request: web.Request) -> web.Response:
     """Ready = the database answers, the hub listens, and we are not draining."""
-    runtime = request.app["runtime"]
+    runtime = request.app[RUNTIME]
     database = True
     try:
         async with asyncio.timeout(2):

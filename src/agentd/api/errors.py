@@ -1,0 +1,57 @@
+"""Every failure becomes JSON `{error: {code, message}}` with the right status; never a traceback.
+
+Database unavailability is a 503 the client may retry; anything unexpected is logged with its
+traceback and answered with a generic 500 body.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import asyncpg
+from aiohttp import web
+
+from agentd.service import ServiceError
+
+log = logging.getLogger("agentd.api")
+
+_UNAVAILABLE = (OSError, asyncpg.CannotConnectNowError, asyncpg.ConnectionDoesNotExistError,
+                asyncpg.InterfaceError, asyncpg.exceptions.ConnectionFailureError,
+                asyncpg.exceptions.AdminShutdownError, asyncpg.exceptions.QueryCanceledError,
+                asyncpg.exceptions.LockNotAvailableError, TimeoutError)
+
+_HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+               405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
+               415: "unsupported_media_type", 422: "unprocessable", 429: "too_many_requests",
+               503: "unavailable"}
+
+
+def error_response(status: int, code: str, message: str,
+                   headers: dict[str, str] | None = None, **details: Any) -> web.Response:
+    body: dict[str, Any] = {"code": code, "message": message}
+    if details:
+        body.update(details)
+    return web.json_response({"error": body}, status=status, headers=headers)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ServiceError as exc:
+        return error_response(exc.status, exc.code, exc.message, **exc.details)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _HTTP_CODES.get(exc.status, "http_error")
+        message = exc.reason if exc.status != 413 else "request body is too large"
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return error_response(exc.status, code, message, headers=headers or None)
+    except _UNAVAILABLE as exc:
+        log.warning("database unavailable", extra={"path": request.path, "error": str(exc)})
+        return error_response(503, "unavailable", "the database is unavailable; retry shortly",
+                              headers={"Retry-After": "1"})
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path})
+        return error_response(500, "internal", "internal error")

@@ -1,0 +1,48 @@
+"""GET /metrics: Prometheus text exposition of this process and of the shared queue."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from agentd.api import RUNTIME
+from agentd.queries import Q
+
+
+async def metrics(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    dispatcher = runtime.dispatcher
+    queue = await runtime.pool.fetchrow(Q["queue_status"])
+    lines = [
+        "# HELP agentd_runs_queued Runs waiting to be claimed (whole fleet).",
+        "# TYPE agentd_runs_queued gauge",
+        f"agentd_runs_queued {queue['queued']}",
+        "# HELP agentd_runs_running Runs executing now (whole fleet).",
+        "# TYPE agentd_runs_running gauge",
+        f"agentd_runs_running {queue['running']}",
+        "# HELP agentd_leases_expired Running runs past their lease, awaiting the reaper.",
+        "# TYPE agentd_leases_expired gauge",
+        f"agentd_leases_expired {queue['expired']}",
+        "# HELP agentd_in_flight Turns this process is executing.",
+        "# TYPE agentd_in_flight gauge",
+        f"agentd_in_flight {len(dispatcher.in_flight) if dispatcher else 0}",
+        "# HELP agentd_claimed_total Runs this process has claimed.",
+        "# TYPE agentd_claimed_total counter",
+        f"agentd_claimed_total {dispatcher.claimed if dispatcher else 0}",
+        "# HELP agentd_hub_connected Whether the LISTEN connection is up.",
+        "# TYPE agentd_hub_connected gauge",
+        f"agentd_hub_connected {int(runtime.hub.connected)}",
+        "# HELP agentd_hub_reconnects_total LISTEN reconnections.",
+        "# TYPE agentd_hub_reconnects_total counter",
+        f"agentd_hub_reconnects_total {runtime.hub.reconnects}",
+        "# HELP agentd_hub_notifications_total NOTIFY hints received.",
+        "# TYPE agentd_hub_notifications_total counter",
+        f"agentd_hub_notifications_total {runtime.hub.notifications}",
+        "# HELP agentd_hub_subscribers In-process subscriptions (tails, waiters, watchers).",
+        "# TYPE agentd_hub_subscribers gauge",
+        f"agentd_hub_subscribers {runtime.hub.subscriber_count()}",
+        "# HELP agentd_pool_size Database connections open in this process's pool.",
+        "# TYPE agentd_pool_size gauge",
+        f"agentd_pool_size {runtime.pool.get_size()}",
+    ]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain",
+                        charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})

@@ -1,0 +1,209 @@
+"""The OpenAPI 3.1 document of API v1, served at /openapi.json (docs/api.md explains it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from agentd import __version__
+from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
+
+UUID = {"type": "string", "format": "uuid"}
+TIME = {"type": "string", "format": "date-time"}
+NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json(_ref("Error"), description)
+
+
+_ERRORS = {"401": _error("missing, unknown or revoked token"),
+           "503": _error("the database is unavailable; retry")}
+_ID = {"name": "id", "in": "path", "required": True, "schema": UUID}
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["code", "message"],
+        "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}}},
+    "Conversation": {"type": "object", "required": ["id", "title", "created_at", "updated_at"],
+                     "properties": {"id": UUID, "title": {"type": "string"},
+                                    "created_at": TIME, "updated_at": TIME}},
+    "Message": {"type": "object",
+                "required": ["id", "role", "content", "status", "run_id", "created_at"],
+                "properties": {
+                    "id": UUID, "role": {"enum": [str(r) for r in MessageRole]},
+                    "content": {"type": "string"},
+                    "status": {"enum": [str(s) for s in MessageStatus]},
+                    "run_id": {"type": ["string", "null"], "format": "uuid"},
+                    "created_at": TIME, "tool_calls": {"type": "array"},
+                    "tool_call_id": {"type": "string"}}},
+    "Run": {"type": "object",
+            "required": ["id", "conversation_id", "status", "cancel_requested", "worker_id",
+                         "error", "usage", "created_at", "started_at", "finished_at"],
+            "properties": {
+                "id": UUID, "conversation_id": UUID, "user_message_id": UUID,
+                "device_id": {"type": ["string", "null"], "format": "uuid"},
+                "status": {"enum": [str(s) for s in RunStatus]},
+                "model": {"type": ["string", "null"]},
+                "cancel_requested": {"type": "boolean"},
+                "worker_id": {"type": ["string", "null"]},
+                "fence": {"type": ["integer", "null"]},
+                "lease_expires_at": NULLABLE_TIME,
+                "error": {"type": ["string", "null"]},
+                "usage": {"type": ["object", "null"]},
+                "created_at": TIME, "started_at": NULLABLE_TIME, "finished_at": NULLABLE_TIME}},
+    "Lease": {"type": ["object", "null"],
+              "properties": {"run_id": UUID, "device": {"type": ["string", "null"]},
+                             "device_id": {"type": ["string", "null"]},
+                             "worker_id": {"type": "string"}, "fence": {"type": "integer"},
+                             "expires_at": TIME}},
+    "Attached": {"type": "array", "items": {
+        "type": "object", "required": ["device", "since"],
+        "properties": {"device": {"type": "string"}, "device_id": UUID, "since": TIME}}},
+    "ConversationState": {"allOf": [_ref("Conversation"), {
+        "type": "object", "required": ["messages", "runs", "lease", "attached"],
+        "properties": {"messages": {"type": "array", "items": _ref("Message")},
+                       "runs": {"type": "array", "items": _ref("Run")},
+                       "lease": _ref("Lease"), "attached": _ref("Attached")}}]},
+    "Draft": {"type": "object", "required": ["run_id", "message_id", "content"],
+              "properties": {"run_id": UUID, "message_id": UUID,
+                             "content": {"type": "string"}}},
+    "CreateRun": {"type": "object", "required": ["content"], "additionalProperties": False,
+                  "properties": {
+                      "content": {"type": "string", "minLength": 1},
+                      "model": {"type": "string",
+                                "description": "`demo` or `<provider>:<model>`"},
+                      "params": {"type": "object", "description": "provider parameters; the "
+                                 "demo model takes tokens, delay_ms, tool, fail"},
+                      "on_busy": {"enum": ["enqueue", "reject", "interrupt"],
+                                  "default": "enqueue"}}},
+    "RunCreated": {"type": "object", "required": ["run_id", "status", "conversation_id"],
+                   "properties": {"run_id": UUID, "status": {"enum": [str(s) for s in RunStatus]},
+                                  "conversation_id": UUID,
+                                  "drafts": {"type": "array", "items": _ref("Draft")}}},
+    "StopResult": {"type": "object", "required": ["cancelled", "flagged", "drafts"],
+                   "properties": {"cancelled": {"type": "array", "items": UUID},
+                                  "flagged": {"type": "array", "items": UUID},
+                                  "drafts": {"type": "array", "items": _ref("Draft")}}},
+}
+
+SSE = {"description": "Server-Sent Events", "content": {"text/event-stream": {
+    "schema": {"type": "string"}}}}
+
+
+def build_spec() -> dict[str, Any]:
+    events = ", ".join(str(e) for e in EventType)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "agentd API", "version": __version__,
+                 "description": "Durable AI-agent turns. Every /v1 call needs "
+                                "`Authorization: Bearer <device token>`."},
+        "components": {"schemas": SCHEMAS, "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/me": {"get": {"summary": "who this token is", "responses": {
+                "200": _json({"type": "object", "required": ["account", "device"]},
+                             "the account and device"), **_ERRORS}}},
+            "/v1/conversations": {
+                "post": {"summary": "create a conversation", "requestBody": {
+                    "required": False, "content": {"application/json": {"schema": {
+                        "type": "object", "additionalProperties": False, "properties": {
+                            "title": {"type": "string", "maxLength": 500}}}}}},
+                    "responses": {"201": _json(_ref("Conversation"), "created"),
+                                  "400": _error("bad input"), **_ERRORS}},
+                "get": {"summary": "list conversations, most recent first", "parameters": [
+                    {"name": "limit", "in": "query",
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
+                    "responses": {"200": _json({"type": "object", "required": ["conversations"],
+                                                "properties": {"conversations": {
+                                                    "type": "array",
+                                                    "items": _ref("Conversation")}}},
+                                               "conversations"),
+                                  "400": _error("bad limit"), **_ERRORS}}},
+            "/v1/conversations/{id}": {
+                "parameters": [_ID],
+                "get": {"summary": "transcript, active and queued runs, lease, attached devices",
+                        "responses": {"200": _json(_ref("ConversationState"), "the state"),
+                                      "404": _error("no such conversation"), **_ERRORS}},
+                "patch": {"summary": "rename", "requestBody": {
+                    "required": True, "content": {"application/json": {"schema": {
+                        "type": "object", "additionalProperties": False, "properties": {
+                            "title": {"type": "string", "maxLength": 500}}}}}},
+                    "responses": {"200": _json(_ref("Conversation"), "renamed"),
+                                  "400": _error("bad input"),
+                                  "404": _error("no such conversation"), **_ERRORS}}},
+            "/v1/conversations/{id}/runs": {"post": {
+                "summary": "queue a turn (202: it runs in the background)",
+                "parameters": [_ID, {"name": "Idempotency-Key", "in": "header",
+                                     "schema": {"type": "string", "maxLength": 200}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("CreateRun")}}},
+                "responses": {"202": _json(_ref("RunCreated"), "queued"),
+                              "400": _error("bad input or unknown model"),
+                              "404": _error("no such conversation"),
+                              "409": _error("busy (on_busy=reject) or idempotency conflict"),
+                              "413": _error("content or body too large"),
+                              "422": _error("invalid params for the model"), **_ERRORS}}},
+            "/v1/conversations/{id}/stop": {"post": {
+                "summary": "stop the conversation: cancel queued turns (drafts handed back) "
+                           "and ask the running one to stop, atomically",
+                "parameters": [_ID],
+                "responses": {"202": _json(_ref("StopResult"), "stop recorded"),
+                              "404": _error("no such conversation"), **_ERRORS}}},
+            "/v1/conversations/{id}/events": {"get": {
+                "summary": "SSE: a snapshot, then every run's events, lease and presence "
+                           "changes; resumable with Last-Event-ID or ?cursor=",
+                "parameters": [_ID, {"name": "cursor", "in": "query",
+                                     "schema": {"type": "string"}}],
+                "responses": {"200": SSE, "400": _error("bad cursor"),
+                              "404": _error("no such conversation"), **_ERRORS}}},
+            "/v1/runs/{id}": {"get": {"summary": "the run", "parameters": [_ID], "responses": {
+                "200": _json(_ref("Run"), "the run"), "404": _error("no such run"),
+                **_ERRORS}}},
+            "/v1/runs/{id}/wait": {"get": {
+                "summary": "block until the run is terminal or the timeout passes",
+                "parameters": [_ID, {"name": "timeout", "in": "query", "schema": {
+                    "type": "number", "minimum": 0, "maximum": 300}}],
+                "responses": {"200": _json(_ref("Run"), "the run (check status)"),
+                              "400": _error("bad timeout"), "404": _error("no such run"),
+                              **_ERRORS}}},
+            "/v1/runs/{id}/cancel": {"post": {
+                "summary": "cancel one run", "parameters": [_ID],
+                "responses": {"202": _json(_ref("StopResult"), "cancel recorded"),
+                              "404": _error("no such run"), **_ERRORS}}},
+            "/v1/runs/{id}/events": {"get": {
+                "summary": f"SSE of the run's journal after `from` (or Last-Event-ID); each "
+                           f"id is the seq; ends after `complete`. Types: {events}",
+                "parameters": [_ID, {"name": "from", "in": "query", "schema": {
+                    "type": "integer", "minimum": 0}}],
+                "responses": {"200": SSE, "400": _error("bad cursor"),
+                              "404": _error("no such run"), **_ERRORS}}},
+            "/healthz": {"get": {"summary": "liveness", "security": [], "responses": {
+                "200": _json({"type": "object"}, "alive")}}},
+            "/readyz": {"get": {"summary": "readiness: database, hub, not draining",
+                                "security": [], "responses": {
+                                    "200": _json({"type": "object"}, "ready"),
+                                    "503": _json({"type": "object"}, "not ready")}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
+                                 "responses": {"200": {"description": "text exposition",
+                                                       "content": {"text/plain": {
+                                                           "schema": {"type": "string"}}}}}}},
+            "/openapi.json": {"get": {"summary": "this document", "security": [],
+                                      "responses": {"200": _json({"type": "object"},
+                                                                 "the spec")}}},
+        },
+    }
+
+
+async def serve_spec(_request: web.Request) -> web.Response:
+    return web.json_response(build_spec())

@@ -1,0 +1,268 @@
+"""API v1 handlers: parse and check the request, call the service layer, shape the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+from uuid import UUID
+
+from aiohttp import web
+
+from agentd.api import RUNTIME, sse, wire
+from agentd.api.auth import auth_middleware, principal
+from agentd.api.errors import error_middleware
+from agentd.queries import Q
+from agentd.service import (
+    Service,
+    ServiceError,
+    parse_uuid,
+    validate_run_request,
+    validate_title,
+)
+from agentd.tail import EPOCH, NIL_UUID, BadCursor, FeedCursor, conversation_feed, run_tail
+
+PRESENCE_TTL_S = 20.0
+MAX_WAIT_S = 300.0
+SERVICE = web.AppKey("service", Service)
+
+
+def add_routes(app: web.Application) -> None:
+    runtime = app[RUNTIME]
+    app[SERVICE] = Service(runtime.pool, runtime.hub, runtime.settings,
+                           runtime.extras.get("tool_names", set()))
+    app.middlewares.extend([error_middleware, auth_middleware])
+    r = app.router
+    r.add_get("/v1/me", me)
+    r.add_post("/v1/conversations", create_conversation)
+    r.add_get("/v1/conversations", list_conversations)
+    r.add_get("/v1/conversations/{id}", get_conversation)
+    r.add_patch("/v1/conversations/{id}", rename_conversation)
+    r.add_post("/v1/conversations/{id}/runs", create_run)
+    r.add_post("/v1/conversations/{id}/stop", stop_conversation)
+    r.add_get("/v1/conversations/{id}/events", conversation_events)
+    r.add_get("/v1/runs/{id}", get_run)
+    r.add_get("/v1/runs/{id}/wait", wait_run)
+    r.add_post("/v1/runs/{id}/cancel", cancel_run)
+    r.add_get("/v1/runs/{id}/events", run_events)
+
+
+def _service(request: web.Request) -> Service:
+    return request.app[SERVICE]
+
+
+async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if optional:
+            return {}
+        raise ServiceError(400, "invalid_body", "a JSON body is required")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ServiceError(400, "invalid_json", "the body is not valid JSON") from None
+
+
+def _path_id(request: web.Request, what: str) -> UUID:
+    return parse_uuid(request.match_info["id"], what)
+
+
+def _int_query(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+    text = request.query.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ServiceError(400, f"invalid_{name}", f"{name} must be an integer") from None
+    if not low <= value <= high:
+        raise ServiceError(400, f"invalid_{name}", f"{name} must be in [{low}, {high}]")
+    return value
+
+
+async def me(request: web.Request) -> web.Response:
+    who = principal(request)
+    return web.json_response({"account": who.account_name, "account_id": str(who.account_id),
+                              "device": who.device_name, "device_id": str(who.device_id)})
+
+
+async def create_conversation(request: web.Request) -> web.Response:
+    title = validate_title(await _json_body(request, optional=True))
+    created = await _service(request).create_conversation(principal(request), title)
+    return web.json_response(wire.conversation(created), status=201,
+                             headers={"Location": f"/v1/conversations/{created.id}"})
+
+
+async def list_conversations(request: web.Request) -> web.Response:
+    limit = _int_query(request, "limit", 100, 1, 1000)
+    items = await _service(request).list_conversations(principal(request), limit)
+    return web.json_response({"conversations": [wire.conversation(c) for c in items]})
+
+
+async def get_conversation(request: web.Request) -> web.Response:
+    service = _service(request)
+    conversation_id = _path_id(request, "conversation")
+    state = await service.conversation_state(principal(request), conversation_id)
+    attached = await service.attached(conversation_id)
+    return web.json_response(wire.conversation_state(state, attached))
+
+
+async def rename_conversation(request: web.Request) -> web.Response:
+    conversation_id = _path_id(request, "conversation")
+    title = validate_title(await _json_body(request))
+    renamed = await _service(request).rename_conversation(principal(request), conversation_id,
+                                                          title)
+    return web.json_response(wire.conversation(renamed))
+
+
+async def create_run(request: web.Request) -> web.Response:
+    service = _service(request)
+    conversation_id = _path_id(request, "conversation")
+    body = await _json_body(request)
+    req = validate_run_request(body, service.settings, service.tool_names)
+    key = request.headers.get("Idempotency-Key")
+    # Shielded: a client that hangs up mid-request must not cut the transaction in half.
+    created = await asyncio.shield(service.create_run(principal(request), conversation_id, req,
+                                                      key))
+    out: dict[str, Any] = {"run_id": str(created.run_id), "status": str(created.status),
+                           "conversation_id": str(created.conversation_id)}
+    if created.drafts:
+        out["drafts"] = wire.drafts(created.drafts)
+    headers = {"Location": f"/v1/runs/{created.run_id}"}
+    if created.replayed:
+        headers["Idempotent-Replayed"] = "true"
+    return web.json_response(out, status=202, headers=headers)
+
+
+async def get_run(request: web.Request) -> web.Response:
+    run = await _service(request).get_run(principal(request), _path_id(request, "run"))
+    return web.json_response(wire.run(run))
+
+
+async def wait_run(request: web.Request) -> web.Response:
+    run_id = _path_id(request, "run")
+    text = request.query.get("timeout", "30")
+    try:
+        timeout = float(text)
+    except ValueError:
+        raise ServiceError(400, "invalid_timeout", "timeout must be a number of seconds") \
+            from None
+    if not 0 <= timeout <= MAX_WAIT_S:
+        raise ServiceError(400, "invalid_timeout", f"timeout must be in [0, {MAX_WAIT_S:g}]")
+    run = await _service(request).wait_run(principal(request), run_id, timeout)
+    return web.json_response(wire.run(run))
+
+
+def _stop_answer(result: Any) -> web.Response:
+    return web.json_response({"cancelled": [str(i) for i in result.cancelled],
+                              "flagged": [str(i) for i in result.flagged],
+                              "drafts": wire.drafts(result.drafts)}, status=202)
+
+
+async def cancel_run(request: web.Request) -> web.Response:
+    run_id = _path_id(request, "run")
+    result = await asyncio.shield(_service(request).cancel_run(principal(request), run_id))
+    return _stop_answer(result)
+
+
+async def stop_conversation(request: web.Request) -> web.Response:
+    conversation_id = _path_id(request, "conversation")
+    result = await asyncio.shield(
+        _service(request).stop_conversation(principal(request), conversation_id))
+    return _stop_answer(result)
+
+
+async def run_events(request: web.Request) -> web.StreamResponse:
+    service = _service(request)
+    run_id = _path_id(request, "run")
+    after = _int_query(request, "from", 0, 0, 2**62)
+    last_id = request.headers.get("Last-Event-ID")
+    if "from" not in request.query and last_id:
+        try:
+            after = max(0, int(last_id))
+        except ValueError:
+            raise ServiceError(400, "invalid_last_event_id",
+                               "Last-Event-ID must be a seq") from None
+    await service.get_run(principal(request), run_id)  # 404 before the stream opens
+    response = await sse.open_stream(request)
+    with contextlib.suppress(ConnectionResetError):
+        async for event in run_tail(service.pool, service.hub, run_id, after,
+                                    keepalive_s=service.settings.keepalive_s):
+            if event is None:
+                await sse.keepalive(response)
+            else:
+                await sse.send(response, event.seq, str(event.type), wire.event(event))
+    return response
+
+
+async def conversation_events(request: web.Request) -> web.StreamResponse:
+    service = _service(request)
+    who = principal(request)
+    conversation_id = _path_id(request, "conversation")
+    cursor_text = request.query.get("cursor") or request.headers.get("Last-Event-ID")
+    try:
+        cursor = FeedCursor.decode(cursor_text) if cursor_text else None
+    except BadCursor as exc:
+        raise ServiceError(400, "invalid_cursor", str(exc)) from None
+    async with service.pool.acquire() as conn, conn.transaction(isolation="repeatable_read",
+                                                                 readonly=True):
+        # One snapshot: transcript, runs, lease and watermark agree with each other.
+        state = await service.conversation_state(who, conversation_id, db=conn)
+        latest = await conn.fetchrow(Q["latest_run_of_conversation"], conversation_id)
+        attached = await service.attached(conversation_id, db=conn)
+    if cursor is None:
+        cursor = FeedCursor((latest["created_at"], latest["id"]) if latest else (EPOCH, NIL_UUID),
+                            {run.id: 0 for run in state.runs})
+    presence_id = await service.attach(who, conversation_id, PRESENCE_TTL_S)
+    loop = asyncio.get_running_loop()
+    renewed = loop.time()
+
+    async def read_lease() -> Any:
+        row = await service.pool.fetchrow(Q["get_conversation_lease"], who.account_id,
+                                          conversation_id)
+        return wire.lease(_lease(row))
+
+    async def read_presence() -> Any:
+        return wire.attached(await service.attached(conversation_id))
+
+    async def renew() -> None:
+        nonlocal presence_id, renewed
+        if loop.time() - renewed >= PRESENCE_TTL_S / 4:
+            renewed = loop.time()
+            if not await service.renew_presence(presence_id, PRESENCE_TTL_S):
+                presence_id = await service.attach(who, conversation_id, PRESENCE_TTL_S)
+
+    try:
+        response = await sse.open_stream(request)
+        snapshot = wire.conversation_state(state, attached)
+        with contextlib.suppress(ConnectionResetError):
+            await sse.send(response, cursor.encode(), "snapshot",
+                           {"type": "snapshot", "conversation": snapshot})
+            async for item in conversation_feed(
+                    service.pool, service.hub, conversation_id, cursor,
+                    keepalive_s=service.settings.keepalive_s, lease_reader=read_lease,
+                    presence_reader=read_presence, on_idle=renew):
+                if item.kind == "event":
+                    await sse.send(response, item.cursor, str(item.event.type),
+                                   wire.event(item.event, str(item.run_id)))
+                elif item.kind == "lease":
+                    await sse.send(response, item.cursor, "lease",
+                                   {"type": "lease", "lease": item.data})
+                elif item.kind == "presence":
+                    await sse.send(response, item.cursor, "presence",
+                                   {"type": "presence", "attached": item.data})
+                else:
+                    await sse.keepalive(response)
+                if loop.time() - renewed >= PRESENCE_TTL_S / 4:
+                    await renew()
+        return response
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(service.detach(presence_id))
+
+
+def _lease(row: Any) -> Any:
+    from agentd.conversations import Lease
+
+    return Lease(**dict(row)) if row else None

@@ -1,0 +1,81 @@
+"""The JSON shapes of API v1 (a contract scripts depend on: change only with a version bump)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from agentd.conversations import Conversation, ConversationState, Lease, Message, RunRow
+from agentd.queue import Draft, Event
+
+
+def ts(value: datetime | None) -> str | None:
+    """RFC 3339 UTC with a Z."""
+    if value is None:
+        return None
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def conversation(c: Conversation) -> dict[str, Any]:
+    return {"id": str(c.id), "title": c.title, "created_at": ts(c.created_at),
+            "updated_at": ts(c.updated_at)}
+
+
+def message(m: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": str(m.id), "role": str(m.role), "content": m.content,
+                           "status": str(m.status), "run_id": str(m.run_id) if m.run_id else None,
+                           "created_at": ts(m.created_at)}
+    if m.tool_calls:
+        out["tool_calls"] = m.tool_calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def run(r: RunRow) -> dict[str, Any]:
+    request = r.request or {}
+    return {
+        "id": str(r.id), "conversation_id": str(r.conversation_id),
+        "user_message_id": str(r.user_message_id),
+        "device_id": str(r.origin_device_id) if r.origin_device_id else None,
+        "status": str(r.status), "model": request.get("model"),
+        "cancel_requested": r.cancel_requested, "worker_id": r.worker_id, "fence": r.fence,
+        "lease_expires_at": ts(r.lease_expires_at) if r.status == "running" else None,
+        "error": r.error, "usage": r.usage, "created_at": ts(r.created_at),
+        "started_at": ts(r.started_at), "finished_at": ts(r.finished_at),
+    }
+
+
+def lease(lease_row: Lease | None) -> dict[str, Any] | None:
+    if lease_row is None or not lease_row.live:
+        return None
+    return {"run_id": str(lease_row.run_id), "device": lease_row.device,
+            "device_id": str(lease_row.device_id) if lease_row.device_id else None,
+            "worker_id": lease_row.worker_id, "fence": lease_row.fence,
+            "expires_at": ts(lease_row.expires_at)}
+
+
+def attached(rows: list[Any]) -> list[dict[str, Any]]:
+    return [{"device": r["device"], "device_id": str(r["device_id"]), "since": ts(r["since"])}
+            for r in rows]
+
+
+def conversation_state(state: ConversationState, attached_rows: list[Any]) -> dict[str, Any]:
+    return {**conversation(state.conversation),
+            "messages": [message(m) for m in state.messages],
+            "runs": [run(r) for r in state.runs],
+            "lease": lease(state.lease),
+            "attached": attached(attached_rows)}
+
+
+def event(e: Event, run_id: str | None = None) -> dict[str, Any]:
+    """An SSE data payload: the event's own fields plus type and seq (and run_id in feeds)."""
+    out: dict[str, Any] = {**e.payload, "type": str(e.type), "seq": e.seq}
+    if run_id is not None:
+        out["run_id"] = run_id
+    return out
+
+
+def drafts(items: list[Draft]) -> list[dict[str, Any]]:
+    return [{"run_id": str(d.run_id), "message_id": str(d.message_id), "content": d.content}
+            for d in items]

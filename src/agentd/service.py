@@ -1,0 +1,262 @@
+"""The service layer: authorization, validation and the multi-statement operations of the API.
+
+HTTP handlers call only this module (and tail.py); it calls the queue SQL. Every method takes the
+caller's Principal and scopes by its account first (rule 9): other accounts' objects are 404s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from agentd import conversations as convs
+from agentd import queue
+from agentd.accounts import Principal
+from agentd.hub import Hub
+from agentd.providers import ModelRef, parse_model
+from agentd.providers.base import UnknownModel
+from agentd.providers.demo import validate_params
+from agentd.queries import Q
+from agentd.settings import Settings
+from agentd.vocabulary import Channel, RunStatus
+
+ON_BUSY = ("enqueue", "reject", "interrupt")
+RUN_FIELDS = {"content", "model", "params", "on_busy"}
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
+MAX_TITLE = 500
+
+
+class ServiceError(Exception):
+    """An answer for the client: HTTP status, a stable code and a human message."""
+
+    def __init__(self, status: int, code: str, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = details
+
+
+def not_found(what: str) -> ServiceError:
+    return ServiceError(404, "not_found", f"{what} not found")
+
+
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    content: str
+    model: ModelRef
+    params: dict[str, Any]
+    on_busy: str
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the run row stores: all a worker needs, and what idempotency compares."""
+        return {"content": self.content, "model": str(self.model), "params": self.params}
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedRun:
+    run_id: UUID
+    status: RunStatus
+    conversation_id: UUID
+    replayed: bool = False
+    drafts: list[queue.Draft] = field(default_factory=list)
+
+
+def parse_uuid(value: str, what: str) -> UUID:
+    """Path ids that are not uuids name nothing: 404, like another account's ids."""
+    try:
+        return UUID(value)
+    except (ValueError, AttributeError, TypeError):
+        raise not_found(what) from None
+
+
+def validate_run_request(body: Any, settings: Settings, tool_names: set[str]) -> RunRequest:
+    if not isinstance(body, dict):
+        raise ServiceError(400, "invalid_body", "the body must be a JSON object")
+    unknown = set(body) - RUN_FIELDS
+    if unknown:
+        raise ServiceError(400, "unknown_field", f"unknown fields: {', '.join(sorted(unknown))}")
+    content = body.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ServiceError(400, "invalid_content", "content must be a non-empty string")
+    if len(content) > settings.max_content_chars:
+        raise ServiceError(413, "content_too_large",
+                           f"content is longer than {settings.max_content_chars} characters")
+    if "\x00" in content:
+        raise ServiceError(400, "invalid_content", "content must not contain NUL characters")
+    model_name = body.get("model")
+    if model_name is not None and (not isinstance(model_name, str) or len(model_name) > 200):
+        raise ServiceError(400, "invalid_model", "model must be a string like provider:model")
+    try:
+        model = parse_model(model_name, settings)
+    except UnknownModel as exc:
+        raise ServiceError(400, "unknown_model", str(exc)) from None
+    params = body.get("params", {})
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ServiceError(400, "invalid_params", "params must be a JSON object")
+    if settings.providers[model.provider].kind == "demo":
+        try:
+            validate_params(params, tool_names)
+        except ValueError as exc:
+            raise ServiceError(422, "invalid_params", str(exc)) from None
+    on_busy = body.get("on_busy", "enqueue")
+    if on_busy not in ON_BUSY:
+        raise ServiceError(400, "invalid_on_busy", f"on_busy must be one of {', '.join(ON_BUSY)}")
+    return RunRequest(content, model, params, on_busy)
+
+
+def validate_title(body: Any) -> str:
+    if not isinstance(body, dict) or set(body) - {"title"}:
+        raise ServiceError(400, "invalid_body", 'the body must be {"title": "..."}')
+    title = body.get("title", "")
+    if not isinstance(title, str) or len(title) > MAX_TITLE or "\x00" in title:
+        raise ServiceError(400, "invalid_title", f"title must be a string of at most "
+                           f"{MAX_TITLE} characters")
+    return title.strip()
+
+
+class Service:
+    def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings,
+                 tool_names: set[str]) -> None:
+        self.pool = pool
+        self.hub = hub
+        self.settings = settings
+        self.tool_names = tool_names
+
+    # conversations -------------------------------------------------------------------------
+
+    async def create_conversation(self, who: Principal, title: str) -> convs.Conversation:
+        return await convs.create_conversation(self.pool, who.account_id, title)
+
+    async def list_conversations(self, who: Principal,
+                                 limit: int = 100) -> list[convs.Conversation]:
+        return await convs.list_conversations(self.pool, who.account_id, limit)
+
+    async def rename_conversation(self, who: Principal, conversation_id: UUID,
+                                  title: str) -> convs.Conversation:
+        row = await self.pool.fetchrow(Q["rename_conversation"], conversation_id,
+                                       who.account_id, title)
+        if row is None:
+            raise not_found("conversation")
+        return convs.Conversation(**dict(row))
+
+    async def conversation_state(self, who: Principal, conversation_id: UUID,
+                                 db: queue.Db | None = None) -> convs.ConversationState:
+        state = await convs.conversation_state(db or self.pool, who.account_id, conversation_id)
+        if state is None:
+            raise not_found("conversation")
+        return state
+
+    async def attached(self, conversation_id: UUID,
+                       db: queue.Db | None = None) -> list[asyncpg.Record]:
+        return await (db or self.pool).fetch(Q["list_attached"], conversation_id)
+
+    # runs -----------------------------------------------------------------------------------
+
+    async def create_run(self, who: Principal, conversation_id: UUID, req: RunRequest,
+                         idempotency_key: str | None) -> CreatedRun:
+        """Enqueue a turn; on_busy decides what happens when the conversation is not idle."""
+        if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
+            raise ServiceError(400, "invalid_idempotency_key",
+                               "Idempotency-Key must be 1-200 printable ASCII characters")
+        async with self.pool.acquire() as conn, conn.transaction():
+            if await conn.fetchval(Q["lock_conversation"], conversation_id,
+                                   who.account_id) is None:
+                raise not_found("conversation")
+            if idempotency_key is not None:
+                replay = await self._replay(conn, who, conversation_id, idempotency_key, req)
+                if replay is not None:
+                    return replay
+            drafts: list[queue.Draft] = []
+            if req.on_busy == "reject":
+                active = await conn.fetch(Q["list_active_runs"], conversation_id)
+                if active:
+                    owner = active[0]
+                    lease = await conn.fetchrow(Q["get_conversation_lease"], who.account_id,
+                                                conversation_id)
+                    raise ServiceError(
+                        409, "conversation_busy",
+                        f"the conversation is busy with run {owner['id']} ({owner['status']})",
+                        run_id=str(owner["id"]), run_status=owner["status"],
+                        device=lease["device"] if lease else None,
+                        worker_id=lease["worker_id"] if lease else None)
+            elif req.on_busy == "interrupt":
+                stopped = await queue.stop_conversation(conn, account_id=who.account_id,
+                                                        conversation_id=conversation_id)
+                drafts = stopped.drafts
+            try:
+                run = await queue.enqueue_run(
+                    conn, account_id=who.account_id, conversation_id=conversation_id,
+                    content=req.content, request=req.snapshot(), device_id=who.device_id,
+                    idempotency_key=idempotency_key)
+            except queue.IdempotencyConflict as exc:
+                raise _idempotency_conflict(exc.run_id) from None
+            except queue.ConversationNotFound:
+                raise not_found("conversation") from None
+        return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created, drafts)
+
+    async def _replay(self, conn: asyncpg.Connection, who: Principal, conversation_id: UUID,
+                      key: str, req: RunRequest) -> CreatedRun | None:
+        first = await conn.fetchrow(Q["find_run_by_idempotency_key"], who.account_id, key)
+        if first is None:
+            return None
+        if first["request_hash"] != queue.request_hash(conversation_id, req.snapshot()):
+            raise _idempotency_conflict(first["id"])
+        return CreatedRun(first["id"], RunStatus(first["status"]), first["conversation_id"],
+                          replayed=True)
+
+    async def get_run(self, who: Principal, run_id: UUID) -> convs.RunRow:
+        run = await convs.get_run(self.pool, who.account_id, run_id)
+        if run is None:
+            raise not_found("run")
+        return run
+
+    async def wait_run(self, who: Principal, run_id: UUID, timeout_s: float) -> convs.RunRow:
+        """Block until the run is terminal or the timeout passes (NOTIFY-driven, poll-backed)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        async with self.hub.subscribe(Channel.RUN_EVENT, str(run_id)) as sub:
+            while True:
+                run = await self.get_run(who, run_id)
+                left = deadline - loop.time()
+                if run.status.terminal or left <= 0:
+                    return run
+                await sub.wait(min(left, 1.0 if not self.hub.connected else 5.0))
+
+    async def cancel_run(self, who: Principal, run_id: UUID) -> queue.StopResult:
+        run = await self.get_run(who, run_id)
+        return await queue.stop_conversation(self.pool, account_id=who.account_id,
+                                             conversation_id=run.conversation_id,
+                                             run_ids=[run_id])
+
+    async def stop_conversation(self, who: Principal,
+                                conversation_id: UUID) -> queue.StopResult:
+        if await convs.get_conversation(self.pool, who.account_id, conversation_id) is None:
+            raise not_found("conversation")
+        return await queue.stop_conversation(self.pool, account_id=who.account_id,
+                                             conversation_id=conversation_id)
+
+    # presence -------------------------------------------------------------------------------
+
+    async def attach(self, who: Principal, conversation_id: UUID, ttl_s: float) -> UUID:
+        return await self.pool.fetchval(Q["presence_attach"], who.account_id, conversation_id,
+                                        who.device_id, ttl_s)
+
+    async def renew_presence(self, presence_id: UUID, ttl_s: float) -> bool:
+        return await self.pool.fetchval(Q["presence_renew"], presence_id, ttl_s) is not None
+
+    async def detach(self, presence_id: UUID) -> None:
+        await self.pool.execute(Q["presence_detach"], presence_id)
+
+
+def _idempotency_conflict(run_id: UUID) -> ServiceError:
+    return ServiceError(409, "idempotency_conflict",
+                        "this Idempotency-Key was already used with a different request",
+                        run_id=str(run_id))

@@ -1,0 +1,205 @@
+"""Tails: a run's journal after a cursor, and a conversation's feed of all its runs (rule 7).
+
+A tail subscribes before it reads, borrows a pooled connection only per read (an idle stream
+costs a hub subscription, not a connection), and synthesizes `complete` for a terminal run whose
+journal lacks one. Any process can serve any tail: everything comes from the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from agentd.hub import RECONNECTED, Hub
+from agentd.queries import Q
+from agentd.queue import Event, read_events
+from agentd.vocabulary import Channel, EventType, RunStatus
+
+PAGE = 500
+NIL_UUID = UUID(int=0)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+class BadCursor(ValueError):
+    pass
+
+
+def poll_interval(hub: Hub, keepalive_s: float) -> float:
+    """How long a tail trusts NOTIFY before re-reading rows anyway."""
+    return min(keepalive_s, 5.0 if hub.connected else 1.0)
+
+
+async def _synthesized_complete(pool: asyncpg.Pool, run_id: UUID, after_seq: int) -> Event | None:
+    """The run is terminal but its journal has no `complete` (a finalize died midway)."""
+    row = await pool.fetchrow(Q["run_status"], run_id)
+    if row is None or not RunStatus(row["status"]).terminal:
+        return None
+    # Re-read: a `complete` committed with the status flip is visible now.
+    tail = await read_events(pool, run_id, after_seq=after_seq, limit=PAGE)
+    if any(e.type == EventType.COMPLETE for e in tail):
+        return None
+    return Event(after_seq + 1, EventType.COMPLETE,
+                 {"status": row["status"], "error": row["error"], "message_id": None,
+                  "synthesized": True}, datetime.now(UTC))
+
+
+async def run_tail(pool: asyncpg.Pool, hub: Hub, run_id: UUID, after_seq: int, *,
+                   keepalive_s: float) -> AsyncIterator[Event | None]:
+    """Yield the run's events after `after_seq` until `complete`; None means "send keepalive"."""
+    cursor = after_seq
+    loop = asyncio.get_running_loop()
+    last_sent = loop.time()
+    async with hub.subscribe(Channel.RUN_EVENT, str(run_id)) as sub:  # BEFORE reading
+        quiet_checks = 0
+        while True:
+            sub.clear()
+            events = await read_events(pool, run_id, after_seq=cursor, limit=PAGE)
+            for event in events:
+                cursor = event.seq
+                yield event
+                if event.type == EventType.COMPLETE:
+                    return
+            if events:
+                last_sent = loop.time()
+                quiet_checks = 1  # the journal is moving: no need to check the row
+                continue
+            if quiet_checks == 0 or not hub.connected:
+                synthesized = await _synthesized_complete(pool, run_id, cursor)
+                if synthesized is not None:
+                    yield synthesized
+                    return
+            woke = await sub.wait(poll_interval(hub, keepalive_s))
+            quiet_checks = 0 if (not woke or RECONNECTED in woke) else quiet_checks + 1
+            if loop.time() - last_sent >= keepalive_s:
+                last_sent = loop.time()
+                yield None
+
+
+@dataclass
+class FeedCursor:
+    """Where a conversation feed is: the newest run it knows, and its position in open runs."""
+
+    watermark: tuple[datetime, UUID] = (EPOCH, NIL_UUID)
+    open: dict[UUID, int] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        raw = json.dumps({"w": [self.watermark[0].isoformat(), str(self.watermark[1])],
+                          "o": {str(k): v for k, v in self.open.items()}},
+                         separators=(",", ":"))
+        return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, text: str) -> FeedCursor:
+        try:
+            raw = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+            stamp = datetime.fromisoformat(raw["w"][0])
+            cursor = cls((stamp, UUID(raw["w"][1])),
+                         {UUID(k): int(v) for k, v in raw["o"].items()})
+        except (ValueError, KeyError, TypeError, IndexError, binascii.Error,
+                UnicodeDecodeError, AttributeError):
+            raise BadCursor("not a cursor this server issued") from None
+        if stamp.tzinfo is None or len(cursor.open) > 10_000 or any(
+                v < 0 for v in cursor.open.values()):
+            raise BadCursor("not a cursor this server issued")
+        return cursor
+
+
+@dataclass(frozen=True, slots=True)
+class FeedItem:
+    kind: str  # "event" | "lease" | "presence" | "keepalive"
+    cursor: str
+    run_id: UUID | None = None
+    event: Event | None = None
+    data: Any = None
+
+
+async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
+                            cursor: FeedCursor, *, keepalive_s: float,
+                            lease_reader: Any, presence_reader: Any,
+                            on_idle: Any = None) -> AsyncIterator[FeedItem]:
+    """Every run's events in run order, plus lease and presence changes, after `cursor`.
+
+    `lease_reader()` / `presence_reader()` return JSON-ready values; an item is yielded when
+    they change. `on_idle()` runs on each quiet poll (presence renewal).
+    """
+    loop = asyncio.get_running_loop()
+    last_sent = loop.time()
+    lease_seen: Any = object()
+    presence_seen: Any = object()
+    async with hub.watch() as sub:
+        sub.listen(Channel.CONVERSATION, str(conversation_id))
+        for run_id in cursor.open:
+            sub.listen(Channel.RUN_EVENT, str(run_id))
+        recheck = True
+        while True:
+            sub.clear()
+            runs = await pool.fetch(Q["list_runs_of_conversation_since"], conversation_id,
+                                    cursor.watermark[0], cursor.watermark[1], list(cursor.open))
+            progressed = False
+            for row in runs:
+                run_id = row["id"]
+                if (row["created_at"], run_id) > cursor.watermark:
+                    cursor.watermark = (row["created_at"], run_id)
+                    cursor.open.setdefault(run_id, 0)
+                    sub.listen(Channel.RUN_EVENT, str(run_id))
+                if run_id not in cursor.open:
+                    continue
+                async for item in _drain_run(pool, cursor, run_id, row["status"]):
+                    progressed = True
+                    if item.event is not None and item.event.type in (
+                            EventType.RUN_STARTED, EventType.COMPLETE):
+                        recheck = True
+                    yield item
+                if run_id not in cursor.open:
+                    sub.unlisten(Channel.RUN_EVENT, str(run_id))
+            if recheck:
+                lease = await lease_reader()
+                if lease != lease_seen:
+                    lease_seen = lease
+                    progressed = True
+                    yield FeedItem("lease", cursor.encode(), data=lease)
+                attached = await presence_reader()
+                if attached != presence_seen:
+                    presence_seen = attached
+                    progressed = True
+                    yield FeedItem("presence", cursor.encode(), data=attached)
+            if progressed:
+                last_sent = loop.time()
+                recheck = False
+                continue
+            woke = await sub.wait(poll_interval(hub, keepalive_s))
+            recheck = not woke or RECONNECTED in woke or str(conversation_id) in woke
+            if not woke and on_idle is not None:
+                await on_idle()
+            if loop.time() - last_sent >= keepalive_s:
+                last_sent = loop.time()
+                yield FeedItem("keepalive", cursor.encode())
+
+
+async def _drain_run(pool: asyncpg.Pool, cursor: FeedCursor, run_id: UUID,
+                     status: str) -> AsyncIterator[FeedItem]:
+    while True:
+        events = await read_events(pool, run_id, after_seq=cursor.open[run_id], limit=PAGE)
+        for event in events:
+            cursor.open[run_id] = event.seq
+            if event.type == EventType.COMPLETE:
+                del cursor.open[run_id]
+                yield FeedItem("event", cursor.encode(), run_id, event)
+                return
+            yield FeedItem("event", cursor.encode(), run_id, event)
+        if len(events) < PAGE:
+            break
+    if RunStatus(status).terminal:
+        synthesized = await _synthesized_complete(pool, run_id, cursor.open[run_id])
+        if synthesized is not None:
+            del cursor.open[run_id]
+            yield FeedItem("event", cursor.encode(), run_id, synthesized)

@@ -1,0 +1,181 @@
+"""Concurrent claimers on independent sessions: each run at most once, one turn per conversation.
+
+A model of the queue (per-conversation FIFO, at most one running turn) predicts every round's
+claims; the database is checked against the invariants after every round.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from uuid import UUID
+
+import asyncpg
+
+from agentd.queue import Claim, claim_runs, finish_run
+from agentd.vocabulary import RunStatus
+from tests.integration.helpers import (
+    connections,
+    enqueue,
+    new_conversation,
+    new_tenant,
+    race,
+    unexpected,
+)
+
+WORKERS = 4
+CONVERSATIONS = 3
+ITERATIONS = 500
+LEASE_S = 60.0
+
+# Every invariant of the queue, as rows that must not exist.
+VIOLATIONS = """
+SELECT
+  (SELECT count(*) FROM (SELECT conversation_id FROM agent_run WHERE status = 'running'
+                         GROUP BY conversation_id HAVING count(*) > 1) AS c)
+      AS conversations_running_twice,
+  (SELECT count(*) FROM agent_run r
+   WHERE r.started_at IS NOT NULL AND EXISTS (
+       SELECT 1 FROM agent_run older
+       WHERE older.conversation_id = r.conversation_id AND older.status = 'queued'
+         AND (older.created_at, older.id) < (r.created_at, r.id)))
+      AS started_ahead_of_an_older_turn,
+  (SELECT count(*) FROM agent_run r
+   WHERE r.status = 'running' AND NOT EXISTS (
+       SELECT 1 FROM conversation_lease l
+       WHERE l.conversation_id = r.conversation_id AND l.run_id = r.id
+         AND l.execution_id = r.claim_token AND l.fence = r.fence))
+      AS running_without_its_lease,
+  (SELECT count(*) FROM conversation_lease l
+   WHERE NOT EXISTS (SELECT 1 FROM agent_run r
+                     WHERE r.id = l.run_id AND r.status = 'running'))
+      AS leases_of_idle_conversations
+"""
+
+
+async def assert_no_violations(db: asyncpg.Connection, context: str) -> None:
+    row = await db.fetchrow(VIOLATIONS)
+    assert all(v == 0 for v in row.values()), f"{context}: {dict(row)}"
+
+
+async def test_concurrent_claimers_never_double_claim_and_keep_one_turn_per_conversation(
+        dsn: str) -> None:
+    """Claimers race (some batch-claiming) while workers finish turns, over many rounds.
+
+    Each round must claim exactly the oldest queued turn of every idle conversation (unrelated
+    conversations never block one another) and nothing else; a conversation whose running turn
+    finishes during the round may or may not have its next turn claimed in that round.
+    """
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    async with connections(dsn, WORKERS + 2) as conns:
+        setup, finisher, workers = conns[0], conns[1], conns[2:]
+        tenant = await new_tenant(setup)
+        convs = [tenant.conversation_id] + [
+            await new_conversation(setup, tenant.account_id) for _ in range(CONVERSATIONS - 1)]
+        queued: dict[UUID, deque[UUID]] = {c: deque() for c in convs}
+        running: dict[UUID, Claim] = {}
+        ever_claimed: set[UUID] = set()
+        rounds = 0
+
+        for iteration in range(ITERATIONS):
+            # Interleave the conversations' new turns in the arrival order of the queue.
+            turns = [c for c in convs for _ in range(rng.randint(0, 2))] or [rng.choice(convs)]
+            rng.shuffle(turns)
+            for conv in turns:
+                queued[conv].append(
+                    (await enqueue(setup, tenant.account_id, conv, f"turn {iteration}")).run_id)
+
+            while any(queued.values()) or running:
+                rounds += 1
+                context = f"seed {seed}, iteration {iteration}, round {rounds}"
+                # Some running turns end during the round, racing the claimers.
+                ending = [c for c in running if rng.random() < 0.5]
+                mandatory = {queued[c][0] for c in convs if c not in running and queued[c]}
+                optional = {queued[c][0] for c in ending if queued[c]}
+                limits = [rng.choice((1, 1, 3)) for _ in workers]
+
+                actions = [
+                    lambda conn=conn, i=i, limit=limit: claim_runs(
+                        conn, worker_id=f"worker-{i}", lease_ttl_s=LEASE_S, limit=limit)
+                    for i, (conn, limit) in enumerate(zip(workers, limits, strict=True))]
+                endings = [running[c] for c in ending]
+                if endings:
+                    actions.append(lambda claims=endings: _finish_all(finisher, claims))
+                results = await race(*actions)
+                assert unexpected(results) == [], context
+
+                claims = [claim for result in results[:WORKERS] for claim in result]
+                claimed = [c.run_id for c in claims]
+                assert len(claimed) == len(set(claimed)), f"{context}: a run claimed twice"
+                assert not ever_claimed & set(claimed), f"{context}: a run claimed again"
+                ever_claimed.update(claimed)
+                assert mandatory <= set(claimed) <= mandatory | optional, (
+                    f"{context}: claimed {claimed}, expected {mandatory} (+ maybe {optional})")
+                by_conv = [c.conversation_id for c in claims]
+                assert len(by_conv) == len(set(by_conv)), f"{context}: two turns of one conv"
+
+                for conv in ending:
+                    del running[conv]
+                for claim in claims:
+                    assert queued[claim.conversation_id][0] == claim.run_id, context
+                    queued[claim.conversation_id].popleft()
+                    assert claim.conversation_id not in running, context
+                    running[claim.conversation_id] = claim
+                await assert_no_violations(setup, context)
+
+    assert rounds >= ITERATIONS
+    assert len(ever_claimed) > ITERATIONS  # the model was exercised, not vacuous
+
+
+async def _finish_all(conn: asyncpg.Connection, claims: list[Claim]) -> None:
+    for claim in claims:
+        await finish_run(conn, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1,
+                         content="done")
+
+
+async def test_batch_claim_takes_at_most_one_turn_per_conversation(dsn: str) -> None:
+    async with connections(dsn, 3) as (setup, first, second):
+        tenant = await new_tenant(setup)
+        convs = [tenant.conversation_id] + [
+            await new_conversation(setup, tenant.account_id) for _ in range(3)]
+        busy = convs[-1]
+        # One conversation already has a turn running: its queued turns must wait.
+        await enqueue(setup, tenant.account_id, busy, "busy")
+        [holder] = await claim_runs(setup, worker_id="holder", lease_ttl_s=LEASE_S)
+        for iteration in range(60):
+            order = [c for c in convs for _ in range(3)]
+            random.Random(iteration).shuffle(order)
+            heads: dict[UUID, UUID] = {}
+            for conv in order:
+                run = await enqueue(setup, tenant.account_id, conv, f"turn {iteration}")
+                heads.setdefault(conv, run.run_id)
+
+            results = await race(
+                lambda: claim_runs(first, worker_id="a", lease_ttl_s=LEASE_S, limit=10),
+                lambda: claim_runs(second, worker_id="b", lease_ttl_s=LEASE_S, limit=10))
+            assert unexpected(results) == []
+            claims = [c for result in results for c in result]
+            assert sorted(c.run_id for c in claims) == sorted(
+                heads[c] for c in convs if c != busy), f"iteration {iteration}"
+            await assert_no_violations(setup, f"iteration {iteration}")
+
+            # A batch claim alone, with no rival: still one turn per conversation.
+            for claim in claims:
+                await finish_run(setup, claim, RunStatus.COMPLETED, seq=3)
+            again = await claim_runs(first, worker_id="a", lease_ttl_s=LEASE_S, limit=10)
+            assert len({c.conversation_id for c in again}) == len(again) == len(convs) - 1
+            assert busy not in {c.conversation_id for c in again}
+            await assert_no_violations(setup, f"iteration {iteration}, alone")
+            for claim in again:
+                await finish_run(setup, claim, RunStatus.COMPLETED, seq=3)
+            # Drain the third turns so the next iteration starts from idle conversations.
+            rest = await claim_runs(first, worker_id="a", lease_ttl_s=LEASE_S, limit=10)
+            assert len(rest) == len(convs) - 1
+            for claim in rest:
+                await finish_run(setup, claim, RunStatus.COMPLETED, seq=3)
+        assert await setup.fetchval("SELECT status FROM agent_run WHERE id = $1",
+                                    holder.run_id) == RunStatus.RUNNING
+        assert await setup.fetchval(
+            "SELECT count(*) FROM agent_run WHERE conversation_id = $1 AND status = 'queued'",
+            busy) == 180

@@ -1,0 +1,75 @@
+"""Rules 3-4: a worker killed with -9 mid-turn is reaped `failed` by another process once its
+lease passes, its conversation moves on, and nothing ever runs the dead turn again.
+"""
+
+from __future__ import annotations
+
+from agentd.vocabulary import EventType, RunStatus
+from tests.process.helpers import (
+    assert_journal_sound,
+    assistant_messages,
+    enqueue_demo,
+    events,
+    new_account,
+    new_conversation,
+    of_type,
+    run_row,
+    wait_status,
+    wait_streaming,
+)
+
+LEASE = {"lease_ttl_s": 2, "heartbeat_s": 0.5}
+
+
+async def test_killed_worker_is_reaped_failed_and_the_next_turn_runs(spawn_daemon, pool):
+    doomed = spawn_daemon(name="doomed", **LEASE)
+    await doomed.wait_ready()
+    account = await new_account(pool)
+    conversation = await new_conversation(pool, account)
+    long = await enqueue_demo(pool, account, conversation, "a long answer", tokens=2000,
+                              delay_ms=20)
+    await wait_streaming(pool, long.run_id, timeout=10)
+    nxt = await enqueue_demo(pool, account, conversation, "the next turn", tokens=5)
+    claimed = await run_row(pool, long.run_id)
+    assert claimed["worker_id"] == doomed.worker_id
+    assert (await run_row(pool, nxt.run_id))["status"] == RunStatus.QUEUED  # one turn at a time
+
+    doomed.kill()
+    assert await doomed.wait_exit(5) == -9
+    assert (await run_row(pool, long.run_id))["status"] == RunStatus.RUNNING  # a tombstone
+
+    reaper = spawn_daemon(name="reaper", reap_interval_s=0.2, reap_grace_s=0, **LEASE)
+    await reaper.wait_ready()
+
+    dead = await wait_status(pool, long.run_id, RunStatus.FAILED, timeout=15)
+    assert "lease expired" in dead["error"]
+    assert dead["finished_at"] >= dead["lease_expires_at"], "reaped before its lease passed"
+    journal = await events(pool, long.run_id)
+    assert_journal_sound(journal)
+    [complete] = of_type(journal, EventType.COMPLETE)
+    assert complete["payload"]["status"] == RunStatus.FAILED
+    assert complete["payload"]["error"] == dead["error"]
+
+    # The conversation is not wedged: its queued turn runs, on the surviving process.
+    done = await wait_status(pool, nxt.run_id, (RunStatus.COMPLETED, RunStatus.FAILED),
+                             timeout=10)
+    assert done["status"] == RunStatus.COMPLETED, done["error"]
+    assert done["worker_id"] == reaper.worker_id
+    assert done["started_at"] > dead["finished_at"]
+    [answer] = await assistant_messages(pool, nxt.run_id)
+    assert (answer["content"], answer["status"]) == (nxt.expected, "complete")
+    assert await pool.fetchval(
+        "SELECT count(*) FROM conversation_lease WHERE conversation_id = $1", conversation) == 0
+
+    # At most once: the dead turn was started once, by the dead process, and stays failed
+    # with the claim it died holding (nobody claimed it again).
+    after = await run_row(pool, long.run_id)
+    assert after["status"] == RunStatus.FAILED
+    assert (after["claim_token"], after["fence"], after["worker_id"]) == \
+        (claimed["claim_token"], claimed["fence"], doomed.worker_id)
+    journal = await events(pool, long.run_id)
+    [started] = of_type(journal, EventType.RUN_STARTED)
+    assert started["payload"]["worker_id"] == doomed.worker_id
+    assert len(of_type(journal, EventType.COMPLETE)) == 1
+    assert await assistant_messages(pool, long.run_id) == []
+    assert reaper.running
