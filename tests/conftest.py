@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -27,7 +29,7 @@ def with_database(dsn: str, database: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def pg_admin_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def pg_admin_dsn() -> Iterator[str]:
     """A DSN with rights to create databases: the configured server or an embedded one."""
     configured = os.environ.get("AGENTD_TEST_DSN")
     if configured:
@@ -35,12 +37,17 @@ def pg_admin_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         return
     from agentd.embedded_pg import EmbeddedPostgres
 
-    server = EmbeddedPostgres(tmp_path_factory.mktemp("embedded pg"), fast=True)
-    server.start()
+    # Not under pytest's tmp dir: as root, the server runs as an unprivileged account, which
+    # cannot enter pytest's 0700 base directory. The space in the name keeps that path honest.
+    root = Path(tempfile.mkdtemp(prefix="agentd tests "))
+    root.chmod(0o755)
+    server = EmbeddedPostgres(root, fast=True)
     try:
+        server.start()
         yield server.dsn("postgres")
     finally:
         server.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

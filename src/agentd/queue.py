@@ -121,9 +121,10 @@ class Ending:
     error: str | None
 
 
-def request_hash(conversation_id: UUID, request: dict[str, Any]) -> str:
+def request_hash(conversation_id: UUID, content: str, request: dict[str, Any]) -> str:
     """Stable digest of a run request: same key + same payload means the same run."""
-    canonical = json.dumps({"conversation_id": str(conversation_id), "request": request},
+    canonical = json.dumps({"conversation_id": str(conversation_id), "content": content,
+                            "request": request},
                            sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -132,7 +133,7 @@ async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, conten
                       request: dict[str, Any], device_id: UUID | None = None,
                       idempotency_key: str | None = None) -> EnqueuedRun:
     """Write message + run + journal seq 1-2 + wake in one statement (rule 1)."""
-    digest = request_hash(conversation_id, request)
+    digest = request_hash(conversation_id, content, request)
     row = await db.fetchrow(Q["enqueue_run"], account_id, conversation_id, device_id, content,
                             request, digest, idempotency_key)
     if row is not None:

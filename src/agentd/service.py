@@ -207,7 +207,8 @@ class Service:
         first = await conn.fetchrow(Q["find_run_by_idempotency_key"], who.account_id, key)
         if first is None:
             return None
-        if first["request_hash"] != queue.request_hash(conversation_id, req.snapshot()):
+        if first["request_hash"] != queue.request_hash(conversation_id, req.content,
+                                                         req.snapshot()):
             raise _idempotency_conflict(first["id"])
         return CreatedRun(first["id"], RunStatus(first["status"]), first["conversation_id"],
                           replayed=True)
