@@ -542,3 +542,14 @@ LIMIT 1;
 -- A tail's truth check when the journal is quiet: a terminal run without a journaled
 -- `complete` gets one synthesized from this row.
 SELECT status, error FROM agent_run WHERE id = $1::uuid;
+
+-- search_messages --
+-- Search across one account's conversations (titles and transcripts); scoped by account first.
+-- The pattern is a bound parameter; LIKE metacharacters in it are escaped by the caller.
+SELECT c.id AS conversation_id, c.title, m.id AS message_id, m.role, m.content, m.created_at
+FROM message m
+JOIN conversation c ON c.id = m.conversation_id
+WHERE c.account_id = $1::uuid AND m.status <> 'draft'
+  AND (m.content ILIKE $2::text ESCAPE '\' OR c.title ILIKE $2::text ESCAPE '\')
+ORDER BY m.created_at DESC
+LIMIT $3::int;

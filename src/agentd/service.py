@@ -147,6 +147,14 @@ class Service:
             raise not_found("conversation")
         return convs.Conversation(**dict(row))
 
+    async def search(self, who: Principal, query: str, limit: int = 50) -> list[asyncpg.Record]:
+        """Messages (and titles) containing `query`, newest first, across the caller's account."""
+        query = query.strip()
+        if not query or len(query) > 200:
+            raise ServiceError(400, "invalid_query", "q must be 1-200 characters")
+        escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        return await self.pool.fetch(Q["search_messages"], who.account_id, f"%{escaped}%", limit)
+
     async def conversation_state(self, who: Principal, conversation_id: UUID,
                                  db: queue.Db | None = None) -> convs.ConversationState:
         state = await convs.conversation_state(db or self.pool, who.account_id, conversation_id)

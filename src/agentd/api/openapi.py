@@ -142,6 +142,25 @@ def build_spec() -> dict[str, Any]:
                     "responses": {"200": _json(_ref("Conversation"), "renamed"),
                                   "400": _error("bad input"),
                                   "404": _error("no such conversation"), **_ERRORS}}},
+            "/v1/conversations/{id}/export": {"get": {
+                "summary": "the transcript as Markdown", "parameters": [_ID],
+                "responses": {"200": {"description": "Markdown", "content": {
+                    "text/markdown": {"schema": {"type": "string"}}}},
+                    "404": _error("no such conversation"), **_ERRORS}}},
+            "/v1/search": {"get": {
+                "summary": "search titles and messages across the account's conversations",
+                "parameters": [
+                    {"name": "q", "in": "query", "required": True,
+                     "schema": {"type": "string", "minLength": 1, "maxLength": 200}},
+                    {"name": "limit", "in": "query",
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 200}}],
+                "responses": {"200": _json({"type": "object", "required": ["results"],
+                                            "properties": {"results": {
+                                                "type": "array", "items": {
+                                                    "type": "object", "required": [
+                                                        "conversation_id", "message_id",
+                                                        "content"]}}}}, "matches"),
+                              "400": _error("bad query"), **_ERRORS}}},
             "/v1/conversations/{id}/runs": {"post": {
                 "summary": "queue a turn (202: it runs in the background)",
                 "parameters": [_ID, {"name": "Idempotency-Key", "in": "header",

@@ -13,6 +13,7 @@ from aiohttp import web
 from agentd.api import RUNTIME, sse, wire
 from agentd.api.auth import auth_middleware, principal
 from agentd.api.errors import error_middleware
+from agentd.export import conversation_markdown
 from agentd.queries import Q
 from agentd.service import (
     Service,
@@ -39,6 +40,8 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/v1/conversations", list_conversations)
     r.add_get("/v1/conversations/{id}", get_conversation)
     r.add_patch("/v1/conversations/{id}", rename_conversation)
+    r.add_get("/v1/conversations/{id}/export", export_conversation)
+    r.add_get("/v1/search", search)
     r.add_post("/v1/conversations/{id}/runs", create_run)
     r.add_post("/v1/conversations/{id}/stop", stop_conversation)
     r.add_get("/v1/conversations/{id}/events", conversation_events)
@@ -114,6 +117,22 @@ async def rename_conversation(request: web.Request) -> web.Response:
     renamed = await _service(request).rename_conversation(principal(request), conversation_id,
                                                           title)
     return web.json_response(wire.conversation(renamed))
+
+
+async def export_conversation(request: web.Request) -> web.Response:
+    conversation_id = _path_id(request, "conversation")
+    state = await _service(request).conversation_state(principal(request), conversation_id)
+    return web.Response(text=conversation_markdown(state), content_type="text/markdown",
+                        charset="utf-8")
+
+
+async def search(request: web.Request) -> web.Response:
+    limit = _int_query(request, "limit", 50, 1, 200)
+    rows = await _service(request).search(principal(request), request.query.get("q", ""), limit)
+    return web.json_response({"results": [
+        {"conversation_id": str(r["conversation_id"]), "title": r["title"],
+         "message_id": str(r["message_id"]), "role": r["role"], "content": r["content"],
+         "created_at": wire.ts(r["created_at"])} for r in rows]})
 
 
 async def create_run(request: web.Request) -> web.Response:
