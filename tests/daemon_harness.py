@@ -166,11 +166,29 @@ class Daemon:
                 os.killpg(self.pid, signal.SIGKILL)
 
     def stop(self) -> None:
-        """SIGSTOP: frozen mid-instruction, as in a long GC pause or a suspended VM."""
+        """SIGSTOP: frozen mid-instruction, as in a long GC pause or a suspended VM.
+
+        Returns once the kernel reports the process stopped (signal delivery is asynchronous).
+        """
         self.send_signal(signal.SIGSTOP)
+        self._await_state(lambda state: state == "T", "stopped")
 
     def cont(self) -> None:
+        """SIGCONT: resumes a stopped process; returns once it is no longer stopped."""
         self.send_signal(signal.SIGCONT)
+        self._await_state(lambda state: state != "T", "resumed")
+
+    def _await_state(self, reached: Callable[[str | None], bool], what: str,
+                     timeout: float = 5.0) -> None:
+        # Blocking on purpose: the kernel settles this within microseconds, and a test that
+        # signals a daemon must not observe anything before the signal took effect.
+        if not Path("/proc/self/stat").exists():
+            return
+        deadline = time.monotonic() + timeout
+        while not reached(self.process_state()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} was not {what} after {timeout:g}s")
+            time.sleep(0.001)
 
     async def wait_exit(self, timeout: float = DEFAULT_EXIT_TIMEOUT_S) -> int:
         """The exit code once the process is gone (negative: killed by that signal)."""

