@@ -94,3 +94,20 @@ async def test_stop_with_notify_lost_cancels_within_one_heartbeat(spawn_daemon, 
     elapsed = time.monotonic() - started
     assert elapsed < 3 * heartbeat_s, f"stopped after {elapsed:.2f}s"
     await assert_cancelled_keeping_partial_answer(pool, turn)
+
+
+async def test_stop_landing_mid_journal_write_still_ends_cancelled(spawn_daemon, pool):
+    # A 1 ms flush clock and no pacing keep the emitter writing almost all the time, so the
+    # stop nearly always cancels the turn while a journal batch is in flight or waiting.
+    daemon = spawn_daemon(flush_ms=1)
+    await daemon.wait_ready()
+    account = await new_account(pool)
+    for n in range(3):
+        conversation = await new_conversation(pool, account)
+        turn = await enqueue_demo(pool, account, conversation, f"flood {n}", tokens=100_000)
+        await wait_streaming(pool, turn.run_id, timeout=10, min_deltas=2)
+        await stop_conversation(pool, account_id=account, conversation_id=conversation)
+        row = await wait_status(pool, turn.run_id, (RunStatus.CANCELLED, RunStatus.COMPLETED,
+                                                    RunStatus.FAILED), timeout=10)
+        assert row["status"] == RunStatus.CANCELLED, row["error"]
+        await assert_cancelled_keeping_partial_answer(pool, turn)
