@@ -120,6 +120,16 @@ WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
   AND r.lease_expires_at > clock.now
 RETURNING r.cancel_requested, r.lease_expires_at;
 
+-- check_lease --
+-- Seed 000: before a turn's first write, the granted deadline must still be ahead (database
+-- clock) and the claim still ours; zero rows = LeaseLost. Read-only, so no synchronous commit
+-- delays the start (the claim has just granted a full lease). Also reads the cancel flag after
+-- the worker subscribed to stop hints, so a stop that landed in between is not missed.
+SELECT cancel_requested, lease_expires_at
+FROM agent_run
+WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
+  AND lease_expires_at > clock_timestamp();
+
 -- append_events_fenced --
 -- Rule 7: a worker's journal batch lands whole or not at all, only while it owns the run.
 -- FOR SHARE on the run row serializes with the reaper and stop, so a finalizer's max(seq)+1
@@ -364,11 +374,20 @@ RETURNING id, account_id, name, created_at;
 
 -- authenticate_device --
 -- Rule 9: a bearer token resolves to (account, device) only while not revoked; marks it seen.
-UPDATE device d
-SET last_seen_at = clock_timestamp()
-FROM account a
-WHERE d.token_hash = $1::bytea AND d.revoked_at IS NULL AND a.id = d.account_id
-RETURNING d.id AS device_id, d.name AS device_name, d.account_id, a.name AS account_name;
+-- last_seen_at moves at most once a minute: writing it on every request put a synchronous
+-- commit, and a row lock that all of a device's requests queue on, in front of every API call.
+WITH found AS (
+    SELECT d.id, d.name, d.account_id, a.name AS account_name
+    FROM device d JOIN account a ON a.id = d.account_id
+    WHERE d.token_hash = $1::bytea AND d.revoked_at IS NULL
+), seen AS (
+    UPDATE device d SET last_seen_at = clock_timestamp()
+    FROM found
+    WHERE d.id = found.id AND d.revoked_at IS NULL
+      AND (d.last_seen_at IS NULL OR d.last_seen_at < clock_timestamp() - interval '1 minute')
+)
+SELECT found.id AS device_id, found.name AS device_name, found.account_id, found.account_name
+FROM found;
 
 -- list_devices --
 -- Operators see every credential, never a token.
@@ -512,8 +531,8 @@ ORDER BY min(p.since), d.name;
 DELETE FROM presence WHERE expires_at < clock_timestamp() - interval '1 minute';
 
 -- lock_conversation --
--- Serializes run creation per conversation for on_busy decisions (enqueue takes this row lock
--- too), so two `reject` requests cannot both see the conversation idle.
+-- Serializes run creation and stops per conversation (enqueue takes this row lock too): two
+-- `reject` requests cannot both see it idle, and a stop sweeps every turn committed before it.
 SELECT id FROM conversation WHERE id = $1::uuid AND account_id = $2::uuid FOR UPDATE;
 
 -- list_runs_of_conversation_since --
@@ -553,3 +572,34 @@ WHERE c.account_id = $1::uuid AND m.status <> 'draft'
   AND (m.content ILIKE $2::text ESCAPE '\' OR c.title ILIKE $2::text ESCAPE '\')
 ORDER BY m.created_at DESC
 LIMIT $3::int;
+
+-- append_note_fenced --
+-- Seed 000, downstream fencing: the notebook raises its per-conversation high-water mark and
+-- appends in ONE statement; a fence lower than the mark (a superseded execution) updates and
+-- inserts nothing (zero rows = rejected). The conflicting mark row is locked and re-checked, so
+-- concurrent writers serialize on it and an older fence can never slip in after a newer one.
+WITH mark AS (
+    INSERT INTO conversation_note_fence (conversation_id, fence, run_id)
+    VALUES ($1::uuid, $2::bigint, $3::uuid)
+    ON CONFLICT (conversation_id) DO UPDATE
+        SET fence = EXCLUDED.fence, run_id = EXCLUDED.run_id, updated_at = clock_timestamp()
+        WHERE conversation_note_fence.fence <= EXCLUDED.fence
+    RETURNING fence
+)
+INSERT INTO conversation_note (conversation_id, run_id, fence, text)
+SELECT $1::uuid, $3::uuid, mark.fence, $4::text FROM mark
+RETURNING id, created_at;
+
+-- note_fence_mark --
+-- The highest fence the notebook has seen for a conversation (what a rejection reports).
+SELECT fence FROM conversation_note_fence WHERE conversation_id = $1::uuid;
+
+-- list_notes --
+-- A conversation's notes in the order written; the most recent $2 of them.
+SELECT id, text, run_id, created_at FROM (
+    SELECT id, text, run_id, created_at FROM conversation_note
+    WHERE conversation_id = $1::uuid
+    ORDER BY id DESC
+    LIMIT $2::int
+) AS latest
+ORDER BY id;

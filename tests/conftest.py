@@ -22,6 +22,14 @@ from agentd import db as dbmod
 from agentd.migrate import migrate
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("agentd")
+    group.addoption("--chaos-runs", type=int, default=150,
+                    help="turns posted during the chaos storm (long soak: 500+)")
+    group.addoption("--chaos-conversations", type=int, default=25,
+                    help="conversations the storm spreads its turns over")
+
+
 def with_database(dsn: str, database: str) -> str:
     """The same server address with another database name."""
     parts = urlsplit(dsn)

@@ -202,6 +202,14 @@ async def heartbeat(db: Db, claim: Claim, lease_ttl_s: float) -> Beat:
     return Beat(row["cancel_requested"], row["lease_expires_at"])
 
 
+async def check_lease(db: Db, claim: Claim) -> Beat:
+    """Read-only: is the lease still ours and ahead? Raises LeaseLost if not (no renewal)."""
+    row = await db.fetchrow(Q["check_lease"], claim.run_id, claim.claim_token)
+    if row is None:
+        raise LeaseLost(claim.run_id, "lease check")
+    return Beat(row["cancel_requested"], row["lease_expires_at"])
+
+
 async def append_events(db: Db, claim: Claim, events: Sequence[NewEvent]) -> None:
     """Append a batch to the journal behind the fence, all or nothing (rule 7)."""
     if not events:
@@ -293,6 +301,9 @@ async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID
     flagged and woken; its worker finalizes it 'cancelled'.
     """
     async with _acquire(pool) as conn, conn.transaction():
+        # The conversation row first: a turn enqueued concurrently either commits before the
+        # sweep (and is swept) or is created after it (and runs): never half-seen.
+        await conn.fetchval(Q["lock_conversation"], conversation_id, account_id)
         locked = await conn.fetch(Q["lock_active_runs"], conversation_id, account_id)
         if run_ids is not None:
             wanted = set(run_ids)

@@ -1,0 +1,46 @@
+"""The storm runs on a PostgreSQL of its own, because it restarts it."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentd.embedded_pg import EmbeddedPostgres
+from agentd.migrate import migrate
+from tests.daemon_harness import pytest_runtest_makereport
+
+__all__ = ["pytest_runtest_makereport"]
+
+
+@pytest.fixture
+def storm_server() -> Iterator[tuple[EmbeddedPostgres, str]]:
+    root = Path(tempfile.mkdtemp(prefix="agentd storm "))
+    root.chmod(0o755)
+    server = EmbeddedPostgres(root, fast=True, settings={"max_connections": "300"})
+    try:
+        server.start()
+
+        async def prepare() -> None:
+            import asyncpg
+
+            admin = await asyncpg.connect(server.dsn("postgres"))
+            try:
+                await admin.execute("CREATE DATABASE storm")
+            finally:
+                await admin.close()
+            conn = await asyncpg.connect(server.dsn("storm"))
+            try:
+                await migrate(conn)
+            finally:
+                await conn.close()
+
+        asyncio.run(prepare())
+        yield server, server.dsn("storm")
+    finally:
+        server.stop(force=True)
+        shutil.rmtree(root, ignore_errors=True)
