@@ -18,9 +18,8 @@ from agentd import conversations as convs
 from agentd import queue
 from agentd.accounts import Principal
 from agentd.hub import Hub
-from agentd.providers import ModelRef, parse_model
+from agentd.providers import ModelRef, parse_model, validate_params
 from agentd.providers.base import UnknownModel
-from agentd.providers.demo import validate_params
 from agentd.queries import Q
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
@@ -101,11 +100,10 @@ def validate_run_request(body: Any, settings: Settings, tool_names: set[str]) ->
         params = {}
     if not isinstance(params, dict):
         raise ServiceError(400, "invalid_params", "params must be a JSON object")
-    if settings.providers[model.provider].kind == "demo":
-        try:
-            validate_params(params, tool_names)
-        except ValueError as exc:
-            raise ServiceError(422, "invalid_params", str(exc)) from None
+    try:
+        validate_params(settings.providers[model.provider], params, tool_names)
+    except ValueError as exc:
+        raise ServiceError(422, "invalid_params", str(exc)) from None
     on_busy = body.get("on_busy", "enqueue")
     if on_busy not in ON_BUSY:
         raise ServiceError(400, "invalid_on_busy", f"on_busy must be one of {', '.join(ON_BUSY)}")

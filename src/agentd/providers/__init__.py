@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from agentd.providers.base import Provider, UnknownModel
+from agentd.providers.base import Provider, ProviderError, UnknownModel
 from agentd.providers.demo import DemoProvider
+from agentd.providers.demo import validate_params as validate_demo_params
+from agentd.providers.params import validate_sampling_params
 from agentd.settings import ProviderConfig, Settings
 
 
@@ -33,8 +36,17 @@ def parse_model(name: str | None, settings: Settings) -> ModelRef:
     return ModelRef(provider, model)
 
 
+def validate_params(config: ProviderConfig, params: dict[str, Any],
+                    tool_names: set[str]) -> dict[str, Any]:
+    """A run's params for the provider it names; raises ValueError naming the bad one."""
+    if config.kind == "demo":
+        return validate_demo_params(params, tool_names)
+    return validate_sampling_params(config.kind, params)
+
+
 class ProviderRegistry:
-    """Builds each configured provider once, on first use."""
+    """Builds each configured provider once, on first use; remote ones share one HTTP client
+    each (closed by `close`)."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -48,10 +60,25 @@ class ProviderRegistry:
     def _build(self, config: ProviderConfig) -> Provider:
         if config.kind == "demo":
             return DemoProvider()
-        raise UnknownModel(f"provider kind {config.kind!r} is not available in this build")
+        if config.kind == "openai":
+            from agentd.providers.openai import OpenAIProvider
+
+            return OpenAIProvider(config)
+        if config.kind == "anthropic":
+            from agentd.providers.anthropic import AnthropicProvider
+
+            return AnthropicProvider(config)
+        if config.kind == "local":
+            from agentd.providers.local import LocalProvider
+
+            return LocalProvider(config)
+        raise ProviderError(f"provider kind {config.kind!r} is not available in this build")
 
     async def close(self) -> None:
-        for provider in self._built.values():
+        built, self._built = list(self._built.values()), {}
+        for provider in built:
             close = getattr(provider, "aclose", None)
             if close is not None:
                 await close()
+
+    aclose = close

@@ -20,7 +20,9 @@ class TextDelta:
 class ToolCallRequest:
     id: str
     name: str
-    arguments: dict[str, Any]
+    # The decoded JSON object; the raw text when the model sent arguments that are not one
+    # (the tool registry turns that into a tool error result the model can read and correct).
+    arguments: dict[str, Any] | str
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +33,7 @@ class Usage:
 
 @dataclass(frozen=True, slots=True)
 class Finish:
-    reason: str  # "stop" | "tool_calls" | "length"
+    reason: str  # "stop" | "tool_calls" | "length" | "content_filter"
 
 
 StreamItem = TextDelta | ToolCallRequest | Usage | Finish

@@ -52,6 +52,8 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 
 def validate_arguments(schema: dict[str, Any], args: Any) -> None:
     """The subset of JSON schema tools use: object, properties, required, types, enum, maxLength."""
+    if isinstance(args, str):
+        raise ToolError(f"arguments are not a JSON object: {args[:200]!r}")
     if not isinstance(args, dict):
         raise ToolError("arguments must be a JSON object")
     props: dict[str, Any] = schema.get("properties", {})
@@ -99,5 +101,6 @@ class ToolRegistry:
 
 def default_tools() -> ToolRegistry:
     from agentd.tools.builtin import calculator_tool, clock_tool
+    from agentd.tools.notes import notes_tool
 
-    return ToolRegistry([clock_tool(), calculator_tool()])
+    return ToolRegistry([clock_tool(), calculator_tool(), notes_tool()])

@@ -1,0 +1,62 @@
+"""The `notes` tool: a per-conversation notebook in PostgreSQL whose writes are fenced.
+
+Seed 000's downstream resource: each append carries the run's fence, and the notebook rejects a
+fence lower than the highest it has seen for the conversation, so an execution that lost its
+lease (and was superseded) cannot write after its successor did. Reads are not fenced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentd.queries import Q
+from agentd.tools.registry import Tool, ToolContext, ToolError
+
+MAX_NOTE_CHARS = 4000
+DEFAULT_LIST_LIMIT = 50
+MAX_LIST_LIMIT = 200
+
+
+class StaleFence(ToolError):
+    """A superseded execution tried to write: nothing was written."""
+
+
+async def append_note(ctx: ToolContext, text: str) -> dict[str, Any]:
+    """Append behind the fence; raises StaleFence (writing nothing) for a superseded run."""
+    row = await ctx.db.fetchrow(Q["append_note_fenced"], ctx.conversation_id, ctx.fence,
+                                ctx.run_id, text)
+    if row is None:
+        mark = await ctx.db.fetchval(Q["note_fence_mark"], ctx.conversation_id)
+        raise StaleFence(f"rejected: this run's fence {ctx.fence} is lower than {mark}, which a "
+                         "newer execution of this conversation already used; nothing written")
+    return {"note_id": row["id"], "created_at": row["created_at"].isoformat()}
+
+
+async def list_notes(ctx: ToolContext, limit: int) -> dict[str, Any]:
+    rows = await ctx.db.fetch(Q["list_notes"], ctx.conversation_id, limit)
+    return {"notes": [{"note_id": r["id"], "text": r["text"],
+                       "created_at": r["created_at"].isoformat()} for r in rows]}
+
+
+async def _notes(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
+    if args["action"] == "append":
+        text = str(args.get("text") or "").strip()
+        if not text:
+            raise ToolError("append needs a non-empty 'text'")
+        return await append_note(ctx, text)
+    limit = args.get("limit", DEFAULT_LIST_LIMIT)
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise ToolError(f"limit must be between 1 and {MAX_LIST_LIMIT}")
+    return await list_notes(ctx, limit)
+
+
+def notes_tool() -> Tool:
+    return Tool(
+        "notes",
+        "This conversation's notebook: 'append' a note (text) or 'list' the latest notes.",
+        {"type": "object",
+         "properties": {"action": {"type": "string", "enum": ["append", "list"]},
+                        "text": {"type": "string", "maxLength": MAX_NOTE_CHARS},
+                        "limit": {"type": "integer"}},
+         "required": ["action"], "additionalProperties": False},
+        _notes)

@@ -1,0 +1,105 @@
+"""The `notes` tool: seed 000's downstream fencing, against a real PostgreSQL.
+
+A superseded execution (its lease expired, the run was reaped, a newer run claimed the
+conversation with a higher fence) must not write once the newer one did; the current one must.
+"""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import asyncpg
+import pytest
+
+from agentd.queue import Claim, claim_runs, reap_expired
+from agentd.tools import ToolContext, ToolError, default_tools
+from agentd.tools.notes import StaleFence
+from tests.integration.helpers import enqueue, new_tenant, race, wait_lease_expired
+
+WORKER = "notes-test-worker"
+
+
+async def _notes(pool: asyncpg.Pool, conversation_id: UUID) -> list[asyncpg.Record]:
+    return await pool.fetch("SELECT id, run_id, fence, text FROM conversation_note"
+                            " WHERE conversation_id = $1 ORDER BY id", conversation_id)
+
+
+async def _superseded_and_current(pool: asyncpg.Pool) -> tuple[ToolContext, ToolContext]:
+    """Run A claimed, its lease expired and reaped; run B then claimed the conversation."""
+    tenant = await new_tenant(pool)
+    run_a = await enqueue(pool, tenant.account_id, tenant.conversation_id, "first")
+    [claim_a] = await claim_runs(pool, worker_id=WORKER, lease_ttl_s=0.2)
+    assert claim_a.run_id == run_a.run_id
+    await wait_lease_expired(pool, claim_a.run_id)
+    assert claim_a.run_id in await reap_expired(pool, grace_s=0, limit=10)
+    run_b = await enqueue(pool, tenant.account_id, tenant.conversation_id, "second")
+    [claim_b] = await claim_runs(pool, worker_id=WORKER, lease_ttl_s=30)
+    assert claim_b.run_id == run_b.run_id and claim_b.fence > claim_a.fence
+
+    def context(claim: Claim) -> ToolContext:
+        return ToolContext(claim.run_id, claim.conversation_id, claim.account_id, claim.fence,
+                           pool)
+
+    return context(claim_a), context(claim_b)
+
+
+async def test_notes_write_from_a_superseded_run_is_rejected_and_writes_nothing(
+        pool: asyncpg.Pool) -> None:
+    zombie, current = await _superseded_and_current(pool)
+    tools = default_tools()
+
+    accepted = await tools.call("notes", {"action": "append", "text": "from B"}, current)
+    assert accepted["note_id"] > 0
+    before = await _notes(pool, current.conversation_id)
+
+    with pytest.raises(StaleFence, match=f"fence {zombie.fence} is lower than "
+                                         f"{current.fence}.*nothing written"):
+        await tools.call("notes", {"action": "append", "text": "from zombie A"}, zombie)
+    assert await _notes(pool, current.conversation_id) == before
+    mark = await pool.fetchval("SELECT fence FROM conversation_note_fence"
+                               " WHERE conversation_id = $1", current.conversation_id)
+    assert mark == current.fence, "a rejected write must not move the high-water mark"
+
+    # The current run keeps writing (equal fence), and reads see only accepted notes.
+    await tools.call("notes", {"action": "append", "text": "from B again"}, current)
+    rows = await _notes(pool, current.conversation_id)
+    assert [(r["text"], r["fence"], r["run_id"]) for r in rows] == [
+        ("from B", current.fence, current.run_id),
+        ("from B again", current.fence, current.run_id)]
+    listed = await tools.call("notes", {"action": "list"}, zombie)  # reads are not fenced
+    assert [n["text"] for n in listed["notes"]] == ["from B", "from B again"]
+
+
+async def test_racing_fenced_writers_never_land_an_older_fence_after_a_newer_one(
+        pool: asyncpg.Pool) -> None:
+    older, newer = await _superseded_and_current(pool)
+    tools = default_tools()
+    rejected = 0
+    for round_no in range(1, 31):
+        low = ToolContext(older.run_id, older.conversation_id, older.account_id,
+                          10 * round_no + 1, pool)
+        high = ToolContext(newer.run_id, newer.conversation_id, newer.account_id,
+                           10 * round_no + 2, pool)
+        results = await race(
+            lambda low=low: tools.call("notes", {"action": "append", "text": "low"}, low),
+            lambda high=high: tools.call("notes", {"action": "append", "text": "high"}, high))
+        assert not isinstance(results[1], BaseException), results[1]
+        if isinstance(results[0], BaseException):
+            assert isinstance(results[0], StaleFence), results[0]
+            rejected += 1
+    rows = await _notes(pool, newer.conversation_id)
+    fences = [r["fence"] for r in rows]
+    assert fences == sorted(fences), "an older fence landed after a newer one"
+    assert len(rows) == 60 - rejected
+    assert {r["fence"] for r in rows if r["text"] == "high"} == {
+        10 * n + 2 for n in range(1, 31)}
+
+
+async def test_notes_arguments_are_checked(pool: asyncpg.Pool) -> None:
+    _, current = await _superseded_and_current(pool)
+    tools = default_tools()
+    with pytest.raises(ToolError, match="non-empty 'text'"):
+        await tools.call("notes", {"action": "append", "text": "   "}, current)
+    with pytest.raises(ToolError, match="limit must be between"):
+        await tools.call("notes", {"action": "list", "limit": 0}, current)
+    assert await _notes(pool, current.conversation_id) == []

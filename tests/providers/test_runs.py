@@ -1,0 +1,220 @@
+"""Whole turns through the executor against fake provider servers and a real PostgreSQL.
+
+The worker runs in this process (a real hub, pool and TurnRunner); the providers are configured
+the way a daemon would be, through AGENTD_* variables, and talk HTTP to the fake servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+import pytest
+
+from agentd.executor import TurnRunner
+from agentd.hub import Hub
+from agentd.providers import ProviderRegistry
+from agentd.queue import claim_runs, reap_expired
+from agentd.settings import Settings, load_settings
+from agentd.tools import default_tools
+from agentd.vocabulary import EventType, RunStatus
+from tests.integration.helpers import assert_journal_sound, enqueue, new_tenant
+from tests.process.helpers import wait_streaming
+from tests.providers.fake_servers import (
+    FakeServer,
+    anthropic_message,
+    endless,
+    hang,
+    openai_chunk,
+    openai_text,
+    openai_tool_calls,
+    sse,
+    status,
+)
+
+WORKER = "provider-test-worker"
+
+
+def settings_for(tmp_path: Path, env: Mapping[str, str]) -> Settings:
+    config = tmp_path / "agentd.toml"
+    config.write_text("")
+    return load_settings(config, env={"AGENTD_HEARTBEAT_S": "1", "AGENTD_FLUSH_MS": "20",
+                                      **env})
+
+
+@asynccontextmanager
+async def worker(dsn: str, pool: asyncpg.Pool, settings: Settings) -> AsyncIterator[TurnRunner]:
+    hub = Hub(dsn)
+    await hub.start()
+    providers = ProviderRegistry(settings)
+    try:
+        yield TurnRunner(pool, hub, settings, providers, default_tools())
+    finally:
+        await providers.close()
+        await hub.close()
+
+
+async def run_turn(dsn: str, pool: asyncpg.Pool, settings: Settings, model: str,
+                   content: str = "what is 6*7?", params: dict[str, Any] | None = None
+                   ) -> tuple[asyncpg.Record, list[asyncpg.Record]]:
+    """Enqueue one turn, claim it, run it to its end; (run row, journal)."""
+    tenant = await new_tenant(pool)
+    run = await enqueue(pool, tenant.account_id, tenant.conversation_id, content,
+                        request={"content": content, "model": model, "params": params or {}})
+    [claim] = await claim_runs(pool, worker_id=WORKER, lease_ttl_s=settings.lease_ttl_s)
+    assert claim.run_id == run.run_id
+    async with worker(dsn, pool, settings) as runner:
+        assert await runner.run(claim)
+    row = await pool.fetchrow("SELECT * FROM agent_run WHERE id = $1", run.run_id)
+    return row, await assert_journal_sound(pool, run.run_id)
+
+
+def of_type(rows: list[asyncpg.Record], kind: EventType) -> list[dict[str, Any]]:
+    return [r["payload"] for r in rows if r["type"] == kind]
+
+
+async def answer(pool: asyncpg.Pool, run_id: UUID) -> list[tuple[str, str, str]]:
+    rows = await pool.fetch("SELECT role, content, status FROM message WHERE run_id = $1"
+                            " ORDER BY position", run_id)
+    return [(r["role"], r["content"], r["status"]) for r in rows]
+
+
+def openai_env(fake: FakeServer, **extra: str) -> dict[str, str]:
+    return {"AGENTD_OPENAI_BASE_URL": fake.base_url + "/v1",
+            "AGENTD_OPENAI_API_KEY_ENV": "AGENTD_TEST_UNSET_KEY", "AGENTD_OPENAI_TIMEOUT_S": "10",
+            **extra}
+
+
+async def test_openai_turn_with_a_tool_step_sums_usage_and_keeps_the_answer(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+    fake.script(sse(openai_tool_calls([("call_7", "calculator",
+                                        ['{"expression"', ': "6 * 7"}'])], usage=(30, 20))),
+                sse(openai_text("The answer ", "is 42.", usage=(50, 6))))
+    settings = settings_for(tmp_path, openai_env(fake))
+    row, journal = await run_turn(dsn, pool, settings, "openai:fake")
+
+    assert row["status"] == RunStatus.COMPLETED, row["error"]
+    assert row["usage"] == {"input_tokens": 80, "output_tokens": 26}
+    assert of_type(journal, EventType.TOOL_CALL)[0]["arguments"] == {"expression": "6 * 7"}
+    assert of_type(journal, EventType.TOOL_RESULT)[0]["result"] == {
+        "expression": "6 * 7", "value": 42}
+    assert "".join(p["delta"] for p in of_type(journal, EventType.CONTENT_DELTA)) == \
+        "The answer is 42."
+    assert (await answer(pool, row["id"]))[-1] == ("assistant", "The answer is 42.", "complete")
+
+    second = fake.received[1].body["messages"]
+    assert second[-2]["tool_calls"][0]["function"] == {
+        "name": "calculator", "arguments": '{"expression": "6 * 7"}'}
+    assert second[-1]["role"] == "tool" and second[-1]["tool_call_id"] == "call_7"
+    assert json.loads(second[-1]["content"]) == {"result": {"expression": "6 * 7", "value": 42}}
+
+
+async def test_bad_tool_arguments_become_a_tool_error_result_and_the_turn_goes_on(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+    fake.script(sse(openai_tool_calls([("call_1", "calculator", ['{"expr": "6*7"}'])])),
+                sse(openai_text("Sorry, let me not.")))
+    settings = settings_for(tmp_path, openai_env(fake))
+    row, journal = await run_turn(dsn, pool, settings, "openai:fake")
+    assert row["status"] == RunStatus.COMPLETED, row["error"]
+    [result] = of_type(journal, EventType.TOOL_RESULT)
+    assert "missing required argument 'expression'" in result["error"]
+    assert json.loads(fake.received[1].body["messages"][-1]["content"])["error"] == \
+        result["error"]
+
+
+async def test_max_tool_steps_per_turn_is_enforced(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+    fake.script(sse(openai_tool_calls([("call_x", "clock", ["{}"])], usage=(10, 1))))
+    settings = settings_for(tmp_path, openai_env(fake, AGENTD_MAX_TOOL_STEPS="2"))
+    row, journal = await run_turn(dsn, pool, settings, "openai:fake")
+    assert row["status"] == RunStatus.FAILED
+    assert "more than 2 tool steps" in row["error"]
+    assert len(fake.received) == 3
+    assert len(of_type(journal, EventType.TOOL_RESULT)) == 2
+    assert row["usage"] == {"input_tokens": 30, "output_tokens": 3}
+
+
+async def test_a_provider_that_hangs_fails_the_run_with_a_timeout_error(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+    fake.script(hang())
+    settings = settings_for(tmp_path, openai_env(fake, AGENTD_OPENAI_TIMEOUT_S="1"))
+    row, journal = await run_turn(dsn, pool, settings, "openai:fake")
+    assert row["status"] == RunStatus.FAILED
+    assert "openai: timed out" in row["error"]
+    assert of_type(journal, EventType.COMPLETE)[0]["error"] == row["error"]
+
+
+async def test_an_unknown_model_fails_the_run_lazily_with_the_servers_message(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+    fake.script(status(404, {"error": {"message": "model 'nope' not found, try pulling it"}}))
+    settings = settings_for(tmp_path, openai_env(fake))
+    row, _ = await run_turn(dsn, pool, settings, "openai:nope")
+    assert row["status"] == RunStatus.FAILED
+    assert "HTTP 404" in row["error"] and "model 'nope' not found" in row["error"]
+
+
+async def test_anthropic_turn_with_a_tool_step_completes(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fake.script(
+        sse(anthropic_message([("text", ["Computing."]),
+                               ("tool_use", ("toolu_9", "calculator",
+                                             ['{"expression":', ' "2 ** 8"}']))],
+                              stop_reason="tool_use", usage=(100, 30))),
+        sse(anthropic_message([("text", ["It is ", "256."])], stop_reason="end_turn",
+                              usage=(160, 5))))
+    settings = settings_for(tmp_path, {
+        "AGENTD_ANTHROPIC_BASE_URL": fake.base_url,
+        "AGENTD_ANTHROPIC_API_KEY_ENV": "AGENTD_TEST_ANTHROPIC_RUN_KEY"})
+    monkeypatch.setenv("AGENTD_TEST_ANTHROPIC_RUN_KEY", "sk-ant-run")
+    row, journal = await run_turn(dsn, pool, settings, "anthropic:claude-sonnet-4")
+    assert row["status"] == RunStatus.COMPLETED, row["error"]
+    assert row["usage"] == {"input_tokens": 260, "output_tokens": 35}
+    assert of_type(journal, EventType.TOOL_RESULT)[0]["result"]["value"] == 256
+    second = fake.received[1].body["messages"]
+    assert second[-1] == {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_9",
+         "content": json.dumps({"result": {"expression": "2 ** 8", "value": 256}})}]}
+    assert (await answer(pool, row["id"]))[-1] == ("assistant", "Computing.It is 256.",
+                                                   "complete")
+
+
+async def test_a_notes_call_in_a_turn_writes_with_the_runs_fence(
+        dsn: str, pool: asyncpg.Pool, tmp_path: Path) -> None:
+    settings = settings_for(tmp_path, {})
+    row, journal = await run_turn(dsn, pool, settings, "demo",
+                                  params={"tool": "notes", "tokens": 3, "delay_ms": 0})
+    assert row["status"] == RunStatus.COMPLETED, row["error"]
+    assert "note_id" in of_type(journal, EventType.TOOL_RESULT)[0]["result"]
+    note = await pool.fetchrow("SELECT run_id, fence, text FROM conversation_note"
+                               " WHERE conversation_id = $1", row["conversation_id"])
+    assert (note["run_id"], note["fence"], note["text"]) == (row["id"], row["fence"],
+                                                             "demo note")
+
+
+async def test_a_lost_lease_closes_the_upstream_stream_and_writes_nothing_more(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+    fake.script(endless(lambda i: openai_chunk({"content": f" w{i}"}), interval_s=0.05))
+    settings = settings_for(tmp_path, openai_env(fake))
+    tenant = await new_tenant(pool)
+    run = await enqueue(pool, tenant.account_id, tenant.conversation_id, "go on",
+                        request={"content": "go on", "model": "openai:fake", "params": {}})
+    [claim] = await claim_runs(pool, worker_id=WORKER, lease_ttl_s=settings.lease_ttl_s)
+    async with worker(dsn, pool, settings) as runner:
+        running = asyncio.create_task(runner.run(claim))
+        await wait_streaming(pool, run.run_id, timeout=30, min_deltas=2)
+        # The worker looks dead to the database (its deadline passed) and the reaper ends it.
+        await pool.execute("UPDATE agent_run SET lease_expires_at = clock_timestamp()"
+                           " WHERE id = $1", run.run_id)
+        assert run.run_id in await reap_expired(pool, grace_s=0, limit=10)
+        await fake.wait_client_gone(within=15)
+        assert await asyncio.wait_for(running, 30) is False  # stood down, finalized nothing
+    row = await pool.fetchrow("SELECT status, error FROM agent_run WHERE id = $1", run.run_id)
+    assert row["status"] == RunStatus.FAILED and "lease expired" in row["error"]
+    await assert_journal_sound(pool, run.run_id)

@@ -1,0 +1,73 @@
+"""The tool registry and the calculator: schema-checked arguments, arithmetic without eval."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from agentd.tools import ToolContext, ToolError, default_tools
+from agentd.tools.builtin import evaluate
+
+# The calculator never touches the database; a context without a pool is enough.
+CTX = ToolContext(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), 1, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("expression", "value"), [
+    ("6 * 7", 42), ("2 ** 10", 1024), ("(1 + 2) * 3 - 4 / 2", 7.0), ("7 // 2", 3),
+    ("7 % 3", 1), ("-3 ** 2", -9), ("2 ** -2", 0.25), ("1.5e3 + 1", 1501.0),
+])
+def test_calculator_does_arithmetic(expression: str, value: float) -> None:
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize(("expression", "reason"), [
+    ("__import__('os').system('true')", "unsupported element in expression: Call"),
+    ("().__class__.__bases__", "unsupported element in expression: Attribute"),
+    ("open", "unsupported element in expression: Name"),
+    ("[1, 2]", "unsupported element in expression: List"),
+    ("'a' * 3", "unsupported element in expression: Constant"),
+    ("True + 1", "unsupported element in expression: Constant"),
+    ("1j * 1j", "unsupported element in expression: Constant"),
+    ("(lambda: 1)()", "unsupported element in expression: Call"),
+    ("9 ** 9 ** 9", "exponent too large"),
+    ("(10 ** 1000) ** 1000", "number too large"),
+    ("10 ** 1000 * 10 ** 1000 * 10 ** 1000", "number too large"),
+    ("1e308 * 10", "not a finite number"),
+    ("(-8) ** 0.5", "not a real number"),
+    ("1 / 0", "division by zero"),
+    ("1 +", "not an arithmetic expression"),
+    ("x = 1", "not an arithmetic expression"),
+])
+def test_calculator_refuses_anything_but_bounded_arithmetic(expression: str, reason: str) -> None:
+    with pytest.raises(ToolError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        evaluate(expression)
+
+
+@pytest.mark.parametrize(("name", "args", "reason"), [
+    ("calculator", {}, "missing required argument 'expression'"),
+    ("calculator", {"expression": 42}, "'expression' must be of type string"),
+    ("calculator", {"expression": "1", "extra": 1}, "unexpected arguments"),
+    ("calculator", {"expression": "1" * 501}, "longer than 500"),
+    ("calculator", '{"expression": "6 *', "not a JSON object"),
+    ("calculator", ["6 * 7"], "must be a JSON object"),
+    ("notes", {"action": "delete"}, "must be one of"),
+    ("notes", {"action": "list", "limit": "10"}, "must be of type integer"),
+    ("rm_rf", {}, "unknown tool"),
+])
+async def test_bad_arguments_are_a_tool_error_not_a_crash(name: str, args: Any,
+                                                          reason: str) -> None:
+    with pytest.raises(ToolError, match=reason):
+        await default_tools().call(name, args, CTX)
+
+
+async def test_calculator_through_the_registry() -> None:
+    result = await default_tools().call("calculator", {"expression": "6 * 7"}, CTX)
+    assert result == {"expression": "6 * 7", "value": 42}
+
+
+def test_the_builtins_are_registered_with_schemas() -> None:
+    specs = {spec.name: spec for spec in default_tools().specs()}
+    assert set(specs) == {"clock", "calculator", "notes"}
+    assert specs["notes"].parameters["properties"]["action"]["enum"] == ["append", "list"]
