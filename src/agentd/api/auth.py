@@ -29,6 +29,9 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     token = token.strip()
     if scheme.lower() != "bearer" or not token or len(token) > 512:
         return _unauthorized("missing bearer token")
+    if not (token.isascii() and token.isprintable()):
+        # Tokens are printable ASCII; anything else (a header's undecodable bytes) names no one.
+        return _unauthorized("unknown or revoked token")
     who = await authenticate(request.app[RUNTIME].pool, token)
     if who is None:
         return _unauthorized("unknown or revoked token")

@@ -120,7 +120,8 @@ def build_spec() -> dict[str, Any]:
                         "type": "object", "additionalProperties": False, "properties": {
                             "title": {"type": "string", "maxLength": 500}}}}}},
                     "responses": {"201": _json(_ref("Conversation"), "created"),
-                                  "400": _error("bad input"), **_ERRORS}},
+                                  "400": _error("bad input"),
+                                  "413": _error("body over 1 MiB"), **_ERRORS}},
                 "get": {"summary": "list conversations, most recent first", "parameters": [
                     {"name": "limit", "in": "query",
                      "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
@@ -141,7 +142,8 @@ def build_spec() -> dict[str, Any]:
                             "title": {"type": "string", "maxLength": 500}}}}}},
                     "responses": {"200": _json(_ref("Conversation"), "renamed"),
                                   "400": _error("bad input"),
-                                  "404": _error("no such conversation"), **_ERRORS}}},
+                                  "404": _error("no such conversation"),
+                                  "413": _error("body over 1 MiB"), **_ERRORS}}},
             "/v1/conversations/{id}/export": {"get": {
                 "summary": "the transcript as Markdown", "parameters": [_ID],
                 "responses": {"200": {"description": "Markdown", "content": {

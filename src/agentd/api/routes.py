@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
+from datetime import UTC
 from typing import Any
 from uuid import UUID
 
@@ -26,6 +28,7 @@ from agentd.tail import EPOCH, NIL_UUID, BadCursor, FeedCursor, conversation_fee
 
 PRESENCE_TTL_S = 20.0
 MAX_WAIT_S = 300.0
+MAX_SEQ = 2**62  # journal seqs are bigint; larger cursors name nothing
 SERVICE = web.AppKey("service", Service)
 
 
@@ -62,9 +65,51 @@ async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
             return {}
         raise ServiceError(400, "invalid_body", "a JSON body is required")
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise ServiceError(400, "invalid_json", "the body is not valid JSON") from None
+    if not _storable(body):
+        raise ServiceError(400, "invalid_json", "the body's strings must be valid Unicode "
+                           "without NUL characters")
+    return body
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+def _storable(value: Any) -> bool:
+    """PostgreSQL text and jsonb hold neither NUL nor unpaired surrogates: refuse them here."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not _storable_text(item):
+                return False
+        elif isinstance(item, dict):
+            if not all(_storable_text(key) for key in item):
+                return False
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
+
+
+def _storable_text(text: str) -> bool:
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _path_id(request: web.Request, what: str) -> UUID:
@@ -128,7 +173,10 @@ async def export_conversation(request: web.Request) -> web.Response:
 
 async def search(request: web.Request) -> web.Response:
     limit = _int_query(request, "limit", 50, 1, 200)
-    rows = await _service(request).search(principal(request), request.query.get("q", ""), limit)
+    query = request.query.get("q", "")
+    if not _storable_text(query):
+        raise ServiceError(400, "invalid_query", "q must be valid Unicode without NUL characters")
+    rows = await _service(request).search(principal(request), query, limit)
     return web.json_response({"results": [
         {"conversation_id": str(r["conversation_id"]), "title": r["title"],
          "message_id": str(r["message_id"]), "role": r["role"], "content": r["content"],
@@ -195,7 +243,7 @@ async def stop_conversation(request: web.Request) -> web.Response:
 async def run_events(request: web.Request) -> web.StreamResponse:
     service = _service(request)
     run_id = _path_id(request, "run")
-    after = _int_query(request, "from", 0, 0, 2**62)
+    after = _int_query(request, "from", 0, 0, MAX_SEQ)
     last_id = request.headers.get("Last-Event-ID")
     if "from" not in request.query and last_id:
         try:
@@ -203,6 +251,9 @@ async def run_events(request: web.Request) -> web.StreamResponse:
         except ValueError:
             raise ServiceError(400, "invalid_last_event_id",
                                "Last-Event-ID must be a seq") from None
+        if after > MAX_SEQ:
+            raise ServiceError(400, "invalid_last_event_id",
+                               f"Last-Event-ID must be in [0, {MAX_SEQ}]")
     await service.get_run(principal(request), run_id)  # 404 before the stream opens
     response = await sse.open_stream(request)
     with contextlib.suppress(ConnectionResetError):
@@ -221,7 +272,7 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     conversation_id = _path_id(request, "conversation")
     cursor_text = request.query.get("cursor") or request.headers.get("Last-Event-ID")
     try:
-        cursor = FeedCursor.decode(cursor_text) if cursor_text else None
+        cursor = _checked_cursor(cursor_text) if cursor_text else None
     except BadCursor as exc:
         raise ServiceError(400, "invalid_cursor", str(exc)) from None
     async with service.pool.acquire() as conn, conn.transaction(isolation="repeatable_read",
@@ -279,6 +330,18 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     finally:
         with contextlib.suppress(Exception):
             await asyncio.shield(service.detach(presence_id))
+
+
+def _checked_cursor(text: str) -> FeedCursor:
+    """A decoded cursor whose numbers the database can hold (checked before the stream opens)."""
+    cursor = FeedCursor.decode(text)
+    try:
+        cursor.watermark[0].astimezone(UTC)
+    except OverflowError:
+        raise BadCursor("not a cursor this server issued") from None
+    if any(seq > MAX_SEQ for seq in cursor.open.values()):
+        raise BadCursor("not a cursor this server issued")
+    return cursor
 
 
 def _lease(row: Any) -> Any:

@@ -38,4 +38,7 @@ async def send(response: web.StreamResponse, event_id: str | int | None, event: 
 
 
 async def keepalive(response: web.StreamResponse) -> None:
-    await response.write(b": keepalive\n\n")
+    # A comment line, without the blank line that would end an event: a blank line after an
+    # `id` makes some parsers (httpx-sse 0.4) dispatch an empty event, which clients then
+    # take for a broken frame. The bytes alone keep proxies and read timeouts warm.
+    await response.write(b": keepalive\n")
