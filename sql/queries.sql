@@ -196,6 +196,18 @@ WITH clock AS (
     USING fin
     WHERE l.account_id = fin.account_id AND l.conversation_id = fin.conversation_id
       AND l.execution_id = fin.claim_token
+), repaired AS (
+    -- Backstop for a worker that crashed mid-tool: unanswered calls get `cancelled` results.
+    INSERT INTO message (conversation_id, run_id, role, content, status, tool_call_id)
+    SELECT m.conversation_id, m.run_id, 'tool', '{"error": "cancelled"}', 'cancelled',
+           call ->> 'id'
+    FROM message m
+    JOIN fin ON fin.id = m.run_id
+    CROSS JOIN LATERAL jsonb_array_elements(m.tool_calls) AS call
+    WHERE m.role = 'assistant' AND m.tool_calls IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM message t
+                      WHERE t.run_id = m.run_id AND t.role = 'tool'
+                        AND t.tool_call_id = call ->> 'id')
 )
 SELECT fin.id, (SELECT id FROM answer) AS message_id,
        pg_notify('agentd_run_event', fin.id::text),
@@ -246,6 +258,19 @@ WITH ended AS (
     USING ended
     WHERE l.account_id = ended.account_id AND l.conversation_id = ended.conversation_id
       AND l.execution_id = ended.claim_token
+), repaired AS (
+    -- A tool call the dead worker never answered gets a `cancelled` result, so the next
+    -- turn's model request is well-formed.
+    INSERT INTO message (conversation_id, run_id, role, content, status, tool_call_id)
+    SELECT m.conversation_id, m.run_id, 'tool', '{"error": "cancelled"}', 'cancelled',
+           call ->> 'id'
+    FROM message m
+    JOIN ended ON ended.run_id = m.run_id
+    CROSS JOIN LATERAL jsonb_array_elements(m.tool_calls) AS call
+    WHERE m.role = 'assistant' AND m.tool_calls IS NOT NULL
+      AND NOT EXISTS (SELECT 1 FROM message t
+                      WHERE t.run_id = m.run_id AND t.role = 'tool'
+                        AND t.tool_call_id = call ->> 'id')
 )
 SELECT ended.run_id,
        pg_notify('agentd_run_event', ended.run_id::text),
@@ -531,9 +556,11 @@ ORDER BY min(p.since), d.name;
 DELETE FROM presence WHERE expires_at < clock_timestamp() - interval '1 minute';
 
 -- lock_conversation --
--- Serializes run creation and stops per conversation (enqueue takes this row lock too): two
--- `reject` requests cannot both see it idle, and a stop sweeps every turn committed before it.
-SELECT id FROM conversation WHERE id = $1::uuid AND account_id = $2::uuid FOR UPDATE;
+-- Serializes run creation and stops per conversation (enqueue's UPDATE takes the same lock):
+-- two `reject` requests cannot both see it idle, and a stop sweeps every turn committed before
+-- it. NO KEY UPDATE, not UPDATE: claims and finishes insert rows referencing the conversation
+-- (KEY SHARE locks) while holding run locks a stop waits for; FOR UPDATE would deadlock them.
+SELECT id FROM conversation WHERE id = $1::uuid AND account_id = $2::uuid FOR NO KEY UPDATE;
 
 -- list_runs_of_conversation_since --
 -- A conversation feed's discovery of runs: those after its watermark, plus the ones it still

@@ -24,8 +24,8 @@ from tests.integration.helpers import (
     new_conversation,
     new_tenant,
     race,
+    raise_unexpected,
     run_row,
-    unexpected,
 )
 
 LONG_S = 60.0
@@ -126,7 +126,7 @@ async def test_stop_racing_claims_never_lets_a_queued_turn_start_after_the_stop(
                                                     lease_ttl_s=LONG_S, limit=2)
                   for i, conn in enumerate(claimers)))
             context = f"iteration {iteration}"
-            assert unexpected([stop, *claimed]) == [], context
+            raise_unexpected([stop, *claimed], context=context)
             claims: list[Claim] = [c for result in claimed for c in result]
             assert len(claims) <= 1, context
             if claims:
@@ -163,7 +163,7 @@ async def test_stop_racing_finish_never_orphans_or_double_ends_a_turn(dsn: str) 
                                                     conversation_id=conv),
                 lambda: claim_runs(claimer, worker_id="claimer", lease_ttl_s=LONG_S))
             context = f"iteration {iteration}"
-            assert unexpected([finished, stop, claimed]) == [], context
+            raise_unexpected([finished, stop, claimed], context=context)
             assert (await run_row(setup, current.run_id))["status"] == RunStatus.COMPLETED
             for claim in claimed:
                 assert claim.run_id == runs[1], context

@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 from aiohttp import web
 
+from agentd.api.sse import OPEN_STREAM
 from agentd.service import ServiceError
 
 log = logging.getLogger("agentd.api")
@@ -39,19 +40,31 @@ def error_response(status: int, code: str, message: str,
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ServiceError as exc:
+    except Exception as exc:
+        stream = request.get(OPEN_STREAM)
+        if stream is None:
+            return _answer(request, exc)
+        # The status line is long sent: end the stream (the client resumes by its cursor)
+        # instead of writing a second response into its body.
+        if not isinstance(exc, ConnectionResetError):
+            log.warning("stream ended by an error", exc_info=exc,
+                        extra={"path": request.path})
+        return stream
+
+
+def _answer(request: web.Request, exc: Exception) -> web.StreamResponse:
+    if isinstance(exc, ServiceError):
         return error_response(exc.status, exc.code, exc.message, **exc.details)
-    except web.HTTPException as exc:
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            raise exc
         code = _HTTP_CODES.get(exc.status, "http_error")
         message = exc.reason if exc.status != 413 else "request body is too large"
         headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return error_response(exc.status, code, message, headers=headers or None)
-    except _UNAVAILABLE as exc:
+    if isinstance(exc, _UNAVAILABLE):
         log.warning("database unavailable", extra={"path": request.path, "error": str(exc)})
         return error_response(503, "unavailable", "the database is unavailable; retry shortly",
                               headers={"Retry-After": "1"})
-    except Exception:
-        log.exception("unhandled error", extra={"path": request.path})
-        return error_response(500, "internal", "internal error")
+    log.error("unhandled error", exc_info=exc, extra={"path": request.path})
+    return error_response(500, "internal", "internal error")

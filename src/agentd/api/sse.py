@@ -10,6 +10,8 @@ from typing import Any
 
 from aiohttp import web
 
+OPEN_STREAM = web.RequestKey("open_stream", web.StreamResponse)
+
 
 async def open_stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={
@@ -19,6 +21,7 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
         "Connection": "keep-alive",
     })
     await response.prepare(request)
+    request[OPEN_STREAM] = response  # past this point an error can only end the stream
     return response
 
 
