@@ -1,0 +1,145 @@
+"""The Textual app: global keys (each with an id, remappable under [keys]), F1 help, command
+palette entries for the main actions, the theme. Built by `make_app`, for the CLI and the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from datetime import datetime
+from functools import partial
+from typing import ClassVar
+
+from textual.app import App, SystemCommand
+from textual.binding import Binding, BindingType
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.screen import Screen
+from textual.theme import Theme
+
+from agenttui.client import AgentClient
+from agenttui.drafts import DraftLedger
+from agenttui.screens.help import HelpScreen
+from agenttui.screens.main import MainScreen
+from agenttui.settings import DEFAULT_THEME, Settings
+from agenttui.widgets.composer import Composer
+from agenttui.widgets.conversation_list import conversation_label
+
+AGENTTUI_THEME = Theme(
+    name=DEFAULT_THEME, primary="#5fafd7", secondary="#87afaf", accent="#ffaf5f",
+    warning="#ffaf5f", error="#ff5f5f", success="#87d787", foreground="#d0d0d0",
+    background="#1c1c1c", surface="#262626", panel="#303030", dark=True)
+
+
+class ConversationCommands(Provider):
+    """Palette entries to switch to any conversation by title."""
+
+    async def search(self, query: str) -> Hits:
+        app = self.app
+        assert isinstance(app, AgentTUI)
+        matcher = self.matcher(query)
+        for conversation in app.main.conversation_list.conversations:
+            label = f"Open: {conversation_label(conversation)}"
+            score = matcher.match(label)
+            if score > 0:
+                yield Hit(score, matcher.highlight(label),
+                          partial(app.main.action_open, conversation.id),
+                          help="switch to this conversation")
+
+    async def discover(self) -> Hits:
+        app = self.app
+        assert isinstance(app, AgentTUI)
+        for conversation in app.main.conversation_list.conversations[:10]:
+            yield DiscoveryHit(f"Open: {conversation_label(conversation)}",
+                               partial(app.main.action_open, conversation.id),
+                               help="switch to this conversation")
+
+
+class AgentTUI(App[None]):
+    TITLE = "agenttui"
+    COMMANDS = App.COMMANDS | {ConversationCommands}
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("ctrl+q", "quit", "Quit", id="quit", priority=True),
+        Binding("f1", "help", "Help", id="help"),
+    ]
+
+    def __init__(self, settings: Settings, client: AgentClient, *, close_client: bool = False,
+                 clock: Callable[[], datetime] | None = None,
+                 drafts: DraftLedger | None = None) -> None:
+        super().__init__()
+        self.settings = settings
+        self.client = client
+        self.clock = clock
+        self.drafts = drafts or DraftLedger()
+        self._close_client = close_client
+        self.register_theme(AGENTTUI_THEME)
+        if settings.keys:
+            self.set_keymap(settings.keys)
+
+    def server_now(self) -> datetime:
+        """The daemon's clock as this client knows it (or a fixed clock, for snapshots)."""
+        return self.clock() if self.clock is not None else self.client.server_now()
+
+    @property
+    def main(self) -> MainScreen:
+        screen = self.get_screen("main")
+        assert isinstance(screen, MainScreen)
+        return screen
+
+    def on_mount(self) -> None:
+        theme = self.settings.theme
+        if theme in self.available_themes:
+            self.theme = theme
+        else:
+            self.theme = DEFAULT_THEME
+            self.notify(f"Unknown theme {theme!r}; using {DEFAULT_THEME}. Themes: "
+                        f"{', '.join(sorted(self.available_themes))}", severity="warning")
+        self.install_screen(MainScreen(), "main")
+        self.push_screen("main")
+
+    async def on_unmount(self) -> None:
+        if self._close_client:
+            await self.client.aclose()
+
+    def key_table(self) -> list[tuple[str, str, str]]:
+        """(keys, description, binding id) of every remappable binding, as mapped now."""
+        keymap = getattr(self, "_keymap", {})
+        rows = []
+        for bindings in (MainScreen.BINDINGS, Composer.BINDINGS, AgentTUI.BINDINGS):
+            for binding in bindings:
+                assert isinstance(binding, Binding) and binding.id
+                keys = keymap.get(binding.id, binding.key)
+                rows.append((keys, binding.description or binding.action, binding.id))
+        rows.append((self.COMMAND_PALETTE_BINDING, "command palette", "—"))
+        return rows
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen(self.key_table()))
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        main = self.main
+        yield SystemCommand("New conversation", "Start an empty conversation",
+                            main.action_new_conversation)
+        yield SystemCommand("Rename conversation", "Give the open conversation a title",
+                            main.action_rename_conversation)
+        yield SystemCommand("Stop", "Stop the running turn and cancel queued ones (server-side)",
+                            main.action_stop)
+        yield SystemCommand("Copy last answer", "To the clipboard (and the clipboard file)",
+                            main.action_copy_answer)
+        yield SystemCommand("Copy last code block", "The last fenced code block of an answer",
+                            main.action_copy_code)
+        yield SystemCommand("Search conversations", "Find words in every conversation",
+                            main.action_search)
+        yield SystemCommand("Export as Markdown", "Write the open conversation to a .md file",
+                            main.action_export)
+        yield SystemCommand("Toggle conversation list", "Show or hide the sidebar",
+                            main.action_toggle_sidebar)
+        yield SystemCommand("Help", "Keys and how devices share a conversation",
+                            self.action_help)
+
+
+def make_app(settings: Settings, client: AgentClient, *, close_client: bool = False,
+             clock: Callable[[], datetime] | None = None,
+             drafts: DraftLedger | None = None) -> AgentTUI:
+    """The app for these settings, talking through `client` (closed on exit if asked)."""
+    return AgentTUI(settings, client, close_client=close_client, clock=clock, drafts=drafts)

@@ -1,0 +1,435 @@
+"""The chat screen: conversation list, transcript, ownership bar, composer.
+
+One worker follows the open conversation's feed and feeds the ConversationModel; every redraw
+goes through one lock so views never race each other. Actions talk to the API and let the feed
+show the outcome: the screen never decides ownership or a run's fate by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Header, OptionList
+
+from agentd.vocabulary import EventType
+from agenttui.client import (
+    AgentClient,
+    ApiError,
+    ConnectionState,
+    ConnectionStatus,
+    NotFound,
+    Snapshot,
+    Unauthorized,
+    describe,
+)
+from agenttui.conversation import Changes, ConversationModel
+from agenttui.locations import clipboard_file
+from agenttui.models import Conversation, Me, RunEvent
+from agenttui.screens.prompt import TextPrompt
+from agenttui.screens.search import SearchScreen
+from agenttui.settings import export_directory
+from agenttui.widgets.composer import Composer
+from agenttui.widgets.conversation_list import ConversationList
+from agenttui.widgets.ownership_bar import OwnershipBar
+from agenttui.widgets.transcript import Transcript
+
+if TYPE_CHECKING:
+    from agenttui.app import AgentTUI
+
+TITLE_CHARS = 60
+LIST_REFRESH_S = 30.0
+CODE_FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.DOTALL | re.MULTILINE)
+
+
+def last_code_block(text: str) -> str | None:
+    blocks = CODE_FENCE.findall(text)
+    return blocks[-1][1] if blocks else None
+
+
+def title_from(text: str) -> str:
+    title = " ".join(text.split())
+    return title if len(title) <= TITLE_CHARS else title[: TITLE_CHARS - 1] + "…"
+
+
+def export_name(title: str, conversation_id: str) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40] or "conversation"
+    return f"{slug}-{conversation_id[:8]}.md"
+
+
+class MainScreen(Screen[None]):
+    DEFAULT_CSS = """
+    MainScreen #body { height: 1fr; }
+    MainScreen #chat { width: 1fr; height: 1fr; }
+    MainScreen ConversationList.-hidden { display: none; }
+    """
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "stop", "Stop", id="stop"),
+        Binding("ctrl+n", "new_conversation", "New", id="new_conversation"),
+        Binding("f2", "rename_conversation", "Rename", id="rename_conversation"),
+        Binding("ctrl+f", "search", "Search", id="search"),
+        # Not ctrl+y / ctrl+e / ctrl+k: the composer uses those (redo, line end, delete).
+        Binding("ctrl+o", "copy_answer", "Copy answer", id="copy_answer"),
+        Binding("alt+o", "copy_code", "Copy code", id="copy_code", show=False),
+        Binding("ctrl+s", "export", "Export", id="export", show=False),
+        Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="toggle_sidebar", show=False),
+        Binding("ctrl+l", "focus_list", "Conversations", id="focus_list", show=False),
+        Binding("ctrl+pageup", "switch(-1)", "Previous conversation",
+                id="previous_conversation", show=False),
+        Binding("ctrl+pagedown", "switch(1)", "Next conversation", id="next_conversation",
+                show=False),
+    ]
+
+    app: AgentTUI
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.me: Me | None = None
+        self.model: ConversationModel | None = None
+        self.notices: deque[str] = deque(maxlen=50)  # recent messages, newest last
+        self._render_lock = asyncio.Lock()
+
+    def notify(self, message: str, *, title: str = "",  # type: ignore[override]
+               **kwargs: Any) -> None:
+        self.notices.append(message)
+        super().notify(message, title=title, **kwargs)
+
+    @property
+    def client(self) -> AgentClient:
+        return self.app.client
+
+    # -- layout ------------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        yield Header(icon="◆")
+        with Horizontal(id="body"):
+            yield ConversationList(id="conversations")
+            with Vertical(id="chat"):
+                yield Transcript(id="transcript")
+                yield OwnershipBar(self.app.server_now, id="ownership")
+                yield Composer(id="composer")
+        yield Footer()
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.query_one(Transcript)
+
+    @property
+    def bar(self) -> OwnershipBar:
+        return self.query_one(OwnershipBar)
+
+    @property
+    def composer(self) -> Composer:
+        return self.query_one(Composer)
+
+    @property
+    def conversation_list(self) -> ConversationList:
+        return self.query_one(ConversationList)
+
+    def on_mount(self) -> None:
+        self.composer.focus()
+        self.bar.show(None, f"◌ connecting to {self.client.url}…")
+        self.set_interval(LIST_REFRESH_S, self._refresh_list_quietly)
+        self.boot()
+
+    # -- start -------------------------------------------------------------------------------
+
+    @work(group="boot", exclusive=True, exit_on_error=False)
+    async def boot(self) -> None:
+        attempt = 0
+        while self.me is None:
+            try:
+                self.me = await self.client.me()
+            except Unauthorized as exc:
+                self.bar.show(None, f"✗ {self.client.url} refused the token ({exc.message}). "
+                                    f"Run `agenttui login --url URL --token TOKEN`.")
+                return
+            except ApiError as exc:
+                attempt += 1
+                delay = self.client.backoff.delay(attempt)
+                self.bar.show(None, f"⟳ cannot reach {self.client.url} ({describe(exc)}); "
+                                    f"retrying (attempt {attempt})")
+                await asyncio.sleep(delay)
+        conversations = await self._refresh_list()
+        target = self.app.settings.conversation
+        if target is None and conversations:
+            target = conversations[0].id
+        if target is not None:
+            await self.open_conversation(target)
+        else:
+            self.bar.show(None, "○ no conversations yet — type a message to start one")
+            await self.transcript.reset("Type a message below and press Enter to start.")
+
+    async def _refresh_list(self) -> list[Conversation]:
+        try:
+            conversations = await self.client.list_conversations()
+        except ApiError as exc:
+            self.notify(f"Could not list conversations: {describe(exc)}", severity="warning")
+            return []
+        current = self.model.conversation_id if self.model else None
+        self.conversation_list.set_conversations(conversations, current)
+        return conversations
+
+    def _refresh_list_quietly(self) -> None:
+        if self.me is not None:
+            self.run_worker(self._refresh_list(), group="list", exclusive=True,
+                            exit_on_error=False)
+
+    # -- following a conversation ------------------------------------------------------------
+
+    async def open_conversation(self, conversation_id: str) -> None:
+        if self.me is None:
+            return
+        if self.model is not None and self.model.conversation_id == conversation_id:
+            return
+        self.model = ConversationModel(self.me, conversation_id,
+                                       is_consumed=self.app.drafts.__contains__)
+        self.conversation_list.mark_current(conversation_id)
+        async with self._render_lock:
+            await self.transcript.reset()
+        self.bar.show(self.model)
+        self.follow(self.model)
+
+    @work(group="follow", exclusive=True, exit_on_error=False)
+    async def follow(self, model: ConversationModel) -> None:
+        stream = self.client.conversation_events(model.conversation_id)
+        try:
+            async with contextlib.aclosing(stream.__aiter__()) as items:
+                async for item in items:
+                    if model is not self.model:
+                        return
+                    changes = model.apply(item)
+                    await self.render_changes(model, changes)
+                    if isinstance(item, Snapshot) or (isinstance(item, RunEvent) and
+                                                      item.type == EventType.USER_MESSAGE):
+                        self.resolve_runs(model)
+        except NotFound:
+            self.bar.show(None, f"✗ conversation {model.conversation_id} does not exist "
+                                f"(or belongs to another account)")
+        except ApiError as exc:
+            model.apply(ConnectionStatus(ConnectionState.CLOSED, error=describe(exc)))
+            self.bar.show(model)
+        except Exception as exc:  # a bug must not leave a stale screen that looks live
+            model.apply(ConnectionStatus(ConnectionState.CLOSED,
+                                         error=f"internal error: {describe(exc)}"))
+            self.bar.show(model)
+            raise
+
+    @work(group="resolve", exit_on_error=False)
+    async def resolve_runs(self, model: ConversationModel) -> None:
+        """Read the run rows the feed does not describe (author of a turn, how it ended)."""
+        for run_id in model.runs_to_resolve():
+            try:
+                run = await self.client.get_run(run_id)
+            except ApiError:
+                continue
+            if model is not self.model:
+                return
+            await self.render_changes(model, model.note_run(run))
+
+    async def render_changes(self, model: ConversationModel, changes: Changes) -> None:
+        async with self._render_lock:
+            if model is not self.model:
+                return
+            if changes.rebuild or changes.turns:
+                await self.transcript.sync(model, changes)
+            if changes.rebuild and not model.order:
+                self.transcript.set_empty("No messages yet. Type below and press Enter.")
+            if changes.bar or changes.rebuild or changes.turns:
+                self.bar.show(model)
+            if model.title != self.sub_title:
+                self.sub_title = model.title or "Untitled conversation"
+            if changes.drafts:
+                self._restore_drafts(model)
+
+    def _restore_drafts(self, model: ConversationModel) -> None:
+        drafts = model.take_drafts()
+        if not drafts:
+            return
+        for draft in drafts:
+            self.composer.put_back(draft.content)
+        self.app.drafts.consume(d.message_id for d in drafts)
+        self.notify("A stop handed your queued message back: it is in the composer.",
+                    title="Draft returned")
+
+    # -- sending -----------------------------------------------------------------------------
+
+    @on(Composer.Submitted)
+    def _submitted(self, event: Composer.Submitted) -> None:
+        self.composer.clear()
+        self.send(event.text)
+
+    @work(group="send", exit_on_error=False)
+    async def send(self, text: str) -> None:
+        settings = self.app.settings
+        if self.me is None:
+            self.composer.put_back(text)
+            self.notify(f"Not connected to {self.client.url} yet; your message is still here.",
+                        severity="warning")
+            return
+        try:
+            if self.model is None:
+                created = await self.client.create_conversation(title_from(text))
+                await self.open_conversation(created.id)
+                await self._refresh_list()
+            model = self.model
+            assert model is not None
+            run = await self.client.create_run(model.conversation_id, text,
+                                               model=settings.model, params=settings.params)
+        except ApiError as exc:
+            self.composer.put_back(text)
+            self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
+            return
+        model.note_created(run.run_id)
+        await self.render_changes(model, Changes(turns={run.run_id}, bar=True))
+
+    # -- actions -----------------------------------------------------------------------------
+
+    def action_stop(self) -> None:
+        if self.model is None:
+            self.notify("No conversation is open.")
+            return
+        self.stop(self.model)
+
+    @work(group="stop", exit_on_error=False)
+    async def stop(self, model: ConversationModel) -> None:
+        try:
+            result = await self.client.stop_conversation(model.conversation_id)
+        except ApiError as exc:
+            self.notify(f"Stop failed: {describe(exc)}", severity="error")
+            return
+        await self.render_changes(model, model.note_stop(result))
+        if not result.flagged and not result.cancelled:
+            self.notify("Nothing was running or queued.")
+        else:
+            parts = []
+            if result.flagged:
+                parts.append("the running turn is stopping")
+            if result.cancelled:
+                parts.append(f"{len(result.cancelled)} queued turn(s) cancelled")
+            self.notify("Stop sent: " + ", ".join(parts) + ".")
+
+    def action_new_conversation(self) -> None:
+        self.new_conversation()
+
+    @work(group="conversations", exit_on_error=False)
+    async def new_conversation(self) -> None:
+        try:
+            created = await self.client.create_conversation("")
+        except ApiError as exc:
+            self.notify(f"Could not create a conversation: {describe(exc)}", severity="error")
+            return
+        await self._refresh_list()
+        await self.open_conversation(created.id)
+        self.composer.focus()
+
+    def action_rename_conversation(self) -> None:
+        model = self.model
+        if model is None:
+            return
+
+        def renamed(title: str | None) -> None:
+            if title is not None:
+                self.rename(model, title)
+
+        self.app.push_screen(TextPrompt("Rename conversation", model.title, "a title"), renamed)
+
+    @work(group="conversations", exit_on_error=False)
+    async def rename(self, model: ConversationModel, title: str) -> None:
+        try:
+            renamed = await self.client.rename_conversation(model.conversation_id, title)
+        except ApiError as exc:
+            self.notify(f"Rename failed: {describe(exc)}", severity="error")
+            return
+        model.title = renamed.title
+        self.sub_title = renamed.title or "Untitled conversation"
+        await self._refresh_list()
+
+    def action_search(self) -> None:
+        def chosen(conversation_id: str | None) -> None:
+            if conversation_id:
+                self.action_open(conversation_id)
+
+        self.app.push_screen(SearchScreen(self.client), chosen)
+
+    def action_copy_answer(self) -> None:
+        text = self.model.last_answer() if self.model else None
+        if not text:
+            self.notify("No answer to copy yet.")
+            return
+        self.copy(text, "the last answer")
+
+    def action_copy_code(self) -> None:
+        if self.model is not None:
+            for turn in reversed(self.model.turn_list()):
+                code = last_code_block(turn.text)
+                if code is not None:
+                    self.copy(code, "the last code block")
+                    return
+        self.notify("No code block in the answers.")
+
+    def copy(self, text: str, what: str) -> None:
+        """OSC 52 to the terminal's clipboard, and a file for terminals that ignore it."""
+        self.app.copy_to_clipboard(text)
+        path = clipboard_file()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, "utf-8")
+        except OSError:
+            self.notify(f"Copied {what} ({len(text)} characters).")
+            return
+        self.notify(f"Copied {what} ({len(text)} characters); also saved to {path}.")
+
+    def action_export(self) -> None:
+        if self.model is not None:
+            self.export(self.model)
+
+    @work(group="export", exit_on_error=False)
+    async def export(self, model: ConversationModel) -> Path | None:
+        try:
+            markdown = await self.client.export_conversation(model.conversation_id)
+        except ApiError as exc:
+            self.notify(f"Export failed: {describe(exc)}", severity="error")
+            return None
+        path = export_directory(self.app.settings) / export_name(model.title,
+                                                                 model.conversation_id)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(markdown, "utf-8")
+        except OSError as exc:
+            self.notify(f"Export failed: {exc}", severity="error")
+            return None
+        self.notify(f"Exported to {path}", title="Export")
+        return path
+
+    def action_toggle_sidebar(self) -> None:
+        self.conversation_list.toggle_class("-hidden")
+
+    def action_focus_list(self) -> None:
+        self.conversation_list.remove_class("-hidden")
+        self.conversation_list.focus()
+
+    def action_switch(self, step: int) -> None:
+        target = self.conversation_list.neighbour(step)
+        if target is not None:
+            self.action_open(target)
+
+    def action_open(self, conversation_id: str) -> None:
+        self.run_worker(self.open_conversation(conversation_id), group="open", exclusive=True,
+                        exit_on_error=False)
+
+    @on(OptionList.OptionSelected, "#conversations")
+    def _picked(self, event: OptionList.OptionSelected) -> None:
+        if event.option.id:
+            self.action_open(event.option.id)
+            self.composer.focus()

@@ -1,0 +1,111 @@
+"""agenttui's settings as one typed object: defaults < config file < AGENTTUI_* env < flags.
+
+The config file is the one agentd writes on its first embedded start (url, token, device), so a
+TUI on the same machine needs no setup; `agenttui login` writes it for remote daemons.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from agenttui.client import DEFAULT_URL
+from agenttui.locations import read_config
+
+DEFAULT_THEME = "agenttui"
+ENV_PREFIX = "AGENTTUI_"
+
+
+class SettingsError(ValueError):
+    """A setting has a value of the wrong kind; the message names it and where it came from."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    url: str = DEFAULT_URL
+    token: str | None = None
+    device: str | None = None  # the name this device's token was minted for (informational)
+    conversation: str | None = None  # open this conversation at start
+    theme: str = DEFAULT_THEME
+    model: str | None = None  # model for new turns (`provider:model`); the daemon's default
+    params: dict[str, Any] = field(default_factory=dict)  # provider params for new turns
+    keys: dict[str, str] = field(default_factory=dict)  # binding id -> keys, e.g. stop = "f8"
+    export_dir: Path | None = None  # where exports go (default: the working directory)
+    timeout_s: float = 15.0  # one API call
+    stream_timeout_s: float = 45.0  # silence (no keepalive) before a stream counts as dead
+
+    def with_flags(self, **flags: Any) -> Settings:
+        """Command-line values win; None means "not given"."""
+        return replace(self, **{k: v for k, v in flags.items() if v is not None})
+
+
+_STRINGS = ("url", "token", "device", "conversation", "theme", "model")
+_FLOATS = ("timeout_s", "stream_timeout_s")
+
+
+def load_settings(*, config: Mapping[str, Any] | None = None,
+                  env: Mapping[str, str] | None = None, **flags: Any) -> Settings:
+    """Resolve settings; raises SettingsError naming the offending key."""
+    config = read_config() if config is None else config
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for name, value in config.items():
+        values.update(_coerce(name, value, "the config file"))
+    for name in (f.name for f in fields(Settings)):
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None and raw != "":
+            values.update(_coerce(name, raw, f"${ENV_PREFIX}{name.upper()}"))
+    return Settings(**values).with_flags(**flags)
+
+
+def _coerce(name: str, value: Any, source: str) -> dict[str, Any]:
+    if name in _STRINGS:
+        if not isinstance(value, str):
+            raise SettingsError(f"{name} in {source} must be a string")
+        return {name: value.rstrip("/") if name == "url" else value}
+    if name in _FLOATS:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"{name} in {source} must be a number") from None
+        if number <= 0:
+            raise SettingsError(f"{name} in {source} must be positive")
+        return {name: number}
+    if name == "export_dir":
+        if not isinstance(value, str):
+            raise SettingsError(f"export_dir in {source} must be a path")
+        return {name: Path(value).expanduser()}
+    if name == "keys":
+        return {name: _keys(value, source)}
+    if name == "params":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise SettingsError(f"params in {source} must be a JSON object") from None
+        if not isinstance(value, Mapping):
+            raise SettingsError(f"params in {source} must be a table / JSON object")
+        return {name: dict(value)}
+    return {}  # unknown keys belong to someone else (or a newer version): ignored
+
+
+def _keys(value: Any, source: str) -> dict[str, str]:
+    """`[keys]` table, or in the environment `stop=f8;send=enter`."""
+    if isinstance(value, str):
+        pairs = [item.split("=", 1) for item in value.replace(";", "\n").splitlines()
+                 if item.strip()]
+        if any(len(pair) != 2 for pair in pairs):
+            raise SettingsError(f"keys in {source} must look like 'stop=f8;send=enter'")
+        value = {k.strip(): v.strip() for k, v in pairs}
+    if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in value.items()):
+        raise SettingsError(f"keys in {source} must map binding ids to key names")
+    return {k: v.replace(" ", "") for k, v in value.items()}
+
+
+def export_directory(settings: Settings) -> Path:
+    return settings.export_dir or Path(os.getcwd())

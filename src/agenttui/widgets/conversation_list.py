@@ -1,0 +1,50 @@
+"""The conversation list: the account's conversations, most recent first; select to switch."""
+
+from __future__ import annotations
+
+from textual.widgets import OptionList
+from textual.widgets.option_list import Option
+
+from agenttui.models import Conversation
+
+
+def conversation_label(conversation: Conversation) -> str:
+    return conversation.title or "Untitled conversation"
+
+
+class ConversationList(OptionList):
+    DEFAULT_CSS = """
+    ConversationList { width: 30; height: 1fr; border: none; border-right: tall $panel; }
+    """
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.conversations: list[Conversation] = []
+        self.current: str | None = None
+        self.border_title = "Conversations"
+
+    def set_conversations(self, conversations: list[Conversation],
+                          current: str | None) -> None:
+        if [(c.id, c.title) for c in conversations] != \
+                [(c.id, c.title) for c in self.conversations]:
+            self.conversations = list(conversations)
+            self.clear_options()
+            self.add_options([Option(conversation_label(c), id=c.id) for c in conversations])
+        self.mark_current(current)
+
+    def mark_current(self, current: str | None) -> None:
+        self.current = current
+        if current is None:
+            return
+        for index, conversation in enumerate(self.conversations):
+            if conversation.id == current:
+                self.highlighted = index
+                return
+
+    def neighbour(self, step: int) -> str | None:
+        """The id `step` places away from the current one (wrapping), for quick switching."""
+        if not self.conversations:
+            return None
+        ids = [c.id for c in self.conversations]
+        index = ids.index(self.current) if self.current in ids else -step
+        return ids[(index + step) % len(ids)]

@@ -1,0 +1,139 @@
+"""The client library against a live daemon: every endpoint typed, and streams that survive
+connections cut at random bytes with every event delivered exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import defaultdict
+
+import pytest
+
+from agentd.providers.demo import expected_answer
+from agentd.vocabulary import EventType, MessageStatus, RunStatus
+from agenttui.client import (
+    AgentClient,
+    Conflict,
+    ConnectionState,
+    ConnectionStatus,
+    NotFound,
+    Snapshot,
+    Unauthorized,
+)
+from agenttui.models import RunEvent
+from tests.daemon_harness import Daemon
+from tests.tui.helpers import Chaos, Device, client_for
+
+WAIT_S = 60.0
+
+
+async def test_every_endpoint_answers_typed_objects(daemon: Daemon, desk: Device) -> None:
+    async with client_for(daemon, desk) as client:
+        me = await client.me()
+        assert (me.account, me.device, me.device_id) == ("team", "desk", desk.device_id)
+
+        created = await client.create_conversation("first")
+        renamed = await client.rename_conversation(created.id, "typed client")
+        assert renamed.title == "typed client"
+        assert [c.id for c in await client.list_conversations()] == [created.id]
+
+        run = await client.create_run(created.id, "what is a lease?",
+                                      params={"tokens": 6, "delay_ms": 0},
+                                      idempotency_key="typed-1")
+        again = await client.create_run(created.id, "what is a lease?",
+                                        params={"tokens": 6, "delay_ms": 0},
+                                        idempotency_key="typed-1")
+        assert (again.run_id, again.replayed, run.replayed) == (run.run_id, True, False)
+        with pytest.raises(Conflict):
+            await client.create_run(created.id, "something else", idempotency_key="typed-1")
+
+        done = await client.wait_run(run.run_id, wait_s=WAIT_S)
+        assert done.status == RunStatus.COMPLETED and done.device_id == desk.device_id
+        assert (await client.get_run(run.run_id)).status == RunStatus.COMPLETED
+        answer = expected_answer("demo", "what is a lease?", 6)
+
+        events = [e async for e in client.run_events(run.run_id) if isinstance(e, RunEvent)]
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))
+        assert "".join(e.delta for e in events) == answer
+        assert events[-1].type == EventType.COMPLETE
+
+        state = await client.get_conversation(created.id)
+        assert [(m.role, m.content, m.status) for m in state.messages] == [
+            ("user", "what is a lease?", MessageStatus.COMPLETE),
+            ("assistant", answer, MessageStatus.COMPLETE)]
+        assert state.runs == () and state.lease is None
+
+        assert answer in await client.export_conversation(created.id)
+        hits = await client.search(answer.split()[0])
+        assert any(h.conversation_id == created.id for h in hits)
+
+        idle = await client.stop_conversation(created.id)
+        assert (idle.cancelled, idle.flagged, idle.drafts) == ((), (), ())
+        assert (await client.cancel_run(run.run_id)).flagged == ()
+        assert "/v1/conversations/{id}/events" in (await client.openapi())["paths"]
+
+        with pytest.raises(NotFound):
+            await client.get_conversation("00000000-0000-0000-0000-000000000000")
+    async with AgentClient(daemon.url, "agd_not-a-token", trust_env=False) as stranger:
+        with pytest.raises(Unauthorized):
+            await stranger.me()
+
+
+async def test_conversation_stream_survives_random_disconnects_exactly_once(
+        daemon: Daemon, desk: Device) -> None:
+    prompts = {"first question": 120, "second question": 90}
+    chaos = Chaos(seed=20261129)
+    async with client_for(daemon, desk) as client, \
+            client_for(daemon, desk, transport=chaos) as flaky:
+        conversation = await client.create_conversation("chaos")
+        runs = {}
+        for prompt, tokens in prompts.items():  # the second queues behind the first
+            created = await client.create_run(conversation.id, prompt,
+                                              params={"tokens": tokens, "delay_ms": 8})
+            runs[created.run_id] = expected_answer("demo", prompt, tokens)
+
+        seen: dict[str, list[int]] = defaultdict(list)
+        text: dict[str, str] = defaultdict(str)
+        states: list[ConnectionState] = []
+        resumed_snapshots = 0
+        completed: set[str] = set()
+        stream = flaky.conversation_events(conversation.id)
+        async with asyncio.timeout(WAIT_S * 2), contextlib.aclosing(stream.__aiter__()) as items:
+            async for item in items:
+                if isinstance(item, ConnectionStatus):
+                    states.append(item.state)
+                elif isinstance(item, Snapshot):
+                    resumed_snapshots += item.resumed
+                elif isinstance(item, RunEvent):
+                    seen[item.run_id].append(item.seq)
+                    if item.type == EventType.CONTENT_DELTA:
+                        text[item.run_id] += item.delta
+                    if item.type == EventType.COMPLETE:
+                        completed.add(item.run_id)
+                        if completed >= set(runs):
+                            break
+        for run_id, answer in runs.items():
+            assert seen[run_id] == list(range(1, len(seen[run_id]) + 1)), \
+                f"run {run_id}: events repeated or missing: {seen[run_id]}"
+            assert text[run_id] == answer
+        assert stream.reconnects >= 3 and chaos.cuts >= 4, (stream.reconnects, chaos.cuts)
+        assert ConnectionState.RECONNECTING in states and ConnectionState.RESUMED in states
+        assert resumed_snapshots >= 1
+
+
+async def test_run_stream_survives_random_disconnects_exactly_once(
+        daemon: Daemon, desk: Device) -> None:
+    chaos = Chaos(seed=7)
+    async with client_for(daemon, desk) as client, \
+            client_for(daemon, desk, transport=chaos) as flaky:
+        conversation = await client.create_conversation("chaos run")
+        created = await client.create_run(conversation.id, "stream me",
+                                          params={"tokens": 150, "delay_ms": 6})
+        stream = flaky.run_events(created.run_id)
+        async with asyncio.timeout(WAIT_S * 2):
+            events = [item async for item in stream if isinstance(item, RunEvent)]
+        assert [e.seq for e in events] == list(range(1, len(events) + 1))
+        assert events[-1].type == EventType.COMPLETE
+        assert events[-1].payload["status"] == RunStatus.COMPLETED
+        assert "".join(e.delta for e in events) == expected_answer("demo", "stream me", 150)
+        assert stream.reconnects >= 2, stream.reconnects

@@ -1,0 +1,144 @@
+"""Keys with ids (remapped from config), F1 help, the command palette, the newline key, and the
+comfort actions against a live daemon: copy, export, search, rename, new conversation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.binding import Binding
+from textual.widgets import Input, OptionList, TextArea
+
+from agentd.providers.demo import expected_answer
+from agentd.vocabulary import RunStatus
+from agenttui.app import AgentTUI
+from agenttui.locations import clipboard_file
+from agenttui.screens.help import HelpScreen
+from agenttui.screens.main import MainScreen, last_code_block
+from agenttui.screens.search import SearchScreen
+from agenttui.widgets.composer import Composer
+from tests.daemon_harness import Daemon
+from tests.tui.helpers import Device, client_for, running_tui, wait_for
+
+NOWHERE = "http://127.0.0.1:9"  # nothing listens there: the app keeps retrying
+
+
+def test_every_binding_has_a_unique_id_and_none_shadows_the_composers_keys() -> None:
+    bindings = [*MainScreen.BINDINGS, *Composer.BINDINGS, *AgentTUI.BINDINGS]
+    assert all(isinstance(b, Binding) and b.id for b in bindings)
+    ids = [b.id for b in bindings if isinstance(b, Binding)]
+    assert len(ids) == len(set(ids))
+    editing = {key for b in TextArea.BINDINGS if isinstance(b, Binding)
+               for key in b.key.split(",")}
+    screen_keys = {key for b in MainScreen.BINDINGS if isinstance(b, Binding)
+                   for key in b.key.split(",")}
+    assert not screen_keys & editing, screen_keys & editing
+    assert {"stop", "send", "newline", "help", "copy_answer", "copy_code", "search", "export",
+            "new_conversation", "rename_conversation", "quit"} <= set(ids)
+
+
+def test_last_code_block_takes_the_last_fence() -> None:
+    text = "intro\n```python\nprint(1)\n```\nthen\n~~~\nls -l\n~~~\nend"
+    assert last_code_block(text) == "ls -l\n"
+    assert last_code_block("no code here") is None
+
+
+async def test_keys_remap_from_config_and_f1_shows_the_mapping(desk: Device,
+                                                               agenttui_dirs: Path) -> None:
+    async with running_tui(NOWHERE, desk, agenttui_dirs, keys={"stop": "f8"},
+                           theme="nord") as (app, pilot):
+        screen = app.main
+        assert app.theme == "nord"
+        await wait_for(pilot, lambda: "cannot reach" in screen.bar.plain, "the retry notice")
+        active = {key: b.binding.action for key, b in app.active_bindings.items()}
+        assert active.get("f8") == "stop" and active.get("escape") != "stop"
+        await pilot.press("f8")
+        await wait_for(pilot, lambda: "No conversation is open." in screen.notices,
+                       "the remapped stop key to act")
+
+        await pilot.press("a", "ctrl+j", "b")
+        assert screen.composer.text == "a\nb"
+        await pilot.press("enter")  # no daemon: the message must not be lost
+        await wait_for(pilot, lambda: any(n.startswith("Not connected") for n in screen.notices),
+                       "the send to be refused")
+        assert screen.composer.text == "a\nb"
+
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen), "the help screen")
+        assert "| `f8` | Stop | `stop` |" in app.screen.query_one("Markdown").source
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is screen, "help to close")
+
+        titles = {c.title for c in app.get_system_commands(app.screen)}
+        assert {"New conversation", "Rename conversation", "Stop", "Copy last answer",
+                "Copy last code block", "Search conversations", "Export as Markdown",
+                "Help"} <= titles
+
+
+async def test_copy_export_search_rename_and_new(daemon: Daemon, desk: Device,
+                                                 agenttui_dirs: Path, tmp_path: Path) -> None:
+    answers = {}
+    async with client_for(daemon, desk) as api:
+        for title, prompt in (("Alpha notes", "alpha question"), ("Beta notes", "beta question")):
+            conversation = await api.create_conversation(title)
+            run = await api.create_run(conversation.id, prompt,
+                                       params={"tokens": 12, "delay_ms": 0})
+            assert (await api.wait_run(run.run_id, wait_s=60)).status == RunStatus.COMPLETED
+            answers[title] = (conversation.id, expected_answer("demo", prompt, 12))
+    alpha, alpha_answer = answers["Alpha notes"]
+    beta, beta_answer = answers["Beta notes"]
+    exports = tmp_path / "exports"
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=alpha,
+                           export_dir=exports) as (app, pilot):
+        screen = app.main
+
+        def shows(conversation_id: str, answer: str) -> bool:
+            model = screen.model
+            return bool(model and model.conversation_id == conversation_id and
+                        model.last_answer() == answer and model.turn_list()[-1].finished)
+
+        await wait_for(pilot, lambda: shows(alpha, alpha_answer), "the alpha conversation")
+
+        await pilot.press("ctrl+o")
+        assert app.clipboard == alpha_answer
+        assert clipboard_file().read_text() == alpha_answer
+
+        await pilot.press("ctrl+s")
+        exported = await wait_for(pilot, lambda: list(exports.glob("*.md")), "the export file")
+        text = exported[0].read_text()
+        assert exported[0].name.startswith("alpha-notes-")
+        assert text.startswith("# Alpha notes") and alpha_answer in text
+
+        await pilot.press("ctrl+f")
+        await wait_for(pilot, lambda: isinstance(app.screen, SearchScreen), "the search screen")
+        search = app.screen
+        search.query_one(Input).value = "beta"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: search.hits, "search results")
+        assert {hit.conversation_id for hit in search.hits} == {beta}
+        search.query_one(OptionList).focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: shows(beta, beta_answer), "the hit's conversation to open")
+
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: app.screen is not screen, "the rename prompt")
+        prompt_input = app.screen.query_one(Input)
+        assert prompt_input.value == "Beta notes"
+        prompt_input.value = "Beta, renamed"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "Beta, renamed" in
+                       [c.title for c in screen.conversation_list.conversations], "the new title")
+        async with client_for(daemon, desk) as api:
+            assert (await api.get_conversation(beta)).conversation.title == "Beta, renamed"
+
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: screen.model.conversation_id not in (alpha, beta) and
+                       len(screen.conversation_list.conversations) == 3,
+                       "a new empty conversation")
+        assert screen.model.turn_list() == []
+
+
+async def test_an_unknown_theme_falls_back_to_the_default(desk: Device,
+                                                          agenttui_dirs: Path) -> None:
+    async with running_tui(NOWHERE, desk, agenttui_dirs, theme="no-such-theme") as (app, pilot):
+        await wait_for(pilot, lambda: "cannot reach" in app.main.bar.plain, "the retry notice")
+        assert app.theme == "agenttui"

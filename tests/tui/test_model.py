@@ -1,0 +1,140 @@
+"""The client-side conversation model, fed wire-shaped items: snapshots win, events apply once,
+streamed text survives a resumed snapshot, drafts reach only their author and only once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentd.vocabulary import EventType, MessageStatus, RunStatus
+from agenttui.client import ConnectionState, ConnectionStatus, LeaseChanged, Snapshot
+from agenttui.conversation import ConversationModel
+from agenttui.models import ConversationState, Lease, Me, RunEvent
+
+ME = Me("team", "acct", "desk", "dev-desk")
+OTHER = "dev-laptop"
+CONV = "conv-1"
+
+
+def snapshot(messages: list[dict[str, Any]], runs: list[dict[str, Any]] | None = None,
+             lease: dict[str, Any] | None = None, *, resumed: bool = False) -> Snapshot:
+    return Snapshot(ConversationState.from_wire({
+        "id": CONV, "title": "t", "created_at": None, "updated_at": None,
+        "messages": messages, "runs": runs or [], "lease": lease, "attached": []}), resumed)
+
+
+def message(mid: str, role: str, content: str, status: str, run_id: str) -> dict[str, Any]:
+    return {"id": mid, "role": role, "content": content, "status": status, "run_id": run_id,
+            "created_at": "2030-01-01T00:00:00Z"}
+
+
+def run(rid: str, status: str, device: str, **extra: Any) -> dict[str, Any]:
+    return {"id": rid, "conversation_id": CONV, "status": status, "device_id": device,
+            "cancel_requested": False, "worker_id": extra.get("worker"),
+            "lease_expires_at": extra.get("lease"), "error": None, "usage": None,
+            "created_at": None, "started_at": None, "finished_at": None}
+
+
+def event(rid: str, seq: int, kind: EventType, **payload: Any) -> RunEvent:
+    return RunEvent.from_wire({**payload, "type": str(kind), "seq": seq, "run_id": rid})
+
+
+def test_events_build_a_turn_and_repeats_are_ignored() -> None:
+    model = ConversationModel(ME, CONV)
+    model.apply(snapshot([]))
+    model.note_created("r1")
+    for item in (event("r1", 1, EventType.USER_MESSAGE, message_id="m1", content="hi"),
+                 event("r1", 2, EventType.RUN_QUEUED),
+                 event("r1", 3, EventType.RUN_STARTED, worker_id="w:1:a",
+                       lease_expires_at="2030-01-01T00:00:30Z"),
+                 event("r1", 4, EventType.CONTENT_DELTA, delta="hello"),
+                 event("r1", 4, EventType.CONTENT_DELTA, delta="hello"),  # a repeat
+                 event("r1", 5, EventType.CONTENT_DELTA, delta=" world")):
+        model.apply(item)
+    turn = model.turns["r1"]
+    assert turn.text == "hello world"
+    assert model.state == "running"
+    assert model.owner()[1:3] == ("desk", "w:1:a")
+    assert model.owner_is_me()
+    model.apply(event("r1", 6, EventType.COMPLETE, status="completed", error=None))
+    assert turn.status == RunStatus.COMPLETED and model.state == "idle"
+    assert model.last_answer() == "hello world"
+
+
+def test_resumed_snapshot_keeps_streamed_text_and_a_fresh_one_starts_over() -> None:
+    model = ConversationModel(ME, CONV)
+    active = [run("r1", "running", OTHER, worker="w")]
+    question = [message("m1", "user", "q", "complete", "r1")]
+    model.apply(snapshot(question, active))
+    model.apply(event("r1", 3, EventType.CONTENT_DELTA, delta="partial"))
+    model.apply(snapshot(question, active, resumed=True))
+    assert model.turns["r1"].text == "partial"
+    model.apply(event("r1", 3, EventType.CONTENT_DELTA, delta="partial"))  # already seen
+    assert model.turns["r1"].text == "partial"
+    model.apply(snapshot(question, active, resumed=False))  # the feed replays from seq 1
+    assert model.turns["r1"].text == ""
+
+
+def test_durable_answer_wins_over_streamed_text_after_a_reconnect() -> None:
+    model = ConversationModel(ME, CONV)
+    model.apply(snapshot([message("m1", "user", "q", "complete", "r1")],
+                         [run("r1", "running", OTHER)]))
+    model.apply(event("r1", 3, EventType.CONTENT_DELTA, delta="one"))
+    # The run finished while we were away: the snapshot has the whole answer.
+    model.apply(snapshot([message("m1", "user", "q", "complete", "r1"),
+                          message("a1", "assistant", "one two", "complete", "r1")],
+                         resumed=True))
+    model.apply(event("r1", 4, EventType.CONTENT_DELTA, delta=" two"))
+    assert model.turns["r1"].text == "one two"
+    assert model.turns["r1"].status == RunStatus.COMPLETED
+
+
+def test_lease_names_the_owner_and_queue_positions_follow_run_order() -> None:
+    model = ConversationModel(ME, CONV)
+    model.apply(snapshot(
+        [message("m1", "user", "a", "complete", "r1"), message("m2", "user", "b", "queued", "r2"),
+         message("m3", "user", "c", "queued", "r3")],
+        [run("r1", "running", OTHER), run("r2", "queued", ME.device_id),
+         run("r3", "queued", OTHER)]))
+    model.apply(LeaseChanged(Lease.from_wire({
+        "run_id": "r1", "device": "laptop", "device_id": OTHER, "worker_id": "w:2:b",
+        "fence": 3, "expires_at": "2030-01-01T00:00:30Z"})))
+    assert model.state == "running"
+    assert model.owner()[1:3] == ("laptop", "w:2:b")
+    assert not model.owner_is_me()
+    assert [model.queue_position(t) for t in model.turn_list()] == [None, 1, 2]
+    model.apply(ConnectionStatus(ConnectionState.RECONNECTING, attempt=2))
+    assert model.connection.attempt == 2
+
+
+def test_a_draft_goes_to_its_author_once() -> None:
+    consumed: set[str] = set()
+    mine = ConversationModel(ME, CONV, is_consumed=consumed.__contains__)
+    theirs = ConversationModel(Me("team", "acct", "laptop", OTHER), CONV)
+    for model in (mine, theirs):
+        model.apply(snapshot([message("m1", "user", "later", "queued", "r1")],
+                             [run("r1", "queued", ME.device_id)]))
+        changes = model.apply(event("r1", 3, EventType.COMPLETE, status="cancelled",
+                                    error="stopped before it started"))
+        assert model.turns["r1"].question_status == MessageStatus.DRAFT
+        assert changes.drafts is (model is mine)
+    drafts = mine.take_drafts()
+    assert [d.content for d in drafts] == ["later"]
+    assert theirs.take_drafts() == []
+    consumed.update(d.message_id for d in drafts)
+    # A restart sees the same draft in its snapshot: already handed back, not offered again.
+    again = ConversationModel(ME, CONV, is_consumed=consumed.__contains__)
+    again.apply(snapshot([message("m1", "user", "later", "draft", "r1")]))
+    again.note_run(again_run := _run_row("r1", ME.device_id))
+    assert again_run.status == RunStatus.CANCELLED
+    assert again.take_drafts() == []
+    fresh = ConversationModel(ME, CONV)
+    fresh.apply(snapshot([message("m1", "user", "later", "draft", "r1")]))
+    assert fresh.runs_to_resolve() == ["r1"]
+    assert fresh.note_run(_run_row("r1", ME.device_id)).drafts
+    assert [d.content for d in fresh.take_drafts()] == ["later"]
+
+
+def _run_row(rid: str, device: str) -> Any:
+    from agenttui.models import Run
+
+    return Run.from_wire({**run(rid, "cancelled", device), "error": "stopped before it started"})

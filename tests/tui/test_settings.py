@@ -1,0 +1,57 @@
+"""Settings resolve defaults < config file < AGENTTUI_* < flags, and say which value is wrong."""
+
+from __future__ import annotations
+
+import stat
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from agenttui.client import DEFAULT_URL
+from agenttui.locations import config_file, write_client_config
+from agenttui.settings import Settings, SettingsError, load_settings
+
+
+def test_precedence_defaults_config_env_flags() -> None:
+    assert load_settings(config={}, env={}) == Settings()
+    config = {"url": "http://desk:8740/", "token": "agd_cfg", "theme": "nord",
+              "keys": {"stop": "f8"}, "params": {"tokens": 5}, "timeout_s": 3,
+              "someone_elses": "ignored"}
+    settings = load_settings(config=config, env={})
+    assert (settings.url, settings.token, settings.theme) == ("http://desk:8740", "agd_cfg",
+                                                                "nord")
+    assert settings.keys == {"stop": "f8"} and settings.params == {"tokens": 5}
+    env = {"AGENTTUI_TOKEN": "agd_env", "AGENTTUI_KEYS": "stop=f9; send = enter",
+           "AGENTTUI_PARAMS": '{"tokens": 7}', "AGENTTUI_EXPORT_DIR": "~/exports"}
+    settings = load_settings(config=config, env=env, url="http://laptop:1", token=None)
+    assert (settings.url, settings.token) == ("http://laptop:1", "agd_env")
+    assert settings.keys == {"stop": "f9", "send": "enter"}
+    assert settings.params == {"tokens": 7}
+    assert settings.export_dir == Path("~/exports").expanduser()
+    assert load_settings(config={}, env={}).url == DEFAULT_URL
+
+
+@pytest.mark.parametrize(("config", "env", "named"), [
+    ({"url": 5}, {}, "url in the config file"),
+    ({}, {"AGENTTUI_TIMEOUT_S": "soon"}, "timeout_s in $AGENTTUI_TIMEOUT_S"),
+    ({"keys": {"stop": ""}}, {}, "keys in the config file"),
+    ({}, {"AGENTTUI_KEYS": "stop"}, "keys in $AGENTTUI_KEYS"),
+    ({}, {"AGENTTUI_PARAMS": "[1]"}, "params in $AGENTTUI_PARAMS"),
+])
+def test_a_bad_value_names_itself_and_its_source(config: dict, env: dict, named: str) -> None:
+    with pytest.raises(SettingsError, match=named.replace("$", r"\$")):
+        load_settings(config=config, env=env)
+
+
+def test_config_file_is_0600_and_keeps_the_users_other_settings() -> None:
+    path = config_file()
+    path.write_text('theme = "nord"\nparams = { tokens = 5 }\n\n[keys]\nstop = "f8"\n'
+                    '"copy answer" = "ctrl+k"\n')
+    write_client_config("http://desk:8740", 'agd_"quoted"\\token', device="desk")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert tomllib.loads(path.read_text()) == {
+        "url": "http://desk:8740", "token": 'agd_"quoted"\\token', "device": "desk",
+        "theme": "nord", "params": {"tokens": 5},
+        "keys": {"stop": "f8", "copy answer": "ctrl+k"}}
+    assert load_settings(env={}).keys == {"stop": "f8", "copy answer": "ctrl+k"}
