@@ -29,7 +29,8 @@ WITH conv AS (
         (1, 'user_message', jsonb_build_object(
             'message_id', run.user_message_id, 'role', 'user', 'content', $4::text)),
         (2, 'run_queued', jsonb_build_object(
-            'run_id', run.id, 'conversation_id', run.conversation_id))
+            'run_id', run.id, 'conversation_id', run.conversation_id, 'device_id', $3::uuid,
+            'device', (SELECT name FROM device WHERE id = $3::uuid)))
     ) AS e (seq, type, payload)
 )
 SELECT run.id, run.status, run.conversation_id, run.user_message_id, run.created_at,
@@ -336,12 +337,14 @@ ORDER BY seq
 LIMIT $3::int;
 
 -- get_run --
--- Rule 9: a run is visible only to its own account.
-SELECT id, account_id, conversation_id, user_message_id, origin_device_id, status, request,
-       idempotency_key, worker_id, claim_token, fence, lease_expires_at, last_heartbeat_at,
-       cancel_requested, error, usage, created_at, started_at, finished_at
-FROM agent_run
-WHERE id = $1::uuid AND account_id = $2::uuid;
+-- Rule 9: a run is visible only to its own account. Names the device that asked.
+SELECT r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
+       d.name AS origin_device, r.status, r.request, r.idempotency_key, r.worker_id,
+       r.claim_token, r.fence, r.lease_expires_at, r.last_heartbeat_at, r.cancel_requested,
+       r.error, r.usage, r.created_at, r.started_at, r.finished_at
+FROM agent_run r
+LEFT JOIN device d ON d.id = r.origin_device_id
+WHERE r.id = $1::uuid AND r.account_id = $2::uuid;
 
 -- list_messages --
 -- The durable transcript in turn order: each run's answer follows its own question, even when
@@ -355,12 +358,14 @@ ORDER BY coalesce(asked.position, m.position), m.position;
 
 -- list_active_runs --
 -- The running turn and the queued ones behind it, in the order they will run.
-SELECT id, account_id, conversation_id, user_message_id, origin_device_id, status, request,
-       idempotency_key, worker_id, claim_token, fence, lease_expires_at, last_heartbeat_at,
-       cancel_requested, error, usage, created_at, started_at, finished_at
-FROM agent_run
-WHERE conversation_id = $1::uuid AND status IN ('queued', 'running')
-ORDER BY created_at, id;
+SELECT r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
+       d.name AS origin_device, r.status, r.request, r.idempotency_key, r.worker_id,
+       r.claim_token, r.fence, r.lease_expires_at, r.last_heartbeat_at, r.cancel_requested,
+       r.error, r.usage, r.created_at, r.started_at, r.finished_at
+FROM agent_run r
+LEFT JOIN device d ON d.id = r.origin_device_id
+WHERE r.conversation_id = $1::uuid AND r.status IN ('queued', 'running')
+ORDER BY r.created_at, r.id;
 
 -- get_conversation_lease --
 -- Seed 000: who owns the conversation and until when. The deadline is joined from the owning
@@ -564,8 +569,8 @@ SELECT id FROM conversation WHERE id = $1::uuid AND account_id = $2::uuid FOR NO
 
 -- list_runs_of_conversation_since --
 -- A conversation feed's discovery of runs: those after its watermark, plus the ones it still
--- follows, in run order.
-SELECT id, status, created_at
+-- follows, in run order; cancel_requested lets every device see a stop before the run ends.
+SELECT id, status, created_at, cancel_requested
 FROM agent_run
 WHERE conversation_id = $1::uuid
   AND ((created_at, id) > ($2::timestamptz, $3::uuid) OR id = ANY ($4::uuid[]))

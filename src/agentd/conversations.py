@@ -43,6 +43,7 @@ class RunRow:
     conversation_id: UUID
     user_message_id: UUID
     origin_device_id: UUID | None
+    origin_device: str | None
     status: RunStatus
     request: dict[str, Any] | None
     idempotency_key: str | None

@@ -38,18 +38,27 @@ def poll_interval(hub: Hub, keepalive_s: float) -> float:
     return min(keepalive_s, 5.0 if hub.connected else 1.0)
 
 
-async def _synthesized_complete(pool: asyncpg.Pool, run_id: UUID, after_seq: int) -> Event | None:
-    """The run is terminal but its journal has no `complete` (a finalize died midway)."""
+async def _ending(pool: asyncpg.Pool, run_id: UUID,
+                  after_seq: int) -> tuple[bool, Event | None]:
+    """Is a reader at `after_seq` done with this run? -> (done, a `complete` to send it first).
+
+    Only a terminal run ends. Its journaled `complete` is its last event: a reader whose cursor
+    is that event has seen the ending and gets nothing more (never a second `complete`); a
+    reader before it gets it from the next read. A terminal run whose journal has none (a
+    finalize died midway) gets one synthesized from the row.
+    """
     row = await pool.fetchrow(Q["run_status"], run_id)
     if row is None or not RunStatus(row["status"]).terminal:
-        return None
-    # Re-read: a `complete` committed with the status flip is visible now.
-    tail = await read_events(pool, run_id, after_seq=after_seq, limit=PAGE)
-    if any(e.type == EventType.COMPLETE for e in tail):
-        return None
-    return Event(after_seq + 1, EventType.COMPLETE,
-                 {"status": row["status"], "error": row["error"], "message_id": None,
-                  "synthesized": True}, datetime.now(UTC))
+        return False, None
+    # Re-read from the reader's own last event: a `complete` committed with the status flip
+    # is visible now.
+    tail = await read_events(pool, run_id, after_seq=max(after_seq - 1, 0), limit=PAGE)
+    journaled = next((e for e in tail if e.type == EventType.COMPLETE), None)
+    if journaled is not None:
+        return journaled.seq <= after_seq, None
+    return True, Event(after_seq + 1, EventType.COMPLETE,
+                       {"status": row["status"], "error": row["error"], "message_id": None,
+                        "synthesized": True}, datetime.now(UTC))
 
 
 async def run_tail(pool: asyncpg.Pool, hub: Hub, run_id: UUID, after_seq: int, *,
@@ -71,11 +80,15 @@ async def run_tail(pool: asyncpg.Pool, hub: Hub, run_id: UUID, after_seq: int, *
             if events:
                 last_sent = loop.time()
                 quiet_checks = 1  # the journal is moving: no need to check the row
-                continue
+                if len(events) == PAGE:
+                    continue  # more may be waiting behind a full page
+                # A short page is everything committed so far; anything later sends a hint
+                # that the inbox (cleared before the read) keeps, so no second read is needed.
             if quiet_checks == 0 or not hub.connected:
-                synthesized = await _synthesized_complete(pool, run_id, cursor)
+                ended, synthesized = await _ending(pool, run_id, cursor)
                 if synthesized is not None:
                     yield synthesized
+                if ended:
                     return
             woke = await sub.wait(poll_interval(hub, keepalive_s))
             quiet_checks = 0 if (not woke or RECONNECTED in woke) else quiet_checks + 1
@@ -115,7 +128,7 @@ class FeedCursor:
 
 @dataclass(frozen=True, slots=True)
 class FeedItem:
-    kind: str  # "event" | "lease" | "presence" | "keepalive"
+    kind: str  # "event" | "run_state" | "lease" | "presence" | "keepalive"
     cursor: str
     run_id: UUID | None = None
     event: Event | None = None
@@ -135,6 +148,7 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
     last_sent = loop.time()
     lease_seen: Any = object()
     presence_seen: Any = object()
+    flagged: set[UUID] = set()  # open runs whose stop request this feed has announced
     async with hub.watch() as sub:
         sub.listen(Channel.CONVERSATION, str(conversation_id))
         for run_id in cursor.open:
@@ -153,6 +167,13 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
                     sub.listen(Channel.RUN_EVENT, str(run_id))
                 if run_id not in cursor.open:
                     continue
+                if row["cancel_requested"] and run_id not in flagged:
+                    # Stop is a state: show it on every device now, not when the run ends.
+                    flagged.add(run_id)
+                    progressed = True
+                    yield FeedItem("run_state", cursor.encode(), run_id, data={
+                        "run_id": str(run_id), "status": row["status"],
+                        "cancel_requested": True})
                 async for item in _drain_run(pool, cursor, run_id, row["status"]):
                     progressed = True
                     if item.event is not None and item.event.type in (
@@ -199,7 +220,8 @@ async def _drain_run(pool: asyncpg.Pool, cursor: FeedCursor, run_id: UUID,
         if len(events) < PAGE:
             break
     if RunStatus(status).terminal:
-        synthesized = await _synthesized_complete(pool, run_id, cursor.open[run_id])
-        if synthesized is not None:
+        ended, synthesized = await _ending(pool, run_id, cursor.open[run_id])
+        if ended:
             del cursor.open[run_id]
+        if synthesized is not None:
             yield FeedItem("event", cursor.encode(), run_id, synthesized)

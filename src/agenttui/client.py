@@ -156,7 +156,17 @@ class PresenceChanged:
     attached: tuple[Attached, ...]
 
 
-FeedItem = Snapshot | RunEvent | LeaseChanged | PresenceChanged | ConnectionStatus
+@dataclass(frozen=True, slots=True)
+class RunStateChanged:
+    """A run's row changed ahead of its journal (a stop was requested)."""
+
+    run_id: str
+    status: str
+    cancel_requested: bool
+
+
+FeedItem = (Snapshot | RunEvent | LeaseChanged | PresenceChanged | RunStateChanged
+            | ConnectionStatus)
 
 
 class _BadCursor(Exception):
@@ -466,6 +476,11 @@ class ConversationStream(_ResumableStream):
         if sse.event == "lease":
             self.cursor = sse.id or self.cursor
             yield LeaseChanged(Lease.from_wire(data.get("lease")))
+            return
+        if sse.event == "run_state":
+            self.cursor = sse.id or self.cursor
+            yield RunStateChanged(str(data["run_id"]), str(data.get("status")),
+                                  bool(data.get("cancel_requested")))
             return
         if sse.event == "presence":
             self.cursor = sse.id or self.cursor

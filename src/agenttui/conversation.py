@@ -26,6 +26,7 @@ from agenttui.client import (
     FeedItem,
     LeaseChanged,
     PresenceChanged,
+    RunStateChanged,
     Snapshot,
 )
 from agenttui.models import (
@@ -183,6 +184,12 @@ class ConversationModel:
             self.lease = item.lease
             self._learn_lease()
             return Changes(bar=True)
+        if isinstance(item, RunStateChanged):
+            turn = self.turns.get(item.run_id)
+            if turn is None or not item.cancel_requested:
+                return Changes()
+            turn.cancel_requested = True
+            return Changes(turns={item.run_id}, bar=True)
         if isinstance(item, PresenceChanged):
             self.attached = item.attached
             self._learn_attached()
@@ -214,6 +221,7 @@ class ConversationModel:
             turn = turns.setdefault(run.id, _fresh_from(old.get(run.id), run.id, run.id,
                                                         keep_stream=resumed))
             _take_run(turn, run)
+            self._learn_device(run.device_id, run.device)
         for key, turn in turns.items():
             if key in runs:
                 continue
@@ -252,6 +260,8 @@ class ConversationModel:
         elif kind == EventType.RUN_QUEUED:
             if turn.status is None:
                 turn.status = RunStatus.QUEUED
+            turn.device_id = _opt(payload.get("device_id")) or turn.device_id
+            self._learn_device(turn.device_id, _opt(payload.get("device")))
             changes.bar = True
         elif kind == EventType.RUN_STARTED:
             turn.status = RunStatus.RUNNING
@@ -305,6 +315,10 @@ class ConversationModel:
         if turn is not None and turn.device_id is None:
             turn.device_id = self.me.device_id
 
+    def _learn_device(self, device_id: str | None, name: str | None) -> None:
+        if device_id and name:
+            self.device_names[device_id] = name
+
     def note_run(self, run: Run) -> Changes:
         """What a run row says (read for turns whose device or ending is not known yet)."""
         turn = self.turns.get(run.id)
@@ -312,6 +326,7 @@ class ConversationModel:
             return Changes()
         turn.resolved = True
         turn.device_id = run.device_id or turn.device_id
+        self._learn_device(run.device_id, run.device)
         if run.terminal or turn.status is None:
             turn.status = run.status
         turn.error = run.error or turn.error
@@ -516,3 +531,7 @@ def turns_text(turns: Iterable[Turn]) -> str:
         if turn.text:
             out.append(turn.text)
     return "\n\n".join(out)
+
+
+def _opt(value: Any) -> str | None:
+    return str(value) if value else None

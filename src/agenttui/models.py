@@ -93,6 +93,7 @@ class Run:
     conversation_id: str
     status: RunStatus | str
     device_id: str | None = None
+    device: str | None = None
     user_message_id: str | None = None
     model: str | None = None
     cancel_requested: bool = False
@@ -114,6 +115,7 @@ class Run:
         return cls(
             id=data["id"], conversation_id=data["conversation_id"],
             status=_enum(RunStatus, data["status"]), device_id=_opt_str(data.get("device_id")),
+            device=data.get("device"),
             user_message_id=_opt_str(data.get("user_message_id")), model=data.get("model"),
             cancel_requested=bool(data.get("cancel_requested")),
             worker_id=data.get("worker_id"), fence=data.get("fence"),

@@ -138,3 +138,21 @@ def _run_row(rid: str, device: str) -> Any:
     from agenttui.models import Run
 
     return Run.from_wire({**run(rid, "cancelled", device), "error": "stopped before it started"})
+
+
+def test_a_stop_requested_elsewhere_shows_cancelling_and_names_the_asker() -> None:
+    """`run_state` flips the running turn to cancelling on every device before it ends, and
+    the device named by `run_queued` is who asked."""
+    from agenttui.client import RunStateChanged
+
+    model = ConversationModel(ME, CONV)
+    model.apply(snapshot([]))
+    for item in (event("r1", 1, EventType.USER_MESSAGE, message_id="m1", content="hi"),
+                 event("r1", 2, EventType.RUN_QUEUED, device_id=OTHER, device="laptop"),
+                 event("r1", 3, EventType.RUN_STARTED, worker_id="w:1:a",
+                       lease_expires_at="2030-01-01T00:00:30Z")):
+        model.apply(item)
+    assert model.state == "running"
+    assert model.owner()[1] == "laptop"
+    assert model.apply(RunStateChanged("r1", "running", True)).bar
+    assert model.state == "cancelling"

@@ -52,6 +52,8 @@ SCHEMAS: dict[str, Any] = {
             "properties": {
                 "id": UUID, "conversation_id": UUID, "user_message_id": UUID,
                 "device_id": {"type": ["string", "null"], "format": "uuid"},
+                "device": {"type": ["string", "null"],
+                           "description": "name of the device that asked"},
                 "status": {"enum": [str(s) for s in RunStatus]},
                 "model": {"type": ["string", "null"]},
                 "cancel_requested": {"type": "boolean"},

@@ -316,6 +316,9 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
                 if item.kind == "event":
                     await sse.send(response, item.cursor, str(item.event.type),
                                    wire.event(item.event, str(item.run_id)))
+                elif item.kind == "run_state":
+                    await sse.send(response, item.cursor, "run_state",
+                                   {"type": "run_state", **item.data})
                 elif item.kind == "lease":
                     await sse.send(response, item.cursor, "lease",
                                    {"type": "lease", "lease": item.data})

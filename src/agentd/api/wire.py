@@ -38,6 +38,7 @@ def run(r: RunRow) -> dict[str, Any]:
         "id": str(r.id), "conversation_id": str(r.conversation_id),
         "user_message_id": str(r.user_message_id),
         "device_id": str(r.origin_device_id) if r.origin_device_id else None,
+        "device": r.origin_device,
         "status": str(r.status), "model": request.get("model"),
         "cancel_requested": r.cancel_requested, "worker_id": r.worker_id, "fence": r.fence,
         "lease_expires_at": ts(r.lease_expires_at) if r.status == "running" else None,
