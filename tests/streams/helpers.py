@@ -18,7 +18,7 @@ from uuid import UUID
 
 import asyncpg
 import httpx
-from httpx_sse import aconnect_sse
+from httpx_sse import ServerSentEvent, aconnect_sse
 
 from agentd.accounts import create_device_token
 from agentd.vocabulary import EventType, RunStatus
@@ -80,7 +80,7 @@ async def get_run(client: httpx.AsyncClient, run_id: str) -> dict[str, Any]:
     return response.json()
 
 
-async def wait_terminal(client: httpx.AsyncClient, run_id: str, timeout: float) -> dict[str, Any]:
+async def wait_terminal(client: httpx.AsyncClient, run_id: str, within: float) -> dict[str, Any]:
     """The run row once terminal, through the API's own NOTIFY-driven `wait`."""
 
     async def finished() -> dict[str, Any] | None:
@@ -89,16 +89,16 @@ async def wait_terminal(client: httpx.AsyncClient, run_id: str, timeout: float) 
         run = response.json()
         return run if run["status"] in TERMINAL else None
 
-    return await poll_until(finished, timeout, interval=0, what=f"run {run_id} to end")
+    return await poll_until(finished, within, interval=0, what=f"run {run_id} to end")
 
 
 async def wait_status(client: httpx.AsyncClient, run_id: str, status: str,
-                      timeout: float) -> dict[str, Any]:
+                      within: float) -> dict[str, Any]:
     async def reached() -> dict[str, Any] | None:
         run = await get_run(client, run_id)
         return run if run["status"] == status else None
 
-    return await poll_until(reached, timeout, what=f"run {run_id} to be {status}")
+    return await poll_until(reached, within, what=f"run {run_id} to be {status}")
 
 
 async def get_conversation(client: httpx.AsyncClient, conversation_id: str) -> dict[str, Any]:
@@ -143,6 +143,11 @@ class Frame:
     def run_id(self) -> str | None:
         return self.data.get("run_id")
 
+    @property
+    def journaled(self) -> bool:
+        """A journal event (it has a seq), not a snapshot, lease, presence or state frame."""
+        return "seq" in self.data
+
 
 def parse_frame(raw: bytes) -> Frame | None:
     """An SSE frame without its blank line; None for a comment-only frame (a keepalive)."""
@@ -171,17 +176,20 @@ class Cut:
     """What one connection delivered before it was dropped (or ended by the server)."""
 
     frames: list[Frame] = field(default_factory=list)
-    cut: bool = False  # we dropped it; False: the server ended the stream
+    cut: bool = False  # we dropped it at the byte budget
     mid_frame: bool = False  # dropped with part of a frame received
+    satisfied: bool = False  # `until` accepted a frame (then we hung up)
 
 
 async def read_until_cut(client: httpx.AsyncClient, path: str, *, budget: int | None,
                          params: dict[str, Any] | None = None,
                          headers: dict[str, str] | None = None,
-                         exempt_first: bool = False) -> Cut:
+                         exempt_first: bool = False,
+                         until: Callable[[Frame], bool] | None = None) -> Cut:
     """Read a stream's complete frames until `budget` body bytes arrived, then hang up — at
     whatever byte that is. With `exempt_first`, the budget starts after the first frame.
-    `budget=None` reads until the server ends the stream.
+    `budget=None` reads until the server ends the stream; `until` hangs up (not a cut) after
+    the first frame it accepts.
     """
     out = Cut()
     async with client.stream("GET", path, params=params, headers=headers,
@@ -205,6 +213,9 @@ async def read_until_cut(client: httpx.AsyncClient, path: str, *, budget: int | 
                 buffer = buffer[end + 2:]
                 if frame is not None:
                     out.frames.append(frame)
+                    if until is not None and until(frame):
+                        out.cut, out.satisfied = False, True
+                        return out
             if out.cut:
                 out.mid_frame = bool(buffer)
                 break
@@ -224,6 +235,7 @@ class Follower:
         self._headers = headers
         self.name = name or path
         self.frames: list[Frame] = []
+        self.empty: list[ServerSentEvent] = []  # dispatched without data (see _follow)
         self.ended = False
         self._opened = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -235,14 +247,14 @@ class Follower:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def start(self, timeout: float = 30.0) -> None:
+    async def start(self, within: float = 30.0) -> None:
         self._task = asyncio.create_task(self._follow(), name=f"follow {self.name}")
 
         async def opened() -> bool:
             self._raise_if_failed()
             return self._opened.is_set()
 
-        await poll_until(opened, timeout, what=f"{self.name} to open")
+        await poll_until(opened, within, what=f"{self.name} to open")
 
     async def _follow(self) -> None:
         async with aconnect_sse(self._client, "GET", self._path, params=self._params,
@@ -254,6 +266,11 @@ class Follower:
                                      f"{source.response.text}")
             self._opened.set()
             async for sse in source.aiter_sse():
+                if not sse.data:
+                    # Not an event by the SSE spec (empty data is never dispatched), but
+                    # httpx-sse 0.4 yields one for a blank line once an id was seen.
+                    self.empty.append(sse)
+                    continue
                 self.frames.append(Frame(sse.id or None, sse.event, sse.json()))
         self.ended = True
 
@@ -262,7 +279,7 @@ class Follower:
         if task is not None and task.done() and not task.cancelled() and task.exception():
             raise task.exception()  # type: ignore[misc]
 
-    async def wait_for(self, predicate: Callable[[Frame], bool], timeout: float,
+    async def wait_for(self, predicate: Callable[[Frame], bool], within: float,
                        what: str) -> Frame:
         """The first frame matching `predicate`, once it arrived."""
 
@@ -270,14 +287,14 @@ class Follower:
             self._raise_if_failed()
             return next((f for f in self.frames if predicate(f)), None)
 
-        return await poll_until(arrived, timeout, what=f"{what} on {self.name}")
+        return await poll_until(arrived, within, what=f"{what} on {self.name}")
 
-    async def wait_ended(self, timeout: float) -> None:
+    async def wait_ended(self, within: float) -> None:
         async def ended() -> bool:
             self._raise_if_failed()
             return self.ended
 
-        await poll_until(ended, timeout, what=f"{self.name} to end")
+        await poll_until(ended, within, what=f"{self.name} to end")
 
     async def close(self) -> None:
         """Hang up (a disconnect, never a stop)."""
@@ -287,6 +304,11 @@ class Follower:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._raise_if_failed()
+
+
+def of_run(frames: list[Frame], run_id: str) -> list[Frame]:
+    """One run's journal events, as a conversation stream delivered them."""
+    return [f for f in frames if f.journaled and f.run_id == run_id]
 
 
 def is_complete(run_id: str | None = None) -> Callable[[Frame], bool]:
@@ -303,10 +325,13 @@ def as_journal(frames: list[Frame]) -> list[tuple[int, str, dict[str, Any]]]:
     """Frames as (seq, type, payload) rows, to compare with the journal."""
     out = []
     for f in frames:
-        payload = {k: v for k, v in f.data.items() if k not in ("seq", "type", "run_id")}
+        payload = {k: v for k, v in f.data.items() if k not in ("seq", "type")}
         out.append((f.seq, f.event, payload))
     return out
 
 
-def journal_rows(rows: list[asyncpg.Record]) -> list[tuple[int, str, dict[str, Any]]]:
-    return [(r["seq"], r["type"], dict(r["payload"])) for r in rows]
+def journal_rows(rows: list[asyncpg.Record],
+                 feed_run_id: str | None = None) -> list[tuple[int, str, dict[str, Any]]]:
+    """Journal rows as a stream shows them; a conversation feed adds each event's run_id."""
+    extra = {"run_id": feed_run_id} if feed_run_id else {}
+    return [(r["seq"], r["type"], {**r["payload"], **extra}) for r in rows]

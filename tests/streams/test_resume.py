@@ -4,6 +4,8 @@ event exactly once, in order, and reconstructs exactly the final message.
 
 The run stream resumes by seq (`?from=N` and `Last-Event-ID`, alternately); the conversation
 stream by its opaque cursor (`?cursor=` and `Last-Event-ID`, alternately) across queued turns.
+A reader that rejoins after it got `complete` gets nothing more (never a second ending); a
+terminal run whose journal lacks its `complete` gets exactly one, synthesized from the row.
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ import random
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
+from uuid import UUID
 
 import httpx
 
 from agentd.providers.demo import expected_answer
 from agentd.vocabulary import EventType
 from tests.streams.helpers import (
-    Cut,
     Frame,
     as_journal,
     assistant_message,
@@ -53,12 +55,6 @@ class Resumed:
     by_query: int = 0
 
 
-def check_connection(cut: Cut, *, server_ends: bool) -> None:
-    if not cut.cut:
-        assert server_ends and cut.frames and cut.frames[-1].event == EventType.COMPLETE, \
-            f"the server ended a stream before `complete`: {cut.frames[-3:]}"
-
-
 async def resume_run_stream(client: httpx.AsyncClient, run_id: str,
                             rng: random.Random) -> Resumed:
     """Follow one run to `complete`, hanging up at a random byte of every connection."""
@@ -72,7 +68,9 @@ async def resume_run_stream(client: httpx.AsyncClient, run_id: str,
             client, f"/v1/runs/{run_id}/events", budget=budget,
             params=None if by_header else {"from": last},
             headers={"Last-Event-ID": str(last)} if by_header else None)
-        check_connection(cut, server_ends=True)
+        if not cut.cut:
+            assert cut.frames and cut.frames[-1].event == EventType.COMPLETE, \
+                f"the server ended a stream before `complete`: {cut.frames[-3:]}"
         for frame in cut.frames:
             assert frame.id == str(frame.seq) and frame.event == frame.data["type"], frame
             assert frame.seq > last, f"seq {frame.seq} after {last}: replayed or out of order"
@@ -84,6 +82,14 @@ async def resume_run_stream(client: httpx.AsyncClient, run_id: str,
             if last:
                 out.by_header += by_header
                 out.by_query += not by_header
+    # A client that got `complete` but dropped before it saw the stream end rejoins with the
+    # complete's own id: it has everything, so the stream ends at once with nothing more.
+    for by_header in (False, True):
+        again = await read_until_cut(
+            client, f"/v1/runs/{run_id}/events", budget=None,
+            params=None if by_header else {"from": last},
+            headers={"Last-Event-ID": str(last)} if by_header else None)
+        assert again.frames == [], f"rejoining after `complete` sent {again.frames}"
     return out
 
 
@@ -99,7 +105,7 @@ async def test_run_stream_dropped_hundreds_of_times_reconstructs_the_exact_answe
         runs = [(await post_run(client, conversation, prompt, tokens=RUN_TOKENS,
                                 delay_ms=RUN_DELAY_MS))["run_id"]
                 for conversation, prompt in zip(conversations, prompts, strict=True)]
-        # Clients start while the runs stream: most hang-ups happen on live runs.
+        # The clients start while the runs stream: they hang up on live runs, not replays.
         resumed = await asyncio.gather(*(
             resume_run_stream(client, run_id, random.Random(rng.random())) for run_id in runs))
         finals = [await wait_terminal(client, run_id, 30) for run_id in runs]
@@ -161,20 +167,31 @@ async def test_conversation_stream_dropped_at_random_delivers_every_turn_exactly
                 budget, exempt = rng.randint(0, 300), False
             else:
                 budget, exempt = rng.randint(1, 1500), True
+            missing = set(runs) - completed
+
+            def last_complete(frame: Frame, missing: set[str] = missing) -> bool:
+                if frame.event == EventType.COMPLETE:
+                    missing.discard(frame.run_id)
+                return not missing
+
             cut = await read_until_cut(
                 client, path, budget=budget, exempt_first=exempt,
                 params=None if by_header else {"cursor": cursor},
-                headers={"Last-Event-ID": cursor} if by_header else None)
-            assert cut.cut, "the conversation stream ended on its own"
-            got.disconnects += 1
-            got.mid_frame += cut.mid_frame
+                headers={"Last-Event-ID": cursor} if by_header else None,
+                # The last turn's `complete` ends the reading: the stream itself never ends.
+                until=last_complete)
+            if cut.cut:
+                got.disconnects += 1
+                got.mid_frame += cut.mid_frame
+            else:
+                assert cut.satisfied, "the conversation stream ended on its own"
             if cut.frames:
                 assert cut.frames[0].event == "snapshot", \
                     f"connection {got.connections} began with {cut.frames[0].event}"
                 assert cut.frames[0].id == cursor, "the snapshot moved the cursor"
             for frame in cut.frames[1:]:
                 assert frame.event != "snapshot", "a snapshot in the middle of a stream"
-                if frame.run_id is not None:
+                if frame.journaled:
                     per_run[frame.run_id].append(frame)
                     if frame.event == EventType.COMPLETE:
                         completed.add(frame.run_id)
@@ -189,7 +206,7 @@ async def test_conversation_stream_dropped_at_random_delivers_every_turn_exactly
         assert seqs == list(range(1, len(seqs) + 1)), f"gap or duplicate in run {run_id}: {seqs}"
         assert [f.event for f in frames].count("complete") == 1
         assert frames[-1].event == "complete" and frames[-1].data["status"] == "completed"
-        assert as_journal(frames) == journal_rows(await journal(pool, run_id))
+        assert as_journal(frames) == journal_rows(await journal(pool, run_id), run_id)
         assert deltas(frames) == expected_answer("demo", prompt, FEED_TOKENS)
         assert final["status"] == "completed"
     # The turns ran one at a time, in the order they were queued.
@@ -198,3 +215,29 @@ async def test_conversation_stream_dropped_at_random_delivers_every_turn_exactly
     assert all(ended[i] <= started[i + 1] for i in range(len(runs) - 1)), (started, ended)
     assert got.disconnects >= MIN_FEED_DISCONNECTS, got.disconnects
     assert got.mid_frame > 0
+
+
+async def test_a_terminal_run_without_a_journaled_complete_gets_one_synthesized(
+        spawn_daemon, pool):
+    daemon = spawn_daemon(keepalive_s=1)  # a quiet tail re-checks the run row every second
+    await daemon.wait_ready()
+    device = await new_device(pool, "a", "laptop")
+    async with device.client(daemon) as client, asyncio.timeout(DEADLINE_S):
+        conversation = await create_conversation(client)
+        run_id = (await post_run(client, conversation, "finalize dies", tokens=5))["run_id"]
+        await wait_terminal(client, run_id, 30)
+        # As if the finalize had flipped the status but died before journaling its ending.
+        await pool.execute("DELETE FROM run_event WHERE run_id = $1 AND type = 'complete'",
+                           UUID(run_id))
+        rows = await journal(pool, run_id)
+        last = rows[-1]["seq"]
+        whole = await read_until_cut(client, f"/v1/runs/{run_id}/events", budget=None)
+        rejoin = await read_until_cut(client, f"/v1/runs/{run_id}/events", budget=None,
+                                      headers={"Last-Event-ID": str(last)})
+
+    assert as_journal(whole.frames[:-1]) == journal_rows(rows)
+    for frames in (whole.frames, rejoin.frames):
+        end = frames[-1]
+        assert (end.event, end.seq, end.id) == ("complete", last + 1, str(last + 1))
+        assert end.data["status"] == "completed" and end.data["synthesized"] is True
+    assert len(rejoin.frames) == 1

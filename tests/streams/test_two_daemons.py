@@ -1,0 +1,93 @@
+"""Any process can serve any tail (rule 7): two daemons on one database; the run executes on A,
+and a stream opened on B — a process that never touched the run — follows it live to `complete`
+with the full text. A client that drops A's stream resumes on B from its last seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from uuid import UUID
+
+from agentd.providers.demo import expected_answer
+from tests.streams.helpers import (
+    Follower,
+    as_journal,
+    assistant_message,
+    create_conversation,
+    deltas,
+    get_run,
+    is_complete,
+    journal,
+    journal_rows,
+    new_device,
+    of_run,
+    post_run,
+    wait_terminal,
+)
+
+TOKENS, DELAY_MS = 1500, 5  # ~8 s of streaming: room to start B while A still runs it
+PROMPT = "follow me from another process"
+
+
+async def test_stream_on_daemon_b_follows_a_run_executing_on_daemon_a(spawn_daemon, pool):
+    a = spawn_daemon(name="a")
+    await a.wait_ready()
+    device = await new_device(pool, "a", "laptop")
+    async with device.client(a) as on_a, asyncio.timeout(120):
+        conversation = await create_conversation(on_a)
+        feed = f"/v1/conversations/{conversation}/events"
+        # The first part of the answer streams from A; then the client drops its connections.
+        async with Follower(on_a, feed, name="feed on A") as feed_a:
+            run_id = (await post_run(on_a, conversation, PROMPT, tokens=TOKENS,
+                                     delay_ms=DELAY_MS))["run_id"]
+            async with Follower(on_a, f"/v1/runs/{run_id}/events", name="stream on A") as first:
+                await first.wait_for(lambda f: f.event == "content_delta", 30, "a delta")
+            await feed_a.wait_for(lambda f: f.event == "content_delta", 30, "a delta")
+        from_a = list(first.frames)
+        feed_from_a = list(feed_a.frames)
+        running = await get_run(on_a, run_id)
+        assert running["status"] == "running" and running["worker_id"] == a.worker_id
+
+        b = spawn_daemon(name="b")
+        await b.wait_ready()
+        assert b.worker_id != a.worker_id
+        async with device.client(b) as on_b:
+            last = from_a[-1].seq
+            async with Follower(on_b, f"/v1/runs/{run_id}/events", name="stream on B",
+                                headers={"Last-Event-ID": str(last)}) as resumed, \
+                    Follower(on_b, f"/v1/runs/{run_id}/events", name="full stream on B",
+                             params={"from": 0}) as full, \
+                    Follower(on_b, feed, name="feed on B",
+                             params={"cursor": feed_from_a[-1].id}) as feed_b:
+                # The streams are open; whatever A journals from now on is news to B.
+                watermark = await pool.fetchrow(
+                    "SELECT r.status, (SELECT max(seq) FROM run_event e WHERE e.run_id = r.id)"
+                    " AS seq FROM agent_run r WHERE r.id = $1", UUID(run_id))
+                await resumed.wait_ended(60)
+                await full.wait_ended(60)
+                await feed_b.wait_for(is_complete(run_id), 60, "the run's complete")
+            final = await wait_terminal(on_b, run_id, 30)
+
+    assert watermark["status"] == "running", "the run ended before B was streaming it"
+    answer = expected_answer("demo", PROMPT, TOKENS)
+    rows = await journal(pool, run_id)
+    # The conversation stream, dropped on A and resumed on B by A's cursor, misses nothing.
+    assert feed_b.frames[0].event == "snapshot"
+    feed_frames = of_run(feed_from_a + feed_b.frames, run_id)
+    for name, frames, expected in (
+            ("A, then B", from_a + resumed.frames, journal_rows(rows)),
+            ("B", full.frames, journal_rows(rows)),
+            ("feed on A, then B", feed_frames, journal_rows(rows, run_id))):
+        seqs = [f.seq for f in frames]
+        assert seqs == list(range(1, len(seqs) + 1)), f"{name}: gap or duplicate: {seqs}"
+        assert as_journal(frames) == expected, name
+        assert deltas(frames) == answer, name
+        assert is_complete()(frames[-1]) and frames[-1].data["status"] == "completed", name
+        # B delivered events A journaled after B's stream was already open: it followed live.
+        assert frames[-1].seq > watermark["seq"], name
+    # A executed it, start to end; B only served the streams.
+    [started] = [f for f in full.frames if f.event == "run_started"]
+    assert started.data["worker_id"] == a.worker_id
+    assert final["status"] == "completed" and final["worker_id"] == a.worker_id
+    stored = await assistant_message(pool, run_id)
+    assert (stored["content"], stored["status"]) == (answer, "complete")
