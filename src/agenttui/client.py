@@ -460,6 +460,8 @@ class ConversationStream(_ResumableStream):
         self._done = True
 
     async def _handle(self, sse: ServerSentEvent, resumed: bool) -> AsyncIterator[FeedItem]:
+        if not sse.data:
+            return  # an event with no data is no event (SSE spec); keepalives look like this
         try:
             data = json.loads(sse.data)
         except ValueError as exc:
@@ -513,6 +515,8 @@ class ConversationStream(_ResumableStream):
         async with asyncio.timeout(self._client.stream_timeout), self._client.open_sse(
                 f"/v1/runs/{_id(run_id)}/events", params={"from": after}) as source:
             async for sse in source.aiter_sse():
+                if not sse.data:
+                    continue
                 event = RunEvent.from_wire(json.loads(sse.data), run_id)
                 if event.seq > upto:
                     break
@@ -544,6 +548,8 @@ class RunStream(_ResumableStream):
         return ConnectionStatus(ConnectionState.LIVE)
 
     async def _handle(self, sse: ServerSentEvent, resumed: bool) -> AsyncIterator[FeedItem]:
+        if not sse.data:
+            return
         try:
             event = RunEvent.from_wire(json.loads(sse.data), self.run_id)
         except (ValueError, KeyError) as exc:
