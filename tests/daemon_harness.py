@@ -32,7 +32,7 @@ LOG_TAIL_CHARS = 20_000
 _DAEMONS_ATTR = "_agentd_daemons"
 
 
-async def poll_until(predicate: Callable[[], Awaitable[T]], timeout: float,
+async def poll_until(predicate: Callable[[], Awaitable[T]], timeout: float,  # noqa: ASYNC109
                      interval: float = 0.02, *, what: str | None = None) -> T:
     """Await `predicate` until it returns something truthy and return that; fail at the deadline.
 
@@ -63,11 +63,14 @@ def settings_env(**settings: Any) -> dict[str, str]:
     return {f"AGENTD_{key.upper()}": str(value) for key, value in settings.items()}
 
 
-def with_user(dsn: str, user: str) -> str:
-    """The same DSN (TCP or unix-socket URL) connecting as another role, without a password."""
+def with_user(dsn: str, user: str, password: str | None = None) -> str:
+    """The same DSN (TCP or unix-socket URL) connecting as another role."""
     parts = urlsplit(dsn)
     host = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, f"{quote(user, safe='')}@{host}", parts.path, parts.query,
+    login = quote(user, safe="")
+    if password is not None:
+        login += ":" + quote(password, safe="")
+    return urlunsplit((parts.scheme, f"{login}@{host}", parts.path, parts.query,
                        parts.fragment))
 
 
@@ -190,7 +193,7 @@ class Daemon:
                 raise AssertionError(f"{self.name} was not {what} after {timeout:g}s")
             time.sleep(0.001)
 
-    async def wait_exit(self, timeout: float = DEFAULT_EXIT_TIMEOUT_S) -> int:
+    async def wait_exit(self, timeout: float = DEFAULT_EXIT_TIMEOUT_S) -> int:  # noqa: ASYNC109
         """The exit code once the process is gone (negative: killed by that signal)."""
         assert self.proc is not None, f"{self.name} was never started"
         proc = self.proc
@@ -208,23 +211,25 @@ class Daemon:
         """An HTTP client for this daemon (no proxies from the environment)."""
         return httpx.AsyncClient(base_url=self.url, timeout=timeout, trust_env=False, **kwargs)
 
-    async def request(self, method: str, path: str, *, timeout: float = 5.0,
+    async def request(self, method: str, path: str, *, timeout: float = 5.0,  # noqa: ASYNC109
                       **kwargs: Any) -> httpx.Response:
         async with self.client(timeout=timeout) as client:
             return await client.request(method, path, **kwargs)
 
-    async def healthz(self, *, timeout: float = 5.0) -> dict[str, Any]:
+    async def healthz(self, *, timeout: float = 5.0) -> dict[str, Any]:  # noqa: ASYNC109
         response = await self.request("GET", "/healthz", timeout=timeout)
         response.raise_for_status()
         return response.json()
 
-    async def readyz(self, *, timeout: float = 5.0) -> dict[str, Any]:
+    async def readyz(self, *, timeout: float = 5.0) -> dict[str, Any]:  # noqa: ASYNC109
         """The readiness body ({status, database, hub, draining, ...}), ready or not."""
         response = await self.request("GET", "/readyz", timeout=timeout)
         assert response.status_code in (200, 503), response.text
         return response.json()
 
-    async def wait_ready(self, timeout: float = DEFAULT_READY_TIMEOUT_S) -> dict[str, Any]:
+    async def wait_ready(
+            self, timeout: float = DEFAULT_READY_TIMEOUT_S,  # noqa: ASYNC109
+    ) -> dict[str, Any]:
         """Poll /readyz until the daemon is ready; fail at once (with its log) if it exits."""
 
         async def ready() -> dict[str, Any] | None:
@@ -261,7 +266,7 @@ class Daemon:
                  f"{self.url}) log {self.log_path}"
         return f"{header}{' (tail)' if len(cut) < len(text) else ''} ---\n{cut}"
 
-    async def wait_for_log(self, text: str, timeout: float) -> None:
+    async def wait_for_log(self, text: str, timeout: float) -> None:  # noqa: ASYNC109
         async def logged() -> bool:
             return text in self.log_text()
 

@@ -69,7 +69,7 @@ async def events(db: Db, run_id: UUID) -> list[asyncpg.Record]:
 
 
 async def wait_status(db: Db, run_id: UUID, statuses: tuple[str, ...] | str, *,
-                      timeout: float) -> asyncpg.Record:
+                      timeout: float) -> asyncpg.Record:  # noqa: ASYNC109
     """Poll until the run's status is one of `statuses`; returns the row."""
     wanted = (statuses,) if isinstance(statuses, str) else statuses
 
@@ -80,7 +80,7 @@ async def wait_status(db: Db, run_id: UUID, statuses: tuple[str, ...] | str, *,
     return await poll_until(reached, timeout, what=f"run {run_id} to be {'/'.join(wanted)}")
 
 
-async def wait_streaming(db: Db, run_id: UUID, *, timeout: float,
+async def wait_streaming(db: Db, run_id: UUID, *, timeout: float,  # noqa: ASYNC109
                          min_deltas: int = 1) -> asyncpg.Record:
     """Poll until the run is running and has journaled answer text; returns the row."""
 

@@ -19,7 +19,6 @@ from tests.process.helpers import (
     new_conversation,
     of_type,
     run_row,
-    wait_status,
 )
 
 DRAIN_S = 2.0
@@ -36,10 +35,15 @@ async def test_sigterm_drains_short_turns_fails_long_ones_and_exits_zero(spawn_d
         return await enqueue_demo(pool, account, conversation, content, tokens=tokens,
                                   delay_ms=delay_ms)
 
-    short = [await turn(f"short {n}", tokens=30, delay_ms=20) for n in range(3)]  # ~0.6 s
     long = [await turn(f"long {n}", tokens=500, delay_ms=20) for n in range(2)]  # ~10 s
-    for t in (*short, *long):
-        await wait_status(pool, t.run_id, RunStatus.RUNNING, timeout=10)
+    short = [await turn(f"short {n}", tokens=40, delay_ms=20) for n in range(3)]  # ~0.8 s
+    ids = [t.run_id for t in (*long, *short)]
+
+    async def all_running() -> bool:
+        return await pool.fetchval("SELECT count(*) FROM agent_run WHERE id = ANY($1)"
+                                   " AND status = 'running'", ids) == len(ids)
+
+    await poll_until(all_running, 10, what="every turn to be running")
 
     signalled_at = await database_now(pool)
     started = time.monotonic()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 import asyncpg
@@ -35,11 +36,11 @@ async def hub_state(daemon: Daemon) -> bool:
     return (await daemon.readyz())["hub"]
 
 
-async def wait_hub(daemon: Daemon, up: bool, timeout: float) -> None:
+async def wait_hub(daemon: Daemon, up: bool, within: float) -> None:
     async def reached() -> bool:
         return await hub_state(daemon) is up
 
-    await poll_until(reached, timeout, what=f"readyz to report the hub {'up' if up else 'down'}")
+    await poll_until(reached, within, what=f"readyz to report the hub {'up' if up else 'down'}")
 
 
 async def test_run_enqueued_while_idle_is_claimed_by_notify_not_the_tick(spawn_daemon, pool):
@@ -58,24 +59,31 @@ async def test_run_enqueued_while_idle_is_claimed_by_notify_not_the_tick(spawn_d
     assert done["error"] is None
 
 
+@dataclass(frozen=True)
+class HubRole:
+    name: str
+    password: str
+
+
 @pytest.fixture
-async def hub_role(pg_admin_dsn: str) -> AsyncIterator[str]:
+async def hub_role(pg_admin_dsn: str) -> AsyncIterator[HubRole]:
     """A login role for the hub's DSN alone, so a test can keep the hub from reconnecting."""
-    role = f"agentd_hub_{uuid.uuid4().hex[:10]}"
+    role = HubRole(f"agentd_hub_{uuid.uuid4().hex[:10]}", uuid.uuid4().hex)
     admin = await asyncpg.connect(pg_admin_dsn)
     try:
-        await admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        # Identifiers and passwords cannot be bound parameters; both are generated here.
+        await admin.execute(f"CREATE ROLE \"{role.name}\" LOGIN PASSWORD '{role.password}'")
         yield role
     finally:
         await admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                            " WHERE usename = $1", role)
-        await admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+                            " WHERE usename = $1", role.name)
+        await admin.execute(f'DROP ROLE IF EXISTS "{role.name}"')
         await admin.close()
 
 
 async def test_hub_connection_killed_claims_by_poll_then_by_notify_again(
         hub_role, spawn_daemon, pool, dsn):
-    daemon = spawn_daemon(tick_s=1, hub_dsn=with_user(dsn, hub_role))
+    daemon = spawn_daemon(tick_s=1, hub_dsn=with_user(dsn, hub_role.name, hub_role.password))
     await daemon.wait_ready()
     account = await new_account(pool)
     conversation = await new_conversation(pool, account)
@@ -83,9 +91,9 @@ async def test_hub_connection_killed_claims_by_poll_then_by_notify_again(
 
     # Kill the hub's backend and keep it from logging back in: the hub is down for as long
     # as this test wants, not just for the instant a reconnect takes.
-    await pool.execute(f'ALTER ROLE "{hub_role}" NOLOGIN')
+    await pool.execute(f'ALTER ROLE "{hub_role.name}" NOLOGIN')
     assert await pool.fetchval(TERMINATE_HUB) == 1
-    await wait_hub(daemon, up=False, timeout=10)
+    await wait_hub(daemon, up=False, within=10)
 
     for n in range(2):
         turn = await enqueue_demo(pool, account, conversation, f"poll {n}", tokens=3)
@@ -94,11 +102,10 @@ async def test_hub_connection_killed_claims_by_poll_then_by_notify_again(
         assert claim_latency(row) < timedelta(seconds=4), "not claimed within ~one tick"
         await wait_status(pool, turn.run_id, "completed", timeout=6)
     assert not await hub_state(daemon), "the hub came back early: these claims prove nothing"
-    assert await pool.fetch(HUB_BACKENDS) == []
 
     # Let it in again: the same process reconnects and re-LISTENs without a restart.
-    await pool.execute(f'ALTER ROLE "{hub_role}" LOGIN')
-    await wait_hub(daemon, up=True, timeout=15)
+    await pool.execute(f'ALTER ROLE "{hub_role.name}" LOGIN')
+    await wait_hub(daemon, up=True, within=15)
     assert len(await pool.fetch(HUB_BACKENDS)) == 1
 
     # Each turn is enqueued just after the dispatcher's last claim attempt (the reconnect's wake,
@@ -107,7 +114,7 @@ async def test_hub_connection_killed_claims_by_poll_then_by_notify_again(
     for n in range(3):
         turn = await enqueue_demo(pool, account, conversation, f"notify {n}", tokens=3)
         row = await wait_status(pool, turn.run_id, STARTED, timeout=6)
-        assert claim_latency(row) < timedelta(seconds=0.3), \
+        assert claim_latency(row) < timedelta(seconds=0.5), \
             f"claim took {claim_latency(row)}: the poll, not a NOTIFY"
         await wait_status(pool, turn.run_id, "completed", timeout=6)
     assert daemon.running
