@@ -19,8 +19,9 @@ def test_every_statement_has_an_invariant_comment() -> None:
 
 def test_statements_never_interpolate() -> None:
     for name, sql in Q.items():
-        assert "{" not in sql.replace("'{}'", ""), f"{name} looks like a format string"
-        assert "%s" not in sql, name
+        code = re.sub(r"'[^']*'", "''", sql)  # string literals may hold JSON
+        assert "{" not in code, f"{name} looks like a format string"
+        assert "%s" not in code, name
 
 
 def test_duplicate_names_are_rejected() -> None:
