@@ -19,7 +19,8 @@ def test_every_statement_has_an_invariant_comment() -> None:
 
 def test_statements_never_interpolate() -> None:
     for name, sql in Q.items():
-        code = re.sub(r"'[^']*'", "''", sql)  # string literals may hold JSON
+        code = re.sub(r"--[^\n]*", "", sql)  # comments may say anything
+        code = re.sub(r"'[^']*'", "''", code)  # string literals may hold JSON
         assert "{" not in code, f"{name} looks like a format string"
         assert "%s" not in code, name
 
