@@ -1,0 +1,92 @@
+"""`agentd` commands as scripts drive them: output, exit codes and errors that name the fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import asyncpg
+
+from agentd.accounts import authenticate
+from tests.daemon_harness import free_port
+
+
+def agentd(*args: str, env: dict[str, str] | None = None,
+           home: Path | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+    if home is not None:
+        clean["XDG_CONFIG_HOME"] = str(home)
+    return subprocess.run([sys.executable, "-m", "agentd", *args], capture_output=True,
+                          text=True, timeout=120, env={**clean, **(env or {})}, check=False)
+
+
+async def test_token_create_list_revoke(dsn: str, pool: asyncpg.Pool) -> None:
+    created = agentd("token", "create", "--dsn", dsn, "--account", "acme", "--device", "ci")
+    assert created.returncode == 0, created.stderr
+    token = created.stdout.strip()
+    assert created.stdout == token + "\n"  # the token alone: `TOKEN=$(agentd token create …)`
+    who = await authenticate(pool, token)
+    assert who is not None and (who.account_name, who.device_name) == ("acme", "ci")
+    stored = await pool.fetchval("SELECT count(*) FROM device WHERE token_hash = "
+                                 "sha256(convert_to($1, 'UTF8'))", token)
+    assert stored == 1  # found by hash: the token itself is nowhere in the database
+    assert not await pool.fetchval("SELECT count(*) FROM device WHERE "
+                                   "encode(token_hash, 'escape') LIKE '%' || $1 || '%'", token)
+
+    listing = agentd("token", "list", "--dsn", dsn)
+    assert listing.returncode == 0 and str(who.device_id) in listing.stdout
+    assert token not in listing.stdout and "active" in listing.stdout
+
+    revoked = agentd("token", "revoke", "--dsn", dsn, str(who.device_id))
+    assert revoked.returncode == 0, revoked.stderr
+    assert await authenticate(pool, token) is None
+    again = agentd("token", "revoke", "--dsn", dsn, str(who.device_id))
+    assert again.returncode == 1 and "no active device" in again.stderr
+    bad = agentd("token", "revoke", "--dsn", dsn, "not-a-uuid")
+    assert bad.returncode == 2 and "not a device id" in bad.stderr
+
+
+async def test_migrate_status_and_doctor(dsn: str) -> None:
+    migrated = agentd("migrate", "--dsn", dsn)
+    assert migrated.returncode == 0 and "up to date" in migrated.stdout
+    status = agentd("status", "--dsn", dsn)
+    assert status.returncode == 0, status.stderr
+    assert "queued: 0" in status.stdout and "running: 0" in status.stdout
+    doctor = agentd("doctor", "--dsn", dsn, env={"AGENTD_LISTEN": f"127.0.0.1:{free_port()}"})
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "[ok  ] listen/notify: round trip ok" in doctor.stdout
+
+
+def test_invalid_settings_fail_naming_the_key() -> None:
+    result = agentd("status", env={"AGENTD_LEASE_TTL_S": "soon"})
+    assert result.returncode == 2
+    assert "lease_ttl_s" in result.stderr and "AGENTD_LEASE_TTL_S" in result.stderr
+    result = agentd("serve", "--listen", "nowhere")
+    assert result.returncode == 2 and "listen" in result.stderr
+
+
+def test_unreachable_database_is_a_clear_error() -> None:
+    port = free_port()
+    result = agentd("status", "--dsn", f"postgresql://nobody@127.0.0.1:{port}/none")
+    assert result.returncode == 1
+    assert "cannot reach the database" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_install_service_writes_a_notify_unit(tmp_path: Path) -> None:
+    result = agentd("install-service", "--no-enable", "--", "--dsn", "postgresql://db/agentd",
+                    home=tmp_path)
+    assert result.returncode == 0, result.stderr
+    unit = (tmp_path / "systemd" / "user" / "agentd.service").read_text()
+    assert "Type=notify" in unit
+    assert "-m agentd serve --dsn postgresql://db/agentd" in unit
+
+
+def test_help_names_every_command() -> None:
+    result = agentd("--help")
+    assert result.returncode == 0
+    for command in ("serve", "migrate", "token", "status", "doctor", "install-service"):
+        assert command in result.stdout
+    assert "AGENTD_" in result.stdout
