@@ -64,10 +64,13 @@ async def race(*actions: Callable[[], Awaitable[Any]]) -> list[Any]:
     return await asyncio.gather(*(run(a) for a in actions), return_exceptions=True)
 
 
-def unexpected(results: list[Any], *allowed: type[BaseException]) -> list[BaseException]:
-    """The exceptions among race results that are not of an allowed type."""
-    return [r for r in results
-            if isinstance(r, BaseException) and not isinstance(r, allowed)]
+def raise_unexpected(results: list[Any], *allowed: type[BaseException], context: str = "") -> None:
+    """Re-raise the first exception among race results that is not of an allowed type."""
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, allowed):
+            if context:
+                result.add_note(f"race: {context}")
+            raise result
 
 
 @contextlib.asynccontextmanager

@@ -189,36 +189,39 @@ async def wait_for_blocked_writes(pool: asyncpg.Pool, n: int) -> None:
     await wait_for_state(blocked, what=f"{n} journal write(s) waiting on the run row")
 
 
-@pytest.mark.xfail(strict=True, reason="Emitter._write releases its lock when the caller is "
-                   "cancelled while the shielded append is still in flight")
 async def test_cancelling_the_emitting_task_mid_write_keeps_seq_contiguous(
         pool: asyncpg.Pool) -> None:
     claim = await start_run(pool)
     emitter = Emitter(pool, claim, flush_interval_s=NEVER_S)
     await emitter.event(EventType.RUN_STARTED, {"fence": claim.fence})
     async with run_row_locked(pool, claim):
-        generating = asyncio.create_task(emitter.event(EventType.TOOL_CALL, {"call_id": "1"}))
-        await wait_for_blocked_writes(pool, 1)
-        generating.cancel()  # a stop arrives while the write is in flight
-        with pytest.raises(asyncio.CancelledError):
-            await generating
-        # What the executor does next: journal the stop, then finish at the emitter's seq.
+        calling = asyncio.create_task(emitter.event(EventType.TOOL_CALL, {"call_id": "1"}))
+        await wait_for_blocked_writes(pool, 1)  # its batch is provably in flight
+        answering = asyncio.create_task(emitter.event(EventType.TOOL_RESULT, {"call_id": "1"}))
+        await yield_to_loop()  # queued behind the batch in flight
+        # A stop arrives: the executor cancels the generating task mid-write...
+        calling.cancel()
+        answering.cancel()
+        await yield_to_loop()
+        # ...then journals the stop while those batches may still be landing.
         stopping = asyncio.create_task(
             emitter.event(EventType.CANCEL_REQUESTED, {"partial": False}))
-        await yield_to_loop()  # it picks its seq while the cancelled batch is still in flight
+        await yield_to_loop()  # it takes its seq, or its turn, while the batch is in flight
+    for cancelled in (calling, answering):
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
     await stopping
     await emitter.close()
     await finish_run(pool, claim, RunStatus.CANCELLED, seq=emitter.next_seq)
 
     rows = await assert_journal_sound(pool, claim.run_id)
+    # A batch taken for writing lands whatever happens to its caller, in call order.
     assert [r["type"] for r in rows[2:]] == [
-        EventType.RUN_STARTED, EventType.TOOL_CALL, EventType.CANCEL_REQUESTED,
-        EventType.COMPLETE]
+        EventType.RUN_STARTED, EventType.TOOL_CALL, EventType.TOOL_RESULT,
+        EventType.CANCEL_REQUESTED, EventType.COMPLETE]
     assert emitter.lost is None
 
 
-@pytest.mark.xfail(strict=True, reason="Emitter.close cancels a clock flush in flight and "
-                   "returns before it lands, so next_seq is stale")
 async def test_close_while_the_clock_is_flushing_keeps_seq_contiguous(
         pool: asyncpg.Pool) -> None:
     claim = await start_run(pool)

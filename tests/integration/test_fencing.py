@@ -6,6 +6,7 @@ heartbeat, append and finish racing the reaper at the deadline always leave exac
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import time
@@ -18,6 +19,7 @@ from agentd.queue import (
     Claim,
     LeaseLost,
     NewEvent,
+    SeqConflict,
     append_events,
     claim_runs,
     finish_run,
@@ -37,8 +39,9 @@ from tests.integration.helpers import (
     new_conversation,
     new_tenant,
     race,
+    raise_unexpected,
     run_row,
-    unexpected,
+    wait_for_state,
     wait_lease_expired,
 )
 
@@ -130,16 +133,14 @@ async def test_terminal_states_are_sticky(pool: asyncpg.Pool, status: RunStatus)
 
 
 class Staircase:
-    """Aims a race at the deadline: shortens the lease after one side wins, lengthens it after
-    the other, so the race keeps landing on the boundary whatever the machine's speed."""
+    """Aims a race at the deadline: shortens the lease after the worker wins, lengthens it after
+    the reaper wins, so the race keeps landing on the boundary whatever the machine's speed."""
 
-    def __init__(self, start_s: float = 0.001, step_s: float = 0.0002) -> None:
+    def __init__(self, start_s: float = 0.001) -> None:
         self.ttl_s = start_s
-        self.step_s = step_s
 
     def worker_won(self, won: bool) -> None:
-        self.ttl_s += -self.step_s if won else self.step_s
-        self.ttl_s = min(max(self.ttl_s, 0.0), 0.05)
+        self.ttl_s = min(max(self.ttl_s * (0.8 if won else 1.25), 0.0001), 0.5)
 
 
 async def reap_until_decided(conn: asyncpg.Connection, claim: Claim) -> bool:
@@ -166,7 +167,7 @@ async def test_heartbeat_racing_reap_at_the_deadline_has_exactly_one_winner(dsn:
             beat, reaped = await race(lambda claim=claim: heartbeat(worker, claim, LONG_S),
                                       lambda claim=claim: reap_until_decided(reaper, claim))
             context = f"iteration {iteration}, ttl {aim.ttl_s}"
-            assert unexpected([beat, reaped], LeaseLost) == [], context
+            raise_unexpected([beat, reaped], LeaseLost, context=context)
             assert not isinstance(reaped, BaseException), context
             run = await run_row(worker, claim.run_id)
             events = await journal(worker, claim.run_id)
@@ -204,7 +205,7 @@ async def test_finish_racing_reap_at_the_deadline_ends_the_run_once(dsn: str) ->
                                                content="answer"),
                 lambda claim=claim: reap_until_decided(reaper, claim))
             context = f"iteration {iteration}, ttl {aim.ttl_s}"
-            assert unexpected([finished, reaped], LeaseLost) == [], context
+            raise_unexpected([finished, reaped], LeaseLost, context=context)
             run = await run_row(worker, claim.run_id)
             events = await assert_journal_sound(worker, claim.run_id)
             assert [e["seq"] for e in events] == [1, 2, 3], context
@@ -237,8 +238,10 @@ async def test_append_racing_reap_never_duplicates_or_skips_a_seq(dsn: str) -> N
                                           written: list[int] = written) -> LeaseLost:
                 seq = claim.last_seq + 1
                 while True:
+                    # Now and then a long batch, so the deadline often falls inside an append.
+                    size = rng.choice((1, 2, 3, 300))
                     batch = [NewEvent(seq + i, EventType.CONTENT_DELTA, {"delta": f"{seq + i} "})
-                             for i in range(rng.randint(1, 3))]
+                             for i in range(size)]
                     try:
                         await append_events(worker, claim, batch)
                     except LeaseLost as lost:
@@ -256,3 +259,45 @@ async def test_append_racing_reap_never_duplicates_or_skips_a_seq(dsn: str) -> N
             assert [e["seq"] for e in events] == [1, 2, *written, len(written) + 3], context
             assert events[-1]["type"] == EventType.COMPLETE
             assert events[-1]["payload"]["status"] == RunStatus.FAILED
+
+
+async def test_backstop_finish_racing_an_append_in_flight_lands_after_it(
+        pool: asyncpg.Pool) -> None:
+    """The dispatcher's backstop (seq=None, max+1) while the worker's last batch is in flight:
+    it may be told SeqConflict and retry, but the ending lands once, right after the batch."""
+    tenant = await new_tenant(pool)
+    claim = await start_run(pool, tenant)
+    batch = [NewEvent(seq, EventType.CONTENT_DELTA, {"delta": "x"}) for seq in (3, 4, 5)]
+    async with pool.acquire() as blocker:
+        async with blocker.transaction():
+            await blocker.execute("SELECT 1 FROM agent_run WHERE id = $1 FOR UPDATE",
+                                  claim.run_id)
+            appending = asyncio.create_task(append_events(pool, claim, batch))
+            await wait_for_waiters(pool, 1)
+            finishing = asyncio.create_task(
+                finish_run(pool, claim, RunStatus.FAILED, seq=None, error="turn crashed"))
+            await wait_for_waiters(pool, 2)  # both queued on the run row, append first
+        await appending
+        for _attempt in range(3):
+            try:
+                await finishing
+                break
+            except SeqConflict:
+                finishing = asyncio.create_task(
+                    finish_run(pool, claim, RunStatus.FAILED, seq=None, error="turn crashed"))
+        else:
+            raise AssertionError("the backstop never landed")
+    events = await assert_journal_sound(pool, claim.run_id)
+    assert [e["seq"] for e in events] == [1, 2, 3, 4, 5, 6]
+    assert events[-1]["payload"]["status"] == RunStatus.FAILED
+
+
+async def wait_for_waiters(pool: asyncpg.Pool, n: int) -> None:
+    """Until `n` sessions of this database wait on a lock."""
+
+    async def waiting() -> bool:
+        return await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock'") >= n
+
+    await wait_for_state(waiting, what=f"{n} session(s) waiting on a lock")

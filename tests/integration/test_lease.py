@@ -34,8 +34,8 @@ from tests.integration.helpers import (
     new_conversation,
     new_tenant,
     race,
+    raise_unexpected,
     run_row,
-    unexpected,
     wait_lease_expired,
 )
 
@@ -80,7 +80,7 @@ async def test_simultaneous_acquisition_from_independent_sessions_has_one_winner
                 lambda conn=conn, i=i: claim_runs(conn, worker_id=f"racer-{i}",
                                                   lease_ttl_s=LONG_S)
                 for i, conn in enumerate(racers)))
-            assert unexpected(results) == []
+            raise_unexpected(results)
             winners = [claim for result in results for claim in result]
             assert len(winners) == 1, f"iteration {iteration}: {len(winners)} winners"
             [winner] = winners
@@ -108,7 +108,7 @@ async def test_unrelated_conversations_do_not_block_each_other(dsn: str) -> None
                 lambda conn=conn, i=i: claim_runs(conn, worker_id=f"racer-{i}",
                                                   lease_ttl_s=LONG_S)
                 for i, conn in enumerate(racers)))
-            assert unexpected(results) == []
+            raise_unexpected(results)
             claims = [claim for result in results for claim in result]
             # Every racer got a conversation; none got the held one's queued turn.
             assert sorted(c.conversation_id for c in claims) == sorted(convs), iteration
@@ -130,7 +130,7 @@ async def test_valid_lease_rejects_a_newcomer(dsn: str) -> None:
                 lambda conn=conn: claim_runs(conn, worker_id="newcomer", lease_ttl_s=LONG_S,
                                              limit=5)
                 for conn in racers))
-            assert unexpected(results) == []
+            raise_unexpected(results)
             assert all(result == [] for result in results)
         assert await lease_row(setup, conv) == lease_before
         assert await run_row(setup, held.claim.run_id) == run_before
@@ -179,7 +179,8 @@ async def test_expired_lease_is_taken_over_only_after_the_reaper_finalizes_the_o
         results = await race(*(
             lambda conn=conn: claim_runs(conn, worker_id="taker", lease_ttl_s=LONG_S)
             for conn in racers))
-        assert unexpected(results) == [] and all(r == [] for r in results)
+        raise_unexpected(results)
+        assert all(r == [] for r in results)
         assert_lease_names(await lease_row(setup, conv), held.claim)
         assert (await run_row(setup, held.next_run))["status"] == RunStatus.QUEUED
 
@@ -189,7 +190,7 @@ async def test_expired_lease_is_taken_over_only_after_the_reaper_finalizes_the_o
         results = await race(*(
             lambda conn=conn, i=i: claim_runs(conn, worker_id=f"taker-{i}", lease_ttl_s=LONG_S)
             for i, conn in enumerate(racers)))
-        assert unexpected(results) == []
+        raise_unexpected(results)
         [successor] = [claim for result in results for claim in result]
         assert successor.run_id == held.next_run
         assert successor.fence > held.claim.fence

@@ -18,7 +18,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from agentd.migrate import MigrationError, discover, migrate
+from agentd.migrate import MIGRATION_LOCK_KEY, MigrationError, discover, migrate
 from agentd.queries import Q, sql_dir
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
 from tests.conftest import with_database
@@ -73,9 +73,13 @@ async def test_migrations_apply_to_an_empty_database_and_rerun_is_a_no_op(empty_
         assert await migrate(conn) == []
         assert await conn.fetchval(SCHEMA_FINGERPRINT) == first
         assert await conn.fetchval("SELECT count(*) FROM schema_migrations") == len(expected)
-        # The advisory lock is released: the session can take it again at once.
-        assert await conn.fetchval("SELECT pg_try_advisory_lock($1::bigint)",
-                                   0x61_67_65_6E_74_64)
+        # The migrator's session is still open, yet another migrator is not kept waiting.
+        other = await asyncpg.connect(empty_dsn)
+        try:
+            assert await other.fetchval("SELECT pg_try_advisory_lock($1::bigint)",
+                                        MIGRATION_LOCK_KEY)
+        finally:
+            await other.close()
     finally:
         await conn.close()
     for table in ("account", "device", "conversation", "agent_run", "message", "run_event",
