@@ -27,6 +27,15 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
                               decoder=json.loads, format="text")
 
 
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """Release without a reset round trip (asyncpg's default sends UNLISTEN/RESET ALL/...).
+
+    Nothing agentd runs on a pooled connection leaves session state behind: no SET, LISTEN,
+    advisory lock or cursor outside a transaction (the hub and the migrator have their own
+    connections). asyncpg still rolls back an open transaction and drops listeners on release.
+    """
+
+
 def server_settings(timeouts: DbTimeouts, application_name: str = "agentd") -> dict[str, str]:
     return {
         "application_name": application_name,
@@ -44,7 +53,8 @@ async def create_pool(dsn: str, *, min_size: int = 2, max_size: int = 20,
     settings = server_settings(timeouts or DbTimeouts(), application_name)
     return await asyncpg.create_pool(
         dsn, min_size=min_size, max_size=max_size, init=_init_connection,
-        server_settings=settings, statement_cache_size=statement_cache_size)
+        reset=_keep_session, server_settings=settings,
+        statement_cache_size=statement_cache_size)
 
 
 async def connect(dsn: str, *, application_name: str = "agentd",

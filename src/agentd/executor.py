@@ -26,7 +26,7 @@ from agentd.providers.base import (
     Usage,
 )
 from agentd.queries import Q
-from agentd.queue import Claim, LeaseLost, finish_run, heartbeat, insert_message
+from agentd.queue import Claim, LeaseLost, check_lease, finish_run, heartbeat, insert_message
 from agentd.settings import Settings
 from agentd.tools import ToolContext, ToolError, ToolRegistry
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
@@ -77,7 +77,9 @@ class TurnRunner:
         async with self._hub.subscribe(Channel.RUN_CANCEL, str(claim.run_id)) as cancel_sub:
             try:
                 # Seed 000: the granted deadline must still be ahead before any work starts.
-                beat = await heartbeat(self._pool, claim, self._settings.lease_ttl_s)
+                # A read, not a renewal: the claim just granted a full lease, and a write here
+                # would put one more synchronous commit in front of every turn.
+                beat = await check_lease(self._pool, claim)
             except LeaseLost:
                 log.warning("lease gone before the turn started; standing down", extra=ctx)
                 return False
@@ -176,19 +178,25 @@ class TurnRunner:
         messages = [_chat_message(r) for r in await self._pool.fetch(
             Q["transcript_for_run"], claim.conversation_id, claim.user_message_id)]
         specs = self._tools.specs()
-        for _step in range(self._settings.max_tool_steps + 1):
+        for step in range(self._settings.max_tool_steps + 1):
             calls: list[ToolCallRequest] = []
-            async for item in provider.stream(ref.model, messages, specs, params):
-                if isinstance(item, TextDelta):
-                    turn.text.append(item.text)
-                    await turn.emitter.delta(item.text)
-                elif isinstance(item, ToolCallRequest):
-                    calls.append(item)
-                elif isinstance(item, Usage):
-                    turn.input_tokens += item.input_tokens
-                    turn.output_tokens += item.output_tokens
+            # aclosing: a cancel landing while we journal a delta still closes the provider's
+            # stream (and its upstream connection) at once, not when the generator is collected.
+            stream = provider.stream(ref.model, messages, specs, params)
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    if isinstance(item, TextDelta):
+                        turn.text.append(item.text)
+                        await turn.emitter.delta(item.text)
+                    elif isinstance(item, ToolCallRequest):
+                        calls.append(item)
+                    elif isinstance(item, Usage):
+                        turn.input_tokens += item.input_tokens
+                        turn.output_tokens += item.output_tokens
             if not calls:
                 return
+            if step == self._settings.max_tool_steps:
+                break  # one step too many: refuse it rather than run it
             messages.extend(await self._run_tools(turn, ref, calls))
         raise TooManyToolSteps(f"more than {self._settings.max_tool_steps} tool steps in one turn")
 
