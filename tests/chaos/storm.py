@@ -38,7 +38,7 @@ class StormConfig:
     clients: int = 10
     seed: int = 20261129
     disconnect_p: float = 0.06  # per received event
-    stop_p: float = 0.06  # per posted turn
+    stop_p: float = 0.1  # per posted turn
     double_post_p: float = 0.3  # post a second turn right behind the first
     tokens: tuple[int, int] = (10, 60)
     delay_ms: tuple[int, int] = (2, 12)
@@ -182,13 +182,15 @@ class Client:
         return run_id
 
     async def stop_later(self, conversation_id: str) -> None:
-        await asyncio.sleep(self.rng.uniform(0, 0.3))
+        await asyncio.sleep(self.rng.uniform(0, 0.1))
         before = await _db_now(self.pool)
         response = await self.request("POST", f"/v1/conversations/{conversation_id}/stop")
         after = await _db_now(self.pool)
         assert response.status_code == 202, response.text
         self.log.stops.append(StopRecord(conversation_id, before, after))
         self.log.actions["client stops"] += 1
+        swept = response.json()
+        self.log.actions["stopped turns"] += len(swept["cancelled"]) + len(swept["flagged"])
 
     async def follow(self, run_id: str, conversation_id: str) -> None:
         record = self.log.records[run_id]

@@ -63,6 +63,7 @@ async def test_storm_breaks_no_promise(storm_server: tuple[EmbeddedPostgres, str
         assert all(verdict.counts.get(k, 0) >= 1 for k in (
             "kill_9", "SIGSTOP_past_lease", "postgres_restart", "hub_backends_terminated")), \
             verdict.counts
+        assert verdict.counts.get("stopped_turns", 0) >= 1, "no stop ever hit a live turn"
         assert verdict.clean, {k: v[:5] for k, v in verdict.failures.items() if v}
     finally:
         fleet.close()
