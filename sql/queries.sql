@@ -50,7 +50,8 @@ WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 -- the pre-filter can be fooled by snapshots, the one_running_per_conversation index cannot.
 -- Stamps a fresh claim_token, a monotonic fence and a deadline on the database clock, and
 -- acquires the seed-000 conversation lease: its conditional UPSERT takes over only a holder
--- whose run is no longer live (leased = false means not acquired; the caller rolls back).
+-- whose run is no longer live (leased = false means not acquired; the caller rolls back),
+-- and journals run_started (worker, fence, deadline); last_seq is that event's seq.
 WITH clock AS (
     SELECT clock_timestamp() AS now
 ), picked AS (
@@ -103,11 +104,22 @@ WITH clock AS (
         WHERE holder.id = held.run_id AND holder.claim_token = held.execution_id
           AND holder.status = 'running' AND holder.lease_expires_at > clock.now)
     RETURNING run_id
+), started AS (
+    -- The claim journals its own run_started: one commit less before the first token. It is
+    -- the claimer's first write; it rolls back with the claim if the lease was not acquired.
+    INSERT INTO run_event (run_id, seq, type, payload)
+    SELECT c.id, (SELECT max(e.seq) FROM run_event e WHERE e.run_id = c.id) + 1,
+           'run_started',
+           jsonb_build_object('worker_id', c.worker_id, 'fence', c.fence,
+                              'lease_expires_at', to_char(c.lease_expires_at AT TIME ZONE 'UTC',
+                                                          'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))
+    FROM claimed c
+    RETURNING run_id, seq
 )
-SELECT c.*,
-       (SELECT max(e.seq) FROM run_event e WHERE e.run_id = c.id) AS last_seq,
-       EXISTS (SELECT 1 FROM lease WHERE lease.run_id = c.id) AS leased
-FROM claimed c;
+SELECT c.*, started.seq AS last_seq,
+       EXISTS (SELECT 1 FROM lease WHERE lease.run_id = c.id) AS leased,
+       pg_notify('agentd_run_event', c.id::text)
+FROM claimed c JOIN started ON started.run_id = c.id;
 
 -- heartbeat --
 -- Rule 3: renew only a lease we still hold. Token + status + unexpired deadline, so a late beat

@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -91,8 +90,7 @@ class TurnRunner:
                 cancel.set()
             beating = asyncio.create_task(self._keep_lease(claim, cancel_sub, cancel, lost))
             try:
-                return await self._execute(turn, _rfc3339(beat.lease_expires_at), cancel,
-                                           lost, ctx)
+                return await self._execute(turn, cancel, lost, ctx)
             except LeaseLost:
                 log.warning("lease lost; stopped and wrote nothing more", extra=ctx)
                 return False
@@ -101,11 +99,9 @@ class TurnRunner:
                 with contextlib.suppress(asyncio.CancelledError):
                     await beating
 
-    async def _execute(self, turn: _Turn, deadline: str, cancel: asyncio.Event,
-                       lost: asyncio.Event, ctx: dict[str, Any]) -> bool:
-        claim, emitter = turn.claim, turn.emitter
-        await emitter.event(EventType.RUN_STARTED, {
-            "worker_id": claim.worker_id, "fence": claim.fence, "lease_expires_at": deadline})
+    async def _execute(self, turn: _Turn, cancel: asyncio.Event, lost: asyncio.Event,
+                       ctx: dict[str, Any]) -> bool:
+        claim, emitter = turn.claim, turn.emitter  # the claim itself journaled run_started
         log.info("run started", extra=ctx)
         generating = asyncio.create_task(self._generate(turn))
         stops = [asyncio.create_task(cancel.wait()), asyncio.create_task(lost.wait())]
@@ -251,6 +247,3 @@ def _chat_message(row: asyncpg.Record) -> dict[str, Any]:
         message["tool_call_id"] = row["tool_call_id"]
     return message
 
-
-def _rfc3339(value: datetime) -> str:
-    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")

@@ -167,18 +167,18 @@ async def test_batch_claim_takes_at_most_one_turn_per_conversation(dsn: str) -> 
 
             # A batch claim alone, with no rival: still one turn per conversation.
             for claim in claims:
-                await finish_run(setup, claim, RunStatus.COMPLETED, seq=3)
+                await finish_run(setup, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1)
             again = await claim_runs(first, worker_id="a", lease_ttl_s=LEASE_S, limit=10)
             assert len({c.conversation_id for c in again}) == len(again) == len(convs) - 1
             assert busy not in {c.conversation_id for c in again}
             await assert_no_violations(setup, f"iteration {iteration}, alone")
             for claim in again:
-                await finish_run(setup, claim, RunStatus.COMPLETED, seq=3)
+                await finish_run(setup, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1)
             # Drain the third turns so the next iteration starts from idle conversations.
             rest = await claim_runs(first, worker_id="a", lease_ttl_s=LEASE_S, limit=10)
             assert len(rest) == len(convs) - 1
             for claim in rest:
-                await finish_run(setup, claim, RunStatus.COMPLETED, seq=3)
+                await finish_run(setup, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1)
         assert await setup.fetchval("SELECT status FROM agent_run WHERE id = $1",
                                     holder.run_id) == RunStatus.RUNNING
         assert await setup.fetchval(

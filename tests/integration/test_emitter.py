@@ -85,14 +85,15 @@ async def test_structural_event_writes_through_with_pending_deltas_in_order(
     await emitter.delta("d")
 
     rows = await assert_journal_sound(pool, claim.run_id)
-    assert [(r["seq"], r["type"], r["payload"]) for r in rows[2:]] == [
-        (3, EventType.CONTENT_DELTA, {"delta": "a"}),
-        (4, EventType.CONTENT_DELTA, {"delta": "bc"}),
-        (5, EventType.TOOL_CALL, {"call_id": "1", "name": "clock"}),
-        (6, EventType.TOOL_RESULT, {"call_id": "1", "result": "noon"}),
+    # rows[2] is run_started, journaled by the claim itself.
+    assert [(r["seq"], r["type"], r["payload"]) for r in rows[3:]] == [
+        (4, EventType.CONTENT_DELTA, {"delta": "a"}),
+        (5, EventType.CONTENT_DELTA, {"delta": "bc"}),
+        (6, EventType.TOOL_CALL, {"call_id": "1", "name": "clock"}),
+        (7, EventType.TOOL_RESULT, {"call_id": "1", "result": "noon"}),
     ]
     # The pending deltas rode in the same batch (one transaction) as the event they preceded.
-    assert rows[3]["xid"] == rows[4]["xid"] != rows[5]["xid"]
+    assert rows[4]["xid"] == rows[5]["xid"] != rows[6]["xid"]
     await emitter.close()
     assert await deltas_of(pool, claim) == ["a", "bc", "d"]
 
@@ -216,7 +217,7 @@ async def test_cancelling_the_emitting_task_mid_write_keeps_seq_contiguous(
 
     rows = await assert_journal_sound(pool, claim.run_id)
     # A batch taken for writing lands whatever happens to its caller, in call order.
-    assert [r["type"] for r in rows[2:]] == [
+    assert [r["type"] for r in rows[3:]] == [
         EventType.RUN_STARTED, EventType.TOOL_CALL, EventType.TOOL_RESULT,
         EventType.CANCEL_REQUESTED, EventType.COMPLETE]
     assert emitter.lost is None
@@ -241,6 +242,6 @@ async def test_close_while_the_clock_is_flushing_keeps_seq_contiguous(
                      content="first second")
 
     rows = await assert_journal_sound(pool, claim.run_id)
-    assert [r["payload"].get("delta") for r in rows[2:4]] == ["first ", "second"]
-    assert rows[-1]["type"] == EventType.COMPLETE and len(rows) == 5
+    assert [r["payload"].get("delta") for r in rows[3:5]] == ["first ", "second"]
+    assert rows[-1]["type"] == EventType.COMPLETE and len(rows) == 6
     assert emitter.lost is None

@@ -63,10 +63,10 @@ async def zombie_writes(db: asyncpg.Pool, claim: Claim) -> list[str]:
     accepted = []
     attempts = {
         "append": lambda: append_events(db, claim, [
-            NewEvent(seq, EventType.CONTENT_DELTA, {"delta": "zombie"}) for seq in (4, 5)]),
+            NewEvent(seq, EventType.CONTENT_DELTA, {"delta": "zombie"}) for seq in (5, 6)]),
         "message": lambda: insert_message(db, claim, role=MessageRole.ASSISTANT,
                                           content="zombie"),
-        "finish": lambda: finish_run(db, claim, RunStatus.COMPLETED, seq=4, content="zombie"),
+        "finish": lambda: finish_run(db, claim, RunStatus.COMPLETED, seq=5, content="zombie"),
         "finish-max+1": lambda: finish_run(db, claim, RunStatus.COMPLETED, seq=None),
         "heartbeat": lambda: heartbeat(db, claim, LONG_S),
     }
@@ -84,7 +84,8 @@ async def test_zombie_writer_is_refused_and_writes_zero_rows(
         pool: asyncpg.Pool, fenced_by: str) -> None:
     tenant = await new_tenant(pool)
     claim = await start_run(pool, tenant)
-    await append_events(pool, claim, [NewEvent(3, EventType.RUN_STARTED, {"fence": 1})])
+    await append_events(pool, claim, [NewEvent(claim.last_seq + 1, EventType.CONTENT_DELTA,
+                                               {"delta": "a"})])
     zombie = claim
     if fenced_by in ("deadline", "reap"):
         await heartbeat(pool, claim, TINY_S)  # the worker stalls after this beat
@@ -94,7 +95,7 @@ async def test_zombie_writer_is_refused_and_writes_zero_rows(
     elif fenced_by == "forged-token":
         zombie = dataclasses.replace(claim, claim_token=uuid.uuid4())
     else:
-        await finish_run(pool, claim, RunStatus.COMPLETED, seq=4, content="answer")
+        await finish_run(pool, claim, RunStatus.COMPLETED, seq=5, content="answer")
 
     counts = await count_rows(pool, claim.run_id)
     run = await run_row(pool, claim.run_id)
@@ -108,7 +109,7 @@ async def test_zombie_writer_is_refused_and_writes_zero_rows(
 async def test_terminal_states_are_sticky(pool: asyncpg.Pool, status: RunStatus) -> None:
     tenant = await new_tenant(pool)
     claim = await start_run(pool, tenant)
-    await finish_run(pool, claim, status, seq=3, content="answer")
+    await finish_run(pool, claim, status, seq=claim.last_seq + 1, content="answer")
     # A finished run's deadline passes like any other: still nothing may end it again.
     await pool.execute("UPDATE agent_run SET lease_expires_at = clock_timestamp() - interval '1s'"
                        " WHERE id = $1", claim.run_id)
@@ -184,7 +185,7 @@ async def test_heartbeat_racing_reap_at_the_deadline_has_exactly_one_winner(dsn:
                 # A heartbeat only renews a lease it still held when it landed.
                 assert run["last_heartbeat_at"] < claim.lease_expires_at, context
                 assert EventType.COMPLETE not in [e["type"] for e in events]
-                await finish_run(worker, claim, RunStatus.COMPLETED, seq=3)
+                await finish_run(worker, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1)
             await assert_journal_sound(worker, claim.run_id)
             winner = "reaper" if reaped else "heartbeat"
             outcomes[winner] += 1
@@ -201,14 +202,15 @@ async def test_finish_racing_reap_at_the_deadline_ends_the_run_once(dsn: str) ->
         for iteration in range(RACE_ITERATIONS):
             claim = await start_run(worker, tenant, aim.ttl_s)
             finished, reaped = await race(
-                lambda claim=claim: finish_run(worker, claim, RunStatus.COMPLETED, seq=3,
+                lambda claim=claim: finish_run(worker, claim, RunStatus.COMPLETED,
+                                               seq=claim.last_seq + 1,
                                                content="answer"),
                 lambda claim=claim: reap_until_decided(reaper, claim))
             context = f"iteration {iteration}, ttl {aim.ttl_s}"
             raise_unexpected([finished, reaped], LeaseLost, context=context)
             run = await run_row(worker, claim.run_id)
             events = await assert_journal_sound(worker, claim.run_id)
-            assert [e["seq"] for e in events] == [1, 2, 3], context
+            assert [e["seq"] for e in events] == [1, 2, 3, 4], context
             answers = await worker.fetchval(
                 "SELECT count(*) FROM message WHERE run_id = $1 AND role = 'assistant'",
                 claim.run_id)
@@ -256,7 +258,7 @@ async def test_append_racing_reap_never_duplicates_or_skips_a_seq(dsn: str) -> N
             assert reaped is True, f"{context}: {reaped!r}"
             events = await assert_journal_sound(worker, claim.run_id)
             # Every acknowledged append is there, then exactly one ending right after it.
-            assert [e["seq"] for e in events] == [1, 2, *written, len(written) + 3], context
+            assert [e["seq"] for e in events] == [1, 2, 3, *written, len(written) + 4], context
             assert events[-1]["type"] == EventType.COMPLETE
             assert events[-1]["payload"]["status"] == RunStatus.FAILED
 
@@ -267,7 +269,7 @@ async def test_backstop_finish_racing_an_append_in_flight_lands_after_it(
     it may be told SeqConflict and retry, but the ending lands once, right after the batch."""
     tenant = await new_tenant(pool)
     claim = await start_run(pool, tenant)
-    batch = [NewEvent(seq, EventType.CONTENT_DELTA, {"delta": "x"}) for seq in (3, 4, 5)]
+    batch = [NewEvent(seq, EventType.CONTENT_DELTA, {"delta": "x"}) for seq in (4, 5, 6)]
     async with pool.acquire() as blocker:
         async with blocker.transaction():
             await blocker.execute("SELECT 1 FROM agent_run WHERE id = $1 FOR UPDATE",
@@ -288,7 +290,7 @@ async def test_backstop_finish_racing_an_append_in_flight_lands_after_it(
         else:
             raise AssertionError("the backstop never landed")
     events = await assert_journal_sound(pool, claim.run_id)
-    assert [e["seq"] for e in events] == [1, 2, 3, 4, 5, 6]
+    assert [e["seq"] for e in events] == [1, 2, 3, 4, 5, 6, 7]
     assert events[-1]["payload"]["status"] == RunStatus.FAILED
 
 

@@ -91,7 +91,7 @@ async def test_simultaneous_acquisition_from_independent_sessions_has_one_winner
                 " AND status = 'running'", conv) == 1
             # Leave nothing claimable behind for the next round.
             await stop_conversation(setup, account_id=tenant.account_id, conversation_id=conv)
-            await finish_run(setup, winner, RunStatus.CANCELLED, seq=3)
+            await finish_run(setup, winner, RunStatus.CANCELLED, seq=winner.last_seq + 1)
             assert await lease_row(setup, conv) is None
 
 
@@ -114,7 +114,7 @@ async def test_unrelated_conversations_do_not_block_each_other(dsn: str) -> None
             assert sorted(c.conversation_id for c in claims) == sorted(convs), iteration
             for claim in claims:
                 assert_lease_names(await lease_row(setup, claim.conversation_id), claim)
-                await finish_run(setup, claim, RunStatus.COMPLETED, seq=3)
+                await finish_run(setup, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1)
         assert await lease_row(setup, held.tenant.conversation_id) == lease_before
 
 
@@ -250,7 +250,7 @@ async def test_lost_process_lets_the_lease_lapse_and_the_reaper_journals_failed(
     assert run["status"] == RunStatus.FAILED and run["finished_at"] is not None
     assert "host:123:abc" in run["error"]
     events = await journal(pool, claim.run_id)
-    assert [e["seq"] for e in events] == [1, 2, 3]
+    assert [e["seq"] for e in events] == [1, 2, 3, 4]  # run_started came with the claim
     assert events[-1]["type"] == EventType.COMPLETE
     assert events[-1]["payload"]["status"] == RunStatus.FAILED
     assert events[-1]["payload"]["error"] == run["error"]

@@ -80,7 +80,7 @@ async def test_stop_cancels_queued_turns_with_drafts_and_flags_the_running_turn(
     assert await claim_runs(pool, worker_id="other", lease_ttl_s=LONG_S, limit=10) == []
 
     # The worker finalizes cancelled and keeps its partial answer.
-    message_id = await finish_run(pool, running, RunStatus.CANCELLED, seq=3,
+    message_id = await finish_run(pool, running, RunStatus.CANCELLED, seq=running.last_seq + 1,
                                   content="half an ans", message_status=MessageStatus.PARTIAL)
     answer = await pool.fetchrow("SELECT * FROM message WHERE id = $1", message_id)
     assert (answer["content"], answer["status"]) == ("half an ans", MessageStatus.PARTIAL)
@@ -142,7 +142,7 @@ async def test_stop_racing_claims_never_lets_a_queued_turn_start_after_the_stop(
             for run_id in runs:
                 await assert_journal_sound(setup, run_id)
             for claim in claims:
-                await finish_run(setup, claim, RunStatus.CANCELLED, seq=3)
+                await finish_run(setup, claim, RunStatus.CANCELLED, seq=claim.last_seq + 1)
     assert min(outcomes.values()) > 0, outcomes
 
 
@@ -157,7 +157,8 @@ async def test_stop_racing_finish_never_orphans_or_double_ends_a_turn(dsn: str) 
             # The worker finishes (and knocks) while the user stops and a claimer answers the
             # knock: whatever the order, every turn ends once and none is left queued.
             finished, stop, claimed = await race(
-                lambda current=current: finish_run(worker, current, RunStatus.COMPLETED, seq=3,
+                lambda current=current: finish_run(worker, current, RunStatus.COMPLETED,
+                                                   seq=current.last_seq + 1,
                                                    content="answer"),
                 lambda conv=conv: stop_conversation(stopper, account_id=tenant.account_id,
                                                     conversation_id=conv),
@@ -177,5 +178,5 @@ async def test_stop_racing_finish_never_orphans_or_double_ends_a_turn(dsn: str) 
                 ended = [e for e in events if e["type"] == EventType.COMPLETE]
                 assert len(ended) == (1 if RunStatus(status).terminal else 0), context
             for claim in claimed:
-                await finish_run(setup, claim, RunStatus.CANCELLED, seq=3)
+                await finish_run(setup, claim, RunStatus.CANCELLED, seq=claim.last_seq + 1)
 
