@@ -7,6 +7,7 @@ caller's Principal and scopes by its account first (rule 9): other accounts' obj
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,6 +173,10 @@ class Service:
         if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
             raise ServiceError(400, "invalid_idempotency_key",
                                "Idempotency-Key must be 1-200 printable ASCII characters")
+        if req.on_busy == "enqueue":
+            # One statement, one round trip: it locks the conversation row itself, checks the
+            # account, and lets the unique index arbitrate the idempotency key.
+            return await self._enqueue(self.pool, who, conversation_id, req, idempotency_key)
         async with self.pool.acquire() as conn, conn.transaction():
             if await conn.fetchval(Q["lock_conversation"], conversation_id,
                                    who.account_id) is None:
@@ -197,16 +202,21 @@ class Service:
                 stopped = await queue.stop_conversation(conn, account_id=who.account_id,
                                                         conversation_id=conversation_id)
                 drafts = stopped.drafts
-            try:
-                run = await queue.enqueue_run(
-                    conn, account_id=who.account_id, conversation_id=conversation_id,
-                    content=req.content, request=req.snapshot(), device_id=who.device_id,
-                    idempotency_key=idempotency_key)
-            except queue.IdempotencyConflict as exc:
-                raise _idempotency_conflict(exc.run_id) from None
-            except queue.ConversationNotFound:
-                raise not_found("conversation") from None
-        return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created, drafts)
+            created = await self._enqueue(conn, who, conversation_id, req, idempotency_key)
+        return dataclasses.replace(created, drafts=drafts)
+
+    async def _enqueue(self, db: queue.Db, who: Principal, conversation_id: UUID,
+                       req: RunRequest, idempotency_key: str | None) -> CreatedRun:
+        try:
+            run = await queue.enqueue_run(
+                db, account_id=who.account_id, conversation_id=conversation_id,
+                content=req.content, request=req.snapshot(), device_id=who.device_id,
+                idempotency_key=idempotency_key)
+        except queue.IdempotencyConflict as exc:
+            raise _idempotency_conflict(exc.run_id) from None
+        except queue.ConversationNotFound:
+            raise not_found("conversation") from None
+        return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created)
 
     async def _replay(self, conn: asyncpg.Connection, who: Principal, conversation_id: UUID,
                       key: str, req: RunRequest) -> CreatedRun | None:
