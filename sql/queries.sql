@@ -117,8 +117,7 @@ WITH clock AS (
     RETURNING run_id, seq
 )
 SELECT c.*, started.seq AS last_seq,
-       EXISTS (SELECT 1 FROM lease WHERE lease.run_id = c.id) AS leased,
-       pg_notify('agentd_run_event', c.id::text)
+       EXISTS (SELECT 1 FROM lease WHERE lease.run_id = c.id) AS leased
 FROM claimed c JOIN started ON started.run_id = c.id;
 
 -- heartbeat --
@@ -146,7 +145,8 @@ WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
 -- append_events_fenced --
 -- Rule 7: a worker's journal batch lands whole or not at all, only while it owns the run.
 -- FOR SHARE on the run row serializes with the reaper and stop, so a finalizer's max(seq)+1
--- never races an append; zero rows written = LeaseLost. The NOTIFY dies with a rolled-back batch.
+-- never races an append; zero rows written = LeaseLost. Its wake hint is sent after the commit
+-- (notifier.py), so nobody is woken for a batch that rolled back.
 WITH owner AS (
     SELECT id FROM agent_run
     WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
@@ -158,7 +158,7 @@ WITH owner AS (
     FROM owner, unnest($3::bigint[], $4::text[], $5::text[]) AS e (seq, type, payload)
     RETURNING seq
 )
-SELECT (SELECT count(*) FROM written) AS written, pg_notify('agentd_run_event', $1::text)
+SELECT (SELECT count(*) FROM written) AS written
 FROM owner;
 
 -- insert_message_fenced --
@@ -178,8 +178,8 @@ RETURNING id;
 -- finish_run_fenced --
 -- Rule 3: the worker's terminal write. Fenced like every other write; terminal states are
 -- sticky (status = 'running' in the WHERE). In the same statement: the answer message, the one
--- 'complete' event (seq $8, or max+1 for the dispatcher's backstop), the lease release by
--- execution id, and the knock that starts the conversation's next turn at once.
+-- 'complete' event (seq $8, or max+1 for the dispatcher's backstop) and the lease release by
+-- execution id. The caller sends the knock that starts the next turn right after the commit.
 WITH clock AS (
     SELECT clock_timestamp() AS now
 ), fin AS (
@@ -222,10 +222,7 @@ WITH clock AS (
                       WHERE t.run_id = m.run_id AND t.role = 'tool'
                         AND t.tool_call_id = call ->> 'id')
 )
-SELECT fin.id, (SELECT id FROM answer) AS message_id,
-       pg_notify('agentd_run_event', fin.id::text),
-       pg_notify('agentd_run_enqueued', fin.conversation_id::text),
-       pg_notify('agentd_conversation', fin.conversation_id::text)
+SELECT fin.id, fin.conversation_id, (SELECT id FROM answer) AS message_id
 FROM fin;
 
 -- reap_expired_runs --
@@ -647,3 +644,9 @@ SELECT id, text, run_id, created_at FROM (
     LIMIT $2::int
 ) AS latest
 ORDER BY id;
+
+-- notify_batch --
+-- Wake hints for rows already committed, many per statement (rule 6: hints, not truth). A
+-- notify-only transaction assigns no xid, so it commits without a WAL flush.
+SELECT count(pg_notify(t.channel, t.payload))
+FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS t (channel, payload, n);

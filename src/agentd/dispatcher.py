@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 import asyncpg
 
 from agentd.hub import Hub
-from agentd.queue import Claim, LeaseLost, SeqConflict, claim_runs, finish_run
+from agentd.queue import Claim, Hint, LeaseLost, SeqConflict, claim_runs, finish_run
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
 
@@ -28,8 +28,9 @@ DRAIN_ERROR = "agentd stopped before the turn finished (drain budget exhausted)"
 
 class Dispatcher:
     def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings, worker_id: str,
-                 run_turn: RunTurn) -> None:
+                 run_turn: RunTurn, hint: Hint | None = None) -> None:
         self._pool = pool
+        self._hint = hint
         self._hub = hub
         self._settings = settings
         self._worker_id = worker_id
@@ -74,7 +75,8 @@ class Dispatcher:
                 wake.clear()  # hints from here on are kept for the idle wait below
                 try:
                     claims = await claim_runs(self._pool, worker_id=self._worker_id,
-                                              lease_ttl_s=self._settings.lease_ttl_s, limit=1)
+                                              lease_ttl_s=self._settings.lease_ttl_s, limit=1,
+                                              hint=self._hint)
                 except _DB_ERRORS as exc:
                     self._slots.release()
                     log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
@@ -112,7 +114,8 @@ class Dispatcher:
         """Finalize failed behind the fence; zero rows means someone already ended it."""
         for _attempt in range(3):
             try:
-                await finish_run(self._pool, claim, RunStatus.FAILED, seq=None, error=reason)
+                await finish_run(self._pool, claim, RunStatus.FAILED, seq=None, error=reason,
+                                 hint=self._hint)
                 log.warning("run finalized by the backstop",
                             extra={"run_id": str(claim.run_id), "error": reason})
                 return

@@ -25,7 +25,15 @@ from agentd.providers.base import (
     Usage,
 )
 from agentd.queries import Q
-from agentd.queue import Claim, LeaseLost, check_lease, finish_run, heartbeat, insert_message
+from agentd.queue import (
+    Claim,
+    Hint,
+    LeaseLost,
+    check_lease,
+    finish_run,
+    heartbeat,
+    insert_message,
+)
 from agentd.settings import Settings
 from agentd.tools import ToolContext, ToolError, ToolRegistry
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
@@ -63,8 +71,10 @@ class TurnRunner:
     """Executes claims for one worker; `run` returns True once the terminal write landed."""
 
     def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings,
-                 providers: ProviderRegistry, tools: ToolRegistry) -> None:
+                 providers: ProviderRegistry, tools: ToolRegistry,
+                 hint: Hint | None = None) -> None:
         self._pool = pool
+        self._hint = hint
         self._hub = hub
         self._settings = settings
         self._providers = providers
@@ -83,7 +93,7 @@ class TurnRunner:
                 log.warning("lease gone before the turn started; standing down", extra=ctx)
                 return False
             emitter = Emitter(self._pool, claim,
-                              flush_interval_s=self._settings.flush_ms / 1000)
+                              flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint)
             turn = _Turn(claim, emitter)
             cancel, lost = asyncio.Event(), asyncio.Event()
             if beat.cancel_requested or claim.cancel_requested:
@@ -142,6 +152,7 @@ class TurnRunner:
             self._pool, turn.claim, status, seq=turn.emitter.next_seq,
             content=answer if (answer or complete) else None,
             message_status=MessageStatus.COMPLETE if complete else MessageStatus.PARTIAL,
+            hint=self._hint,
             error=error, usage=turn.usage)
         log.info("run finished", extra={**ctx, "status": str(status), "error": error,
                                         "journal_rows": turn.emitter.rows_written})

@@ -8,14 +8,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable
 from typing import Any
 
-from agentd.queue import Claim, Db, LeaseLost, NewEvent, append_events
+import asyncpg
+
+from agentd.queue import (
+    Claim,
+    Db,
+    Hint,
+    LeaseLost,
+    NewEvent,
+    SeqConflict,
+    append_events,
+    read_events,
+)
 from agentd.vocabulary import EventType
 
 DEFAULT_FLUSH_INTERVAL_S = 0.250
+# A dropped connection (the database restarting, a failover) is retried within the lease; the
+# fence decides whether a retry may still write.
+RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0)
+_TRANSIENT = (OSError, asyncpg.InterfaceError, asyncpg.exceptions.ConnectionFailureError,
+              asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.AdminShutdownError,
+              asyncpg.exceptions.ConnectionDoesNotExistError, TimeoutError)
 
 
 class Emitter:
@@ -23,11 +41,12 @@ class Emitter:
 
     def __init__(self, db: Db, claim: Claim, *,
                  flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hint: Hint | None = None) -> None:
         self._db = db
         self._claim = claim
         self._interval = flush_interval_s
         self._clock = clock
+        self._hint = hint
         self._next_seq = claim.last_seq + 1
         self._pending: list[str] = []
         self._pending_since = 0.0
@@ -126,13 +145,39 @@ class Emitter:
     async def _append(self, events: list[tuple[EventType, dict[str, Any]]]) -> None:
         batch = [NewEvent(self._next_seq + i, type, payload)
                  for i, (type, payload) in enumerate(events)]
-        try:
-            await append_events(self._db, self._claim, batch)
-        except LeaseLost as exc:
-            self._lost = exc
-            raise
+        for attempt in range(len(RETRY_DELAYS_S) + 1):
+            try:
+                await append_events(self._db, self._claim, batch, hint=self._hint)
+                break
+            except SeqConflict as exc:
+                # After a connection died mid-commit, our own earlier attempt may have landed.
+                if attempt and await self._landed(batch):
+                    break
+                self._lost = exc
+                raise
+            except LeaseLost as exc:
+                self._lost = exc
+                raise
+            except Exception as exc:
+                if isinstance(exc, _TRANSIENT) and attempt < len(RETRY_DELAYS_S):
+                    await asyncio.sleep(RETRY_DELAYS_S[attempt])
+                    continue
+                # The journal can no longer be vouched for: stop writing to it, so nothing
+                # (an answer included) is stored that its readers did not see.
+                self._lost = LeaseLost(self._claim.run_id, f"journal append ({exc})")
+                raise self._lost from exc
         self._next_seq += len(batch)
         self.rows_written += len(batch)
+
+    async def _landed(self, batch: list[NewEvent]) -> bool:
+        """Whether exactly this batch is already in the journal at its seqs."""
+        try:
+            found = await read_events(self._db, self._claim.run_id,
+                                      after_seq=batch[0].seq - 1, limit=len(batch))
+        except _TRANSIENT:
+            return False
+        return [(e.seq, e.type, e.payload) for e in found] == \
+            [(e.seq, e.type, json.loads(json.dumps(e.payload))) for e in batch]
 
     def _raise_if_lost(self) -> None:
         if self._lost is not None:

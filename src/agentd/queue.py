@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -17,7 +17,7 @@ from uuid import UUID
 import asyncpg
 
 from agentd.queries import Q
-from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
+from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
 
 Db = asyncpg.Pool | asyncpg.Connection
 
@@ -178,8 +178,20 @@ def _acquire(db: Db) -> Any:
     return db.acquire() if isinstance(db, asyncpg.Pool) else _Borrowed(db)
 
 
-async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float,
-                     limit: int = 1) -> list[Claim]:
+Hint = Callable[[Channel, str], None]
+
+
+async def _send_hints(db: Db, hint: Hint | None, hints: Sequence[tuple[Channel, str]]) -> None:
+    """After a commit: hand wake hints to the process's notifier, or send them right away."""
+    if hint is not None:
+        for channel, payload in hints:
+            hint(channel, payload)
+    elif hints:
+        await db.execute(Q["notify_batch"], [str(c) for c, _ in hints], [p for _, p in hints])
+
+
+async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int = 1,
+                     hint: Hint | None = None) -> list[Claim]:
     """Claim up to `limit` runs in one statement (rule 2). Losing a race claims nothing."""
     async with _acquire(db) as conn:
         try:
@@ -191,7 +203,9 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float,
         except (asyncpg.UniqueViolationError, _LeaseNotAcquiredError):
             # Another claimer won the conversation (rule 5 / seed 000); our runs stay queued.
             return []
-    return [_claim_from_row(row) for row in rows]
+    claims = [_claim_from_row(row) for row in rows]
+    await _send_hints(db, hint, [(Channel.RUN_EVENT, str(c.run_id)) for c in claims])
+    return claims
 
 
 async def heartbeat(db: Db, claim: Claim, lease_ttl_s: float) -> Beat:
@@ -210,7 +224,8 @@ async def check_lease(db: Db, claim: Claim) -> Beat:
     return Beat(row["cancel_requested"], row["lease_expires_at"])
 
 
-async def append_events(db: Db, claim: Claim, events: Sequence[NewEvent]) -> None:
+async def append_events(db: Db, claim: Claim, events: Sequence[NewEvent], *,
+                        hint: Hint | None = None) -> None:
     """Append a batch to the journal behind the fence, all or nothing (rule 7)."""
     if not events:
         return
@@ -225,6 +240,7 @@ async def append_events(db: Db, claim: Claim, events: Sequence[NewEvent]) -> Non
         raise SeqConflict(claim.run_id, "journal append") from exc
     if row is None or row["written"] != len(events):
         raise LeaseLost(claim.run_id, "journal append")
+    await _send_hints(db, hint, [(Channel.RUN_EVENT, str(claim.run_id))])
 
 
 async def insert_message(db: Db, claim: Claim, *, role: MessageRole, content: str,
@@ -243,7 +259,8 @@ async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None
                      content: str | None = None,
                      message_status: MessageStatus = MessageStatus.COMPLETE,
                      error: str | None = None,
-                     usage: dict[str, Any] | None = None) -> UUID | None:
+                     usage: dict[str, Any] | None = None,
+                     hint: Hint | None = None) -> UUID | None:
     """The worker's terminal write, fenced; returns the answer's message id (None if no text).
 
     `seq` is the complete event's position; None lets the database take max+1 (the dispatcher's
@@ -258,6 +275,11 @@ async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None
         raise SeqConflict(claim.run_id, "terminal write") from exc
     if row is None:
         raise LeaseLost(claim.run_id, "terminal write")
+    conversation = str(row["conversation_id"])
+    # Tails of the run, the conversation's feeds, and the dispatchers (its next turn starts).
+    await _send_hints(db, hint, [(Channel.RUN_EVENT, str(claim.run_id)),
+                                 (Channel.RUN_ENQUEUED, conversation),
+                                 (Channel.CONVERSATION, conversation)])
     return row["message_id"]
 
 

@@ -27,6 +27,7 @@ from agentd.embedded_pg import EmbeddedPostgres, default_data_root
 from agentd.executor import TurnRunner
 from agentd.hub import Hub
 from agentd.migrate import migrate
+from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
 from agentd.queries import Q
 from agentd.reaper import reap_forever, sweep
@@ -152,8 +153,10 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     runtime = Runtime(settings, pool, hub, worker_id, providers)
     tools = default_tools()
     runtime.extras["tool_names"] = tools.names()
-    runner = TurnRunner(pool, hub, settings, providers, tools)
-    dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run)
+    notifier = Notifier(pool)
+    notifier.start()
+    runner = TurnRunner(pool, hub, settings, providers, tools, hint=notifier.notify)
+    dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, hint=notifier.notify)
     runtime.dispatcher = dispatcher
     app_runner = web.AppRunner(build_app(runtime), access_log=None, shutdown_timeout=1.0,
                                handler_cancellation=True)
@@ -183,5 +186,6 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
         with contextlib.suppress(asyncio.CancelledError):
             await reaping
         await app_runner.cleanup()
+        await notifier.close()
         await hub.close()
         await providers.close()

@@ -117,7 +117,7 @@ class Fleet:
 
 async def _db_now(pool: asyncpg.Pool) -> datetime:
     for _ in range(100):
-        with contextlib.suppress(OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+        with contextlib.suppress(Exception):  # the server may be restarting right now
             return await pool.fetchval("SELECT clock_timestamp()")
         await asyncio.sleep(0.1)
     raise RuntimeError("database clock unreachable")
@@ -314,8 +314,10 @@ async def check(pool: asyncpg.Pool, log: StormLog) -> Verdict:
                             "finished_at FROM agent_run")
     events = await pool.fetch("SELECT run_id, seq, type, payload FROM run_event ORDER BY "
                               "run_id, seq")
-    answers = {r["run_id"]: r["content"] for r in await pool.fetch(
-        "SELECT run_id, content FROM message WHERE role = 'assistant' AND tool_calls IS NULL")}
+    answer_rows = await pool.fetch(
+        "SELECT run_id, content FROM message WHERE role = 'assistant' AND tool_calls IS NULL")
+    answers = {r["run_id"]: r["content"] for r in answer_rows}
+    answer_count = Counter(r["run_id"] for r in answer_rows)
     by_run: dict[uuid.UUID, list[asyncpg.Record]] = defaultdict(list)
     for e in events:
         by_run[e["run_id"]].append(e)
@@ -344,7 +346,19 @@ async def check(pool: asyncpg.Pool, log: StormLog) -> Verdict:
                              if e["type"] == "content_delta")
         if "".join(record.text) != stored or record.status != run["status"] \
                 or record.completes != 1:
-            failures["text_mismatch"].append(str(rid))
+            client_text = "".join(record.text)
+            journaled = "".join(e["payload"]["delta"] for e in journal
+                                if e["type"] == "content_delta")
+            at = next((i for i, (a, b) in enumerate(zip(client_text, stored, strict=False))
+                       if a != b), min(len(client_text), len(stored)))
+            failures["text_mismatch"].append(
+                f"{rid}: client {record.status}/{record.completes} len {len(client_text)} "
+                f"db {run['status']} len {len(stored)} journal len {len(journaled)} "
+                f"answers {answer_count[rid]}; first difference at {at}: client "
+                f"{client_text[at - 20:at + 40]!r} db {stored[at - 20:at + 40]!r} journal "
+                f"{journaled[at - 20:at + 40]!r}; deltas "
+                f"{[e['payload']['delta'][:12] for e in journal if e['type'] == 'content_delta']}"
+                f" client deltas {[t[:12] for t in record.text]}")
         if record.seq_errors:
             failures["client_seq_errors"].append(str(rid))
     by_conversation: dict[uuid.UUID, list[asyncpg.Record]] = defaultdict(list)

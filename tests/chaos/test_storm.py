@@ -59,6 +59,9 @@ async def test_storm_breaks_no_promise(storm_server: tuple[EmbeddedPostgres, str
         await poll_until(settled, 120, 0.2, what="every run terminal")
         verdict = await check(pool, log)
         print("\n" + verdict.summary())
+        for name, items in verdict.failures.items():
+            for item in items[:5]:
+                print(f"  {name}: {item}")
         assert verdict.counts["runs"] >= config.runs
         assert all(verdict.counts.get(k, 0) >= 1 for k in (
             "kill_9", "SIGSTOP_past_lease", "postgres_restart", "hub_backends_terminated")), \

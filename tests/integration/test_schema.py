@@ -199,8 +199,12 @@ def test_every_notify_channel_in_the_queries_is_a_vocabulary_channel() -> None:
     literals = set(re.findall(r"pg_notify\(\s*'([^']*)'", text))
     assert len(literals) >= 4, literals  # the scan itself found the statements' channels
     assert literals <= {str(c) for c in Channel}, literals - {str(c) for c in Channel}
-    # No channel is ever named by a non-literal expression the scan above would miss.
-    assert len(re.findall(r"pg_notify\(", text)) == len(re.findall(r"pg_notify\(\s*'", text))
+    # No channel is ever named by a non-literal expression the scan above would miss, except
+    # in notify_batch, whose channels are typed as vocabulary.Channel by its only callers.
+    batch = Q["notify_batch"]
+    rest = text.replace(batch, "")
+    assert batch in text and "pg_notify(t.channel" in batch
+    assert len(re.findall(r"pg_notify\(", rest)) == len(re.findall(r"pg_notify\(\s*'", rest))
 
 
 INDEX_SHAPE = """

@@ -1,0 +1,67 @@
+"""Wake hints sent after commit, batched, outside the transactions that caused them.
+
+PostgreSQL serializes every committing transaction that carries a NOTIFY on one cluster-wide
+lock held until its commit is flushed; a hint per journal append made concurrent turns commit one
+at a time. Hints are hints (rule 6): sending them just after the commit, from one statement per
+batch, loses nothing a poll would not recover, and frees the hot commits to flush together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import asyncpg
+
+from agentd.queries import Q
+from agentd.vocabulary import Channel
+
+log = logging.getLogger("agentd.notifier")
+
+
+
+
+class Notifier:
+    """Collects (channel, payload) hints and sends each batch in one statement, in order."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self._pool = pool
+        self._pending: dict[tuple[Channel, str], None] = {}  # ordered, de-duplicated
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.sent = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._send_forever(), name="agentd-notifier")
+
+    async def close(self) -> None:
+        """Send what is pending, then stop."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._flush()
+
+    def notify(self, channel: Channel, payload: str) -> None:
+        self._pending[(channel, payload)] = None
+        self._wake.set()
+
+    async def _send_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        if not self._pending:
+            return
+        batch, self._pending = list(self._pending), {}
+        try:
+            await self._pool.execute(Q["notify_batch"], [str(c) for c, _ in batch],
+                                     [p for _, p in batch])
+            self.sent += len(batch)
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            # Lost hints cost latency, never correctness: every waiter also polls.
+            log.warning("could not send wake hints", extra={"hints": len(batch),
+                                                            "error": str(exc)})
