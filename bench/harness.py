@@ -97,17 +97,20 @@ def base_parser(description: str) -> argparse.ArgumentParser:
                         help="keep the work directory (daemon logs, server data)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"),
                         help="the daemons' log level (default: info, as shipped)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a daemon setting (AGENTD_<KEY>), e.g. --set pool_max=40; repeatable")
     return parser
 
 
-def apply_quick(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                quick: Mapping[str, Any]) -> None:
-    """In --quick mode, use the quick value of every option the user left at its default."""
-    if not args.quick:
-        return
-    for name, value in quick.items():
-        if getattr(args, name) == parser.get_default(name):
-            setattr(args, name, value)
+def daemon_settings(args: argparse.Namespace, **settings: Any) -> dict[str, Any]:
+    """The benchmark's own daemon settings, then --log-level and every --set on top."""
+    out: dict[str, Any] = {**settings, "log_level": args.log_level}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        out[key.strip().lower()] = value
+    return out
 
 
 def params_of(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,7 +139,26 @@ def _versions() -> dict[str, str]:
     return out
 
 
-async def machine_info(dsn: str) -> dict[str, Any]:
+def fdatasync_ms(directory: Path, rounds: int = 100) -> dict[str, Any]:
+    """Time to write 8 kB and fdatasync it in `directory`: the floor of one durable commit."""
+    path = directory / "fdatasync-probe"
+    block = os.urandom(8192)
+    times = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for _ in range(rounds):
+            before = time.perf_counter()
+            os.pwrite(fd, block, 0)
+            os.fdatasync(fd)
+            times.append((time.perf_counter() - before) * 1000)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return percentiles(times)
+
+
+async def machine_info(database: BenchDatabase) -> dict[str, Any]:
+    dsn = database.dsn
     conn = await asyncpg.connect(dsn)
     try:
         server = await conn.fetchval("SHOW server_version")
@@ -154,6 +176,8 @@ async def machine_info(dsn: str) -> dict[str, Any]:
         "python": platform.python_version(), "postgresql": server,
         "postgresql_settings": pg_settings, "versions": _versions(),
         "loadavg_at_start": [round(x, 2) for x in load] if load else None,
+        # Where the embedded server keeps its WAL; for --dsn, only this machine's disk.
+        "disk_fdatasync_8k_ms": await asyncio.to_thread(fdatasync_ms, database.workdir),
     }
 
 
@@ -251,12 +275,17 @@ async def _drop_database(admin_dsn: str, name: str) -> None:
         await admin.close()
 
 
-@contextlib.asynccontextmanager
-async def bench_database(args: argparse.Namespace, label: str) -> AsyncIterator[BenchDatabase]:
-    """The run's database: on --dsn's server, or on a throwaway embedded PostgreSQL."""
+def _make_workdir(label: str) -> Path:
     workdir = Path(tempfile.mkdtemp(prefix=f"agentd-bench-{label}-"))
     # As root the embedded server runs as an unprivileged account, which must reach this dir.
     workdir.chmod(0o755)
+    return workdir
+
+
+@contextlib.asynccontextmanager
+async def bench_database(args: argparse.Namespace, label: str) -> AsyncIterator[BenchDatabase]:
+    """The run's database: on --dsn's server, or on a throwaway embedded PostgreSQL."""
+    workdir = _make_workdir(label)
     server = None
     try:
         if args.dsn:
@@ -287,6 +316,39 @@ async def bench_database(args: argparse.Namespace, label: str) -> AsyncIterator[
             progress(f"kept the work directory {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def wal_fsyncs(dsn: str) -> int | None:
+    """WAL fsyncs so far, cluster-wide (pg_stat_io from PostgreSQL 18, pg_stat_wal before).
+
+    Backends publish their counters when a transaction ends or they exit (at most once a
+    second while busy), so read this after the daemons stopped.
+    """
+    conn = await asyncpg.connect(dsn)
+    try:
+        with contextlib.suppress(asyncpg.PostgresError):
+            return int(await conn.fetchval(
+                "SELECT sum(fsyncs) FROM pg_stat_io WHERE object = 'wal'"))
+        with contextlib.suppress(asyncpg.PostgresError):
+            return int(await conn.fetchval("SELECT wal_sync FROM pg_stat_wal"))
+        return None
+    finally:
+        await conn.close()
+
+
+async def transactions(dsn: str) -> int:
+    """Transactions committed or rolled back in this database so far (pg_stat_database).
+
+    Every statement a daemon sends outside an explicit transaction is one; published like
+    wal_fsyncs, so read it after the daemons stopped.
+    """
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval(
+            "SELECT xact_commit + xact_rollback FROM pg_stat_database "
+            "WHERE datname = current_database()"))
+    finally:
+        await conn.close()
 
 
 async def clock_offset(dsn: str, samples: int = 20) -> float:
@@ -327,16 +389,16 @@ async def make_account(pool: asyncpg.Pool, account: str = "bench",
 
 async def make_conversations(pool: asyncpg.Pool, account_id: uuid.UUID, count: int,
                              title: str = "bench") -> list[uuid.UUID]:
-    out = []
-    for i in range(count):
-        out.append((await create_conversation(pool, account_id, f"{title} {i}")).id)
-    return out
+    """`count` conversations of the account, created in one transaction."""
+    async with pool.acquire() as conn, conn.transaction():
+        return [(await create_conversation(conn, account_id, f"{title} {i}")).id
+                for i in range(count)]
 
 
 async def wait_terminal(pool: asyncpg.Pool, run_ids: Sequence[uuid.UUID], *,
-                        timeout: float, interval: float = 0.01) -> str:
+                        within_s: float, interval: float = 0.01) -> str:
     """Poll the rows until every run is terminal; returns the last run's status."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within_s
     while True:
         rows = await pool.fetch("SELECT status FROM agent_run WHERE id = ANY($1::uuid[])",
                                 list(run_ids))
@@ -344,7 +406,7 @@ async def wait_terminal(pool: asyncpg.Pool, run_ids: Sequence[uuid.UUID], *,
         if len(statuses) == len(run_ids) and all(s in TERMINAL for s in statuses):
             return statuses[-1]
         if time.monotonic() > deadline:
-            raise TimeoutError(f"runs not terminal after {timeout:g}s: {statuses}")
+            raise TimeoutError(f"runs not terminal after {within_s:g}s: {statuses}")
         await asyncio.sleep(interval)
 
 
@@ -408,10 +470,10 @@ class BenchDaemon:
                                      cwd=self.workdir, start_new_session=True)
         return self
 
-    async def wait_serving(self, *, need_hub: bool = True, timeout: float = 60.0) -> None:
+    async def wait_serving(self, *, need_hub: bool = True, within_s: float = 60.0) -> None:
         """Poll /readyz (or only /healthz when the hub is meant to be down) until it answers."""
         path = "/readyz" if need_hub else "/healthz"
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_s
         async with aiohttp.ClientSession() as session:
             while True:
                 if self.proc is None or self.proc.poll() is not None:
@@ -422,7 +484,7 @@ class BenchDaemon:
                         if resp.status == 200:
                             return
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{self.name} not serving after {timeout:g}s:\n"
+                    raise RuntimeError(f"{self.name} not serving after {within_s:g}s:\n"
                                        f"{self.log_tail()}")
                 await asyncio.sleep(0.05)
 
@@ -435,21 +497,20 @@ class BenchDaemon:
         except FileNotFoundError:
             return ""
 
-    async def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM (drain), then SIGKILL at the deadline; returns the exit code."""
+    async def stop(self, drain_s: float = 30.0) -> int | None:
+        """SIGTERM (drain), then SIGKILL after `drain_s`; returns the exit code."""
         proc = self.proc
         if proc is None:
             return None
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while proc.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if proc.poll() is None:
+            try:
+                await asyncio.to_thread(proc.wait, drain_s)
+            except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+                await asyncio.to_thread(proc.wait, 10)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -498,13 +559,23 @@ class SseEvent:
     received_mono: float  # time.monotonic() at the same moment
 
 
+async def _lines(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The body's lines, however long (a coalesced delta can exceed aiohttp's line limit)."""
+    buffer = b""
+    async for chunk in resp.content.iter_any():
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line
+
+
 async def sse_stream(resp: aiohttp.ClientResponse) -> AsyncIterator[SseEvent]:
     """Parse an SSE response; keepalive comments are skipped."""
     event_id: str | None = None
     event = "message"
     data: list[str] = []
-    async for raw in resp.content:
-        line = raw.decode("utf-8").rstrip("\r\n")
+    async for raw in _lines(resp):
+        line = raw.decode("utf-8").rstrip("\r")
         if not line:
             if data:
                 yield SseEvent(event_id, event, json.loads("\n".join(data)), time.time(),
