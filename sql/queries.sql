@@ -251,17 +251,23 @@ RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.erro
 -- own statement AFTER the fencing UPDATE in the same transaction: READ COMMITTED gives it a
 -- fresh snapshot that sees every append committed before our row lock, and the lock holds off
 -- the rest. one_complete_per_run makes a second ending impossible regardless.
--- Releases the runs' leases by execution id and knocks the queue.
+-- Releases the runs' leases by execution id and knocks the queue. A turn a stop cancelled
+-- before it started names its handed-back draft, so every stream can return it to its author.
 WITH ended AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[],
-                         $6::text[]) AS t (run_id, account_id, conversation_id, claim_token,
-                                           status, error)
+                         $6::text[], $7::uuid[]) AS t (run_id, account_id, conversation_id,
+                                                      claim_token, status, error, draft_id)
 ), journal AS (
     INSERT INTO run_event (run_id, seq, type, payload)
     SELECT ended.run_id,
            coalesce((SELECT max(e.seq) FROM run_event e WHERE e.run_id = ended.run_id), 0) + 1,
            'complete',
            jsonb_build_object('status', ended.status, 'error', ended.error, 'message_id', NULL)
+           || CASE WHEN ended.draft_id IS NULL THEN '{}'::jsonb
+                   ELSE jsonb_build_object('draft', jsonb_build_object(
+                       'message_id', ended.draft_id,
+                       'content', (SELECT content FROM message WHERE id = ended.draft_id)))
+              END
     FROM ended
 ), released AS (
     DELETE FROM conversation_lease l

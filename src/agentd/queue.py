@@ -6,6 +6,7 @@ Every function runs named statements from sql/queries.sql. Worker writes are fen
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -119,6 +120,7 @@ class Ending:
     claim_token: UUID | None
     status: RunStatus
     error: str | None
+    draft_id: UUID | None = None  # a queued turn's text a stop handed back
 
 
 def request_hash(conversation_id: UUID, content: str, request: dict[str, Any]) -> str:
@@ -291,7 +293,8 @@ async def journal_endings(conn: asyncpg.Connection, endings: Sequence[Ending]) -
         Q["journal_endings"],
         [e.run_id for e in endings], [e.account_id for e in endings],
         [e.conversation_id for e in endings], [e.claim_token for e in endings],
-        [str(e.status) for e in endings], [e.error for e in endings])
+        [str(e.status) for e in endings], [e.error for e in endings],
+        [e.draft_id for e in endings])
 
 
 def _ending(row: asyncpg.Record) -> Ending:
@@ -333,7 +336,9 @@ async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID
         queued = [row["id"] for row in locked if row["status"] == RunStatus.QUEUED]
         running = [row["id"] for row in locked if row["status"] == RunStatus.RUNNING]
         cancelled = await conn.fetch(Q["cancel_queued_runs"], queued) if queued else []
-        await journal_endings(conn, [_ending(row) for row in cancelled])
+        await journal_endings(conn, [dataclasses.replace(_ending(row),
+                                                         draft_id=row["message_id"])
+                                     for row in cancelled])
         flagged = await conn.fetch(Q["request_cancel"], running) if running else []
         if cancelled or flagged:
             await conn.execute(Q["notify_conversation"], str(conversation_id))

@@ -70,6 +70,9 @@ async def test_stop_cancels_queued_turns_with_drafts_and_flags_the_running_turn(
         events = await assert_journal_sound(pool, queued.run_id)
         assert [(e["seq"], e["type"]) for e in events][-1] == (3, EventType.COMPLETE)
         assert events[-1]["payload"]["status"] == RunStatus.CANCELLED
+        # The stream hands the draft back too, so every device can return it to its author.
+        assert events[-1]["payload"]["draft"] == {"message_id": str(draft.message_id),
+                                                  "content": draft.content}
 
     # The running turn is only asked to stop: still running, no ending journaled for it.
     run = await run_row(pool, running.run_id)
