@@ -60,7 +60,8 @@ import asyncpg
 from agentd import __version__ as agentd_version
 from agentd import db as dbmod
 from agentd.hub import Hub
-from agentd.queue import Claim, claim_runs, enqueue_run, finish_run
+from agentd.notifier import Notifier
+from agentd.queue import Claim, Hint, claim_runs, enqueue_run, finish_run
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
 from harness import (
@@ -356,6 +357,8 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
     size = args.consumers + args.enqueuers
     pool = await dbmod.create_pool(database.dsn, min_size=size, max_size=size + 1,
                                    application_name="agentd-bench-peer")
+    notifier = Notifier(pool)
+    notifier.start()
     hub = Hub(database.dsn, channels=[Channel.RUN_ENQUEUED])
     try:
         _token, account_id = await make_account(pool)
@@ -384,14 +387,15 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
                 while not stop.is_set():
                     wake.clear()
                     claims = await claim_runs(pool, worker_id=f"peer-bench-{worker}",
-                                              lease_ttl_s=settings.lease_ttl_s, limit=batch)
+                                              lease_ttl_s=settings.lease_ttl_s, limit=batch,
+                                              hint=notifier.notify)
                     if not claims:
                         counts["empty_claims"] += 1
                         await wake.wait(settings.tick_s)
                         continue
                     counts["claimed"] += len(claims)
                     for claim in claims:
-                        await noop_turn(pool, claim)
+                        await noop_turn(pool, claim, notifier.notify)
                         counts["finished"] += 1
 
         progress(f"agentd throughput, claim batch {batch}: {args.time:g} s")
@@ -411,6 +415,7 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
             "SELECT count(*) FROM agent_run WHERE status = 'completed'")
     finally:
         await hub.close()
+        await notifier.close()
         await pool.close()
     rate = counts["finished"] / elapsed
     progress(f"agentd throughput, claim batch {batch}: {rate:,.0f} runs/s")
@@ -423,9 +428,10 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
     }
 
 
-async def noop_turn(db: asyncpg.Pool, claim: Claim) -> None:
-    """A turn that does nothing: the terminal write right after the claim."""
-    await finish_run(db, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1)
+async def noop_turn(db: asyncpg.Pool, claim: Claim, hint: Hint) -> None:
+    """A turn that does nothing: the terminal write right after the claim (hints batched
+    after commit by the daemon's own Notifier, as in `agentd serve`)."""
+    await finish_run(db, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1, hint=hint)
 
 
 # -- drain: consumers only -------------------------------------------------------------------
@@ -458,6 +464,8 @@ async def agentd_drain(dbs: Databases, args: argparse.Namespace, batch: int) -> 
     pool = await dbmod.create_pool(database.dsn, min_size=args.consumers,
                                    max_size=args.consumers + 1,
                                    application_name="agentd-bench-peer")
+    notifier = Notifier(pool)
+    notifier.start()
     jobs = args.drain_jobs
     try:
         _token, account_id = await make_account(pool)
@@ -477,13 +485,14 @@ async def agentd_drain(dbs: Databases, args: argparse.Namespace, batch: int) -> 
         async def consumer(worker: int) -> None:
             while counts["claimed"] < jobs:
                 claims = await claim_runs(pool, worker_id=f"peer-drain-{worker}",
-                                          lease_ttl_s=settings.lease_ttl_s, limit=batch)
+                                          lease_ttl_s=settings.lease_ttl_s, limit=batch,
+                                              hint=notifier.notify)
                 if not claims:
                     await asyncio.sleep(0.001)  # a lost race; runs are left
                     continue
                 counts["claimed"] += len(claims)
                 for claim in claims:
-                    await noop_turn(pool, claim)
+                    await noop_turn(pool, claim, notifier.notify)
                     counts["finished"] += 1
 
         progress(f"agentd drain of {jobs} runs, claim batch {batch}")
@@ -491,6 +500,7 @@ async def agentd_drain(dbs: Databases, args: argparse.Namespace, batch: int) -> 
         await asyncio.gather(*(consumer(i) for i in range(args.consumers)))
         elapsed = time.perf_counter() - started
     finally:
+        await notifier.close()
         await pool.close()
     rate = counts["finished"] / elapsed
     progress(f"agentd drain, claim batch {batch}: {rate:,.0f} runs/s")
@@ -505,6 +515,8 @@ async def agentd_latency(dbs: Databases, args: argparse.Namespace) -> dict[str, 
     settings = Settings()
     pool = await dbmod.create_pool(database.dsn, min_size=2, max_size=4,
                                    application_name="agentd-bench-peer")
+    notifier = Notifier(pool)
+    notifier.start()
     hub = Hub(database.dsn, channels=[Channel.RUN_ENQUEUED])
     total = args.latency_warmup + args.latency_jobs
     loop = asyncio.get_running_loop()
@@ -530,7 +542,7 @@ async def agentd_latency(dbs: Databases, args: argparse.Namespace) -> dict[str, 
                     if not future.done():
                         future.set_result(now)
                 for claim in claims:
-                    await noop_turn(pool, claim)
+                    await noop_turn(pool, claim, notifier.notify)
 
     latencies: list[float] = []
     try:
@@ -560,6 +572,7 @@ async def agentd_latency(dbs: Databases, args: argparse.Namespace) -> dict[str, 
             await task
     finally:
         await hub.close()
+        await notifier.close()
         await pool.close()
     return {"enqueue_to_start_ms": percentiles(latencies), "hub_notifications": hub.notifications}
 
