@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,3 +252,26 @@ def anthropic_message(blocks: list[tuple[str, Any]], *, stop_reason: str,
 
 def anthropic_error(kind: str, message: str) -> bytes:
     return anthropic_event("error", error={"type": kind, "message": message})
+
+
+async def cancel_after(stream: AsyncIterator[Any], items: int, *, within: float = 30,
+                       counts: Callable[[Any], bool] = lambda _item: True) -> None:
+    """Consume `stream` in a task until `items` counted items arrived, then cancel that task
+    (as a stop or a lost lease does) and check the cancellation went through."""
+    enough = asyncio.Event()
+
+    async def consume() -> None:
+        seen = 0
+        async for item in stream:
+            seen += counts(item)
+            if seen >= items:
+                enough.set()
+
+    task = asyncio.create_task(consume())
+    try:
+        await asyncio.wait_for(enough.wait(), within)
+    finally:
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert task.cancelled(), "the consumer ended before it was cancelled"

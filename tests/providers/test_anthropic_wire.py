@@ -23,6 +23,7 @@ from tests.providers.fake_servers import (
     anthropic_error,
     anthropic_event,
     anthropic_message,
+    cancel_after,
     endless,
     hang,
     sse,
@@ -191,19 +192,6 @@ async def test_cancelling_the_consumer_closes_the_upstream_connection(fake: Fake
 
     fake.script(endless(frame))
     p = provider(fake)
-    three = asyncio.Event()
-
-    async def consume() -> None:
-        count = 0
-        async for _item in p.stream("claude-sonnet-4", USER, [], {}):
-            count += 1
-            if count == 3:
-                three.set()
-
-    task = asyncio.create_task(consume())
-    await asyncio.wait_for(three.wait(), 30)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_after(p.stream("claude-sonnet-4", USER, [], {}), 3)
     await fake.wait_client_gone(within=10)
     await p.aclose()

@@ -22,6 +22,8 @@ from agentd.accounts import create_device_token
 from agentd.providers.base import Finish, ProviderError, StreamItem, TextDelta, Usage
 from agentd.providers.local import LocalProvider, bundled_model_path, resolve_model_path
 from agentd.settings import ProviderConfig
+from tests.daemon_harness import poll_until
+from tests.providers.fake_servers import cancel_after
 
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 MODEL_FILE = os.environ.get("AGENTD_LOCAL_MODEL_PATH") or (
@@ -95,29 +97,14 @@ async def test_the_model_streams_tokens_without_blocking_the_event_loop() -> Non
 @needs_model
 async def test_cancelling_the_consumer_stops_generation() -> None:
     provider = LocalProvider(local_config())
-    three = asyncio.Event()
-
-    async def consume() -> None:
-        count = 0
-        async for item in provider.stream("smollm2", USER, [], {"max_tokens": 3000}):
-            count += isinstance(item, TextDelta)
-            if count == 3:
-                three.set()
-
-    task = asyncio.create_task(consume())
     try:
-        await asyncio.wait_for(three.wait(), 120)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_after(provider.stream("smollm2", USER, [], {"max_tokens": 3000}), 3,
+                           within=120, counts=lambda item: isinstance(item, TextDelta))
 
         async def worker_gone() -> bool:
             return not any(t.name == "agentd-local-model" for t in threading.enumerate())
 
-        deadline = time.monotonic() + 30
-        while not await worker_gone():
-            assert time.monotonic() < deadline, "generation went on after the cancel"
-            await asyncio.sleep(0.02)
+        await poll_until(worker_gone, 30, what="generation to stop after the cancel")
     finally:
         await provider.aclose()
 

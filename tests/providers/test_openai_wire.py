@@ -24,6 +24,7 @@ from tests.daemon_harness import free_port
 from tests.providers.fake_servers import (
     OPENAI_DONE,
     FakeServer,
+    cancel_after,
     endless,
     hang,
     openai_chunk,
@@ -236,20 +237,7 @@ async def test_a_refused_connection_is_a_clear_error() -> None:
 async def test_cancelling_the_consumer_closes_the_upstream_connection(fake: FakeServer) -> None:
     fake.script(endless(lambda i: openai_chunk({"content": f" tok{i}"})))
     p = provider(fake)
-    got_some = asyncio.Event()
-
-    async def consume() -> None:
-        count = 0
-        async for _item in p.stream("fake", USER, [], {}):
-            count += 1
-            if count == 3:
-                got_some.set()
-
-    task = asyncio.create_task(consume())
-    await asyncio.wait_for(got_some.wait(), 30)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await cancel_after(p.stream("fake", USER, [], {}), 3)
     await fake.wait_client_gone(within=10)
     sent = fake.events_sent
     await p.aclose()
