@@ -1,8 +1,11 @@
 -- Every statement agentd sends, by name. Bound parameters only; no SQL is built from input.
--- Format: a "-- name --" line, comment lines naming the invariant it protects, the statement.
+-- Format: a "-- name --" line; a "-- params: a, b" line naming $1, $2, … in order (left out when
+-- the statement takes none); comment lines naming the invariant it protects; the statement.
+-- Callers bind by name: db.fetchrow(*Q.heartbeat.bind(run_id=…, claim_token=…, lease_ttl_s=…)).
 -- All lease comparisons use clock_timestamp() (the database clock, sampled once per statement).
 
 -- enqueue_run --
+-- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key
 -- Rule 1: the user message, the run, journal seq 1-2 and the wake commit as ONE statement.
 -- A repeated idempotency key inserts nothing (the unique index arbitrates, even mid-flight).
 -- The conversation row is locked first, so runs of one conversation get created_at in commit
@@ -39,12 +42,14 @@ SELECT run.id, run.status, run.conversation_id, run.user_message_id, run.created
 FROM run;
 
 -- find_run_by_idempotency_key --
+-- params: account_id, idempotency_key
 -- The first run minted for a key, so a retried POST answers with it instead of a second run.
 SELECT id, status, conversation_id, request_hash
 FROM agent_run
 WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 
 -- claim_runs --
+-- params: worker_id, lease_ttl_s, limit
 -- Rule 2: claim in one statement; SKIP LOCKED so claimers pass over each other, never wait.
 -- Only the oldest queued turn of a conversation with nothing running is eligible (FIFO, rule 5);
 -- the pre-filter can be fooled by snapshots, the one_running_per_conversation index cannot.
@@ -121,6 +126,7 @@ SELECT c.*, started.seq AS last_seq,
 FROM claimed c JOIN started ON started.run_id = c.id;
 
 -- heartbeat --
+-- params: run_id, claim_token, lease_ttl_s
 -- Rule 3: renew only a lease we still hold. Token + status + unexpired deadline, so a late beat
 -- can never revive an execution the reaper may already have judged dead. Zero rows = LeaseLost.
 -- Returns the cancel flag: the heartbeat is also the missed-NOTIFY poll for stops (rule 8).
@@ -133,6 +139,7 @@ WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
 RETURNING r.cancel_requested, r.lease_expires_at;
 
 -- check_lease --
+-- params: run_id, claim_token
 -- Seed 000: before a turn's first write, the granted deadline must still be ahead (database
 -- clock) and the claim still ours; zero rows = LeaseLost. Read-only, so no synchronous commit
 -- delays the start (the claim has just granted a full lease). Also reads the cancel flag after
@@ -143,6 +150,7 @@ WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
   AND lease_expires_at > clock_timestamp();
 
 -- append_events_fenced --
+-- params: run_id, claim_token, seqs, types, payloads
 -- Rule 7: a worker's journal batch lands whole or not at all, only while it owns the run.
 -- FOR SHARE on the run row serializes with the reaper and stop, so a finalizer's max(seq)+1
 -- never races an append; zero rows written = LeaseLost. Its wake hint is sent after the commit
@@ -162,6 +170,7 @@ SELECT (SELECT count(*) FROM written) AS written
 FROM owner;
 
 -- insert_message_fenced --
+-- params: run_id, claim_token, role, content, status, tool_calls, tool_call_id
 -- A worker's transcript write (assistant tool-call turns, tool results) lands only while it
 -- owns the run; a zombie writes zero rows.
 WITH owner AS (
@@ -176,6 +185,7 @@ FROM owner
 RETURNING id;
 
 -- finish_run_fenced --
+-- params: run_id, claim_token, status, error, usage, content, message_status, seq
 -- Rule 3: the worker's terminal write. Fenced like every other write; terminal states are
 -- sticky (status = 'running' in the WHERE). In the same statement: the answer message, the one
 -- 'complete' event (seq $8, or max+1 for the dispatcher's backstop) and the lease release by
@@ -226,6 +236,7 @@ SELECT fin.id, fin.conversation_id, (SELECT id FROM answer) AS message_id
 FROM fin;
 
 -- reap_expired_runs --
+-- params: grace_s, limit
 -- Rules 3-4: finalize 'failed' only runs whose deadline has passed, re-checked inside this
 -- write against the row as it is now (a heartbeat that landed first wins; SKIP LOCKED passes
 -- over a run whose heartbeat is in flight). Never re-queued: at most once.
@@ -247,6 +258,7 @@ WHERE r.id IN (
 RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.error;
 
 -- journal_endings --
+-- params: run_ids, account_ids, conversation_ids, claim_tokens, statuses, errors, draft_ids
 -- Finalizers other than the worker (reaper, stop) append 'complete' at max(seq)+1. Run as its
 -- own statement AFTER the fencing UPDATE in the same transaction: READ COMMITTED gives it a
 -- fresh snapshot that sees every append committed before our row lock, and the lock holds off
@@ -295,6 +307,7 @@ SELECT ended.run_id,
 FROM ended;
 
 -- release_lease --
+-- params: account_id, conversation_id, execution_id
 -- Seed 000: release only by execution id. If A expired and B took over, A's late cleanup
 -- matches zero rows and B's lease survives; zero rows is a normal, idempotent outcome.
 DELETE FROM conversation_lease
@@ -302,6 +315,7 @@ WHERE account_id = $1::uuid AND conversation_id = $2::uuid AND execution_id = $3
 RETURNING run_id;
 
 -- lock_active_runs --
+-- params: conversation_id, account_id
 -- Rule 8: the stop sweep locks every active run of the conversation, queued and running,
 -- in ONE transaction, so no claim or terminal wake can start a turn in the middle of it.
 SELECT id, status
@@ -312,6 +326,7 @@ ORDER BY created_at, id
 FOR UPDATE;
 
 -- cancel_queued_runs --
+-- params: run_ids
 -- A queued turn never started: cancel it outright and hand its text back as a draft.
 -- Runs only under lock_active_runs' locks; status = 'queued' re-checked in the write.
 WITH cancelled AS (
@@ -332,6 +347,7 @@ SELECT c.id, c.account_id, c.conversation_id, c.claim_token, c.status, c.error,
 FROM cancelled c JOIN drafts d ON d.run_id = c.id;
 
 -- request_cancel --
+-- params: run_ids
 -- Rule 8: stop is a state. Flag running runs; the NOTIFY is only the fast path, the worker
 -- re-reads the flag on every heartbeat. Terminal runs are untouched (sticky).
 UPDATE agent_run
@@ -340,10 +356,12 @@ WHERE id = ANY ($1::uuid[]) AND status = 'running'
 RETURNING id, pg_notify('agentd_run_cancel', id::text);
 
 -- notify_conversation --
+-- params: payload
 -- Ownership or presence of a conversation changed: wake its feeds (they re-read rows).
 SELECT pg_notify('agentd_conversation', $1::text);
 
 -- read_events_after --
+-- params: run_id, after_seq, limit
 -- Rule 7: a tail is a cursor over the journal; any process can serve it.
 SELECT seq, type, payload, created_at
 FROM run_event
@@ -352,6 +370,7 @@ ORDER BY seq
 LIMIT $3::int;
 
 -- get_run --
+-- params: run_id, account_id
 -- Rule 9: a run is visible only to its own account. Names the device that asked.
 SELECT r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
        d.name AS origin_device, r.status, r.request, r.idempotency_key, r.worker_id,
@@ -362,6 +381,7 @@ LEFT JOIN device d ON d.id = r.origin_device_id
 WHERE r.id = $1::uuid AND r.account_id = $2::uuid;
 
 -- list_messages --
+-- params: conversation_id
 -- The durable transcript in turn order: each run's answer follows its own question, even when
 -- later questions were queued (written) before it ran.
 SELECT m.id, m.run_id, m.role, m.content, m.status, m.tool_calls, m.tool_call_id, m.created_at
@@ -372,6 +392,7 @@ WHERE m.conversation_id = $1::uuid
 ORDER BY coalesce(asked.position, m.position), m.position;
 
 -- list_active_runs --
+-- params: conversation_id
 -- The running turn and the queued ones behind it, in the order they will run.
 SELECT r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
        d.name AS origin_device, r.status, r.request, r.idempotency_key, r.worker_id,
@@ -383,6 +404,7 @@ WHERE r.conversation_id = $1::uuid AND r.status IN ('queued', 'running')
 ORDER BY r.created_at, r.id;
 
 -- get_conversation_lease --
+-- params: account_id, conversation_id
 -- Seed 000: who owns the conversation and until when. The deadline is joined from the owning
 -- run (one source of truth); live is decided by the database clock.
 SELECT l.run_id, l.execution_id, l.fence, l.worker_id, l.device_id, d.name AS device,
@@ -394,6 +416,7 @@ LEFT JOIN device d ON d.id = l.device_id
 WHERE l.account_id = $1::uuid AND l.conversation_id = $2::uuid;
 
 -- trim_journal --
+-- params: older_than_s
 -- Retention: the journal is a delivery buffer; the message table is the record. Trim events of
 -- runs terminal for longer than the retention age and null their request snapshots.
 WITH old AS (
@@ -406,18 +429,21 @@ WITH old AS (
 DELETE FROM run_event e USING old WHERE e.run_id = old.id;
 
 -- ensure_account --
+-- params: name
 -- Accounts are named; creating one that exists returns it (token create is re-runnable).
 INSERT INTO account (name) VALUES ($1::text)
 ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name
 RETURNING id, name, created_at;
 
 -- create_device --
+-- params: account_id, name, token_hash
 -- A device credential; only the token's hash is stored (unique, so a hash names one device).
 INSERT INTO device (account_id, name, token_hash)
 VALUES ($1::uuid, $2::text, $3::bytea)
 RETURNING id, account_id, name, created_at;
 
 -- authenticate_device --
+-- params: token_hash
 -- Rule 9: a bearer token resolves to (account, device) only while not revoked; marks it seen.
 -- last_seen_at moves at most once a minute: writing it on every request put a synchronous
 -- commit, and a row lock that all of a device's requests queue on, in front of every API call.
@@ -441,24 +467,28 @@ FROM device d JOIN account a ON a.id = d.account_id
 ORDER BY a.name, d.created_at;
 
 -- revoke_device --
+-- params: device_id
 -- Revocation is a timestamp, so audit keeps the row; a revoked token authenticates nothing.
 UPDATE device SET revoked_at = clock_timestamp()
 WHERE id = $1::uuid AND revoked_at IS NULL
 RETURNING id;
 
 -- create_conversation --
+-- params: account_id, title
 -- A conversation belongs to exactly one account from birth.
 INSERT INTO conversation (account_id, title)
 VALUES ($1::uuid, $2::text)
 RETURNING id, account_id, title, created_at, updated_at;
 
 -- get_conversation --
+-- params: conversation_id, account_id
 -- Rule 9: another account's conversation does not exist for you.
 SELECT id, account_id, title, created_at, updated_at
 FROM conversation
 WHERE id = $1::uuid AND account_id = $2::uuid;
 
 -- list_conversations --
+-- params: account_id, limit
 -- Most recently active first.
 SELECT id, account_id, title, created_at, updated_at
 FROM conversation
@@ -467,10 +497,12 @@ ORDER BY updated_at DESC, id
 LIMIT $2::int;
 
 -- migration_lock --
+-- params: key
 -- One migrator at a time across the fleet; the others wait, then find nothing left to do.
 SELECT pg_advisory_lock($1::bigint);
 
 -- migration_unlock --
+-- params: key
 -- Released explicitly: the migrator's session outlives the migrations.
 SELECT pg_advisory_unlock($1::bigint);
 
@@ -488,6 +520,7 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 SELECT version, checksum FROM schema_migrations ORDER BY version;
 
 -- record_migration --
+-- params: version, name, checksum
 -- Committed in the same transaction as the migration itself: applied exactly once.
 INSERT INTO schema_migrations (version, name, checksum) VALUES ($1::int, $2::text, $3::text);
 
@@ -504,6 +537,7 @@ SELECT 1;
 SELECT clock_timestamp();
 
 -- database_exists --
+-- params: name
 -- The embedded server's database is created once, on first start.
 SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1::text);
 
@@ -528,6 +562,7 @@ WHERE status IN ('queued', 'running');
 SHOW server_version;
 
 -- transcript_for_run --
+-- params: conversation_id, user_message_id
 -- What the model sees for a turn: every earlier turn (question, tool steps, answer) and its own
 -- question, in turn order; minus turns not yet run (queued) or handed back (draft).
 SELECT m.role, m.content, m.tool_calls, m.tool_call_id
@@ -540,6 +575,7 @@ WHERE m.conversation_id = $1::uuid
 ORDER BY coalesce(asked.position, m.position), m.position;
 
 -- presence_attach --
+-- params: account_id, conversation_id, device_id, ttl_s
 -- An open conversation stream registers its device; the row lives only while renewed.
 WITH attached AS (
     INSERT INTO presence (account_id, conversation_id, device_id, expires_at)
@@ -550,12 +586,14 @@ SELECT attached.id, pg_notify('agentd_conversation', attached.conversation_id::t
 FROM attached;
 
 -- presence_renew --
+-- params: presence_id, ttl_s
 -- Keeps a stream's presence alive; zero rows means it expired (the stream re-attaches).
 UPDATE presence SET expires_at = clock_timestamp() + make_interval(secs => $2::float8)
 WHERE id = $1::uuid AND expires_at > clock_timestamp()
 RETURNING id;
 
 -- presence_detach --
+-- params: presence_id
 -- The stream ended: the device is no longer attached (and the feeds hear it at once).
 WITH gone AS (
     DELETE FROM presence WHERE id = $1::uuid RETURNING conversation_id
@@ -563,6 +601,7 @@ WITH gone AS (
 SELECT pg_notify('agentd_conversation', gone.conversation_id::text) FROM gone;
 
 -- list_attached --
+-- params: conversation_id
 -- Attached devices of a conversation, by the database clock; a device with two streams counts
 -- once, attached since its earliest.
 SELECT d.id AS device_id, d.name AS device, min(p.since) AS since
@@ -576,6 +615,7 @@ ORDER BY min(p.since), d.name;
 DELETE FROM presence WHERE expires_at < clock_timestamp() - interval '1 minute';
 
 -- lock_conversation --
+-- params: conversation_id, account_id
 -- Serializes run creation and stops per conversation (enqueue's UPDATE takes the same lock):
 -- two `reject` requests cannot both see it idle, and a stop sweeps every turn committed before
 -- it. NO KEY UPDATE, not UPDATE: claims and finishes insert rows referencing the conversation
@@ -583,6 +623,7 @@ DELETE FROM presence WHERE expires_at < clock_timestamp() - interval '1 minute';
 SELECT id FROM conversation WHERE id = $1::uuid AND account_id = $2::uuid FOR NO KEY UPDATE;
 
 -- list_runs_of_conversation_since --
+-- params: conversation_id, after_created_at, after_id, open_run_ids
 -- A conversation feed's discovery of runs: those after its watermark, plus the ones it still
 -- follows, in run order; cancel_requested lets every device see a stop before the run ends.
 SELECT id, status, created_at, cancel_requested
@@ -592,12 +633,14 @@ WHERE conversation_id = $1::uuid
 ORDER BY created_at, id;
 
 -- rename_conversation --
+-- params: conversation_id, account_id, title
 -- Titles are the user's own words; only the owning account can change them.
 UPDATE conversation SET title = $3::text, updated_at = clock_timestamp()
 WHERE id = $1::uuid AND account_id = $2::uuid
 RETURNING id, account_id, title, created_at, updated_at;
 
 -- latest_run_of_conversation --
+-- params: conversation_id
 -- A feed's starting watermark: runs after it are new to the feed.
 SELECT created_at, id FROM agent_run
 WHERE conversation_id = $1::uuid
@@ -605,11 +648,13 @@ ORDER BY created_at DESC, id DESC
 LIMIT 1;
 
 -- run_status --
+-- params: run_id
 -- A tail's truth check when the journal is quiet: a terminal run without a journaled
 -- `complete` gets one synthesized from this row.
 SELECT status, error FROM agent_run WHERE id = $1::uuid;
 
 -- search_messages --
+-- params: account_id, pattern, limit
 -- Search across one account's conversations (titles and transcripts); scoped by account first.
 -- The pattern is a bound parameter; LIKE metacharacters in it are escaped by the caller.
 SELECT c.id AS conversation_id, c.title, m.id AS message_id, m.role, m.content, m.created_at
@@ -621,6 +666,7 @@ ORDER BY m.created_at DESC
 LIMIT $3::int;
 
 -- append_note_fenced --
+-- params: conversation_id, fence, run_id, text
 -- Seed 000, downstream fencing: the notebook raises its per-conversation high-water mark and
 -- appends in ONE statement; a fence lower than the mark (a superseded execution) updates and
 -- inserts nothing (zero rows = rejected). The conflicting mark row is locked and re-checked, so
@@ -638,10 +684,12 @@ SELECT $1::uuid, $3::uuid, mark.fence, $4::text FROM mark
 RETURNING id, created_at;
 
 -- note_fence_mark --
+-- params: conversation_id
 -- The highest fence the notebook has seen for a conversation (what a rejection reports).
 SELECT fence FROM conversation_note_fence WHERE conversation_id = $1::uuid;
 
 -- list_notes --
+-- params: conversation_id, limit
 -- A conversation's notes in the order written; the most recent $2 of them.
 SELECT id, text, run_id, created_at FROM (
     SELECT id, text, run_id, created_at FROM conversation_note
@@ -652,6 +700,7 @@ SELECT id, text, run_id, created_at FROM (
 ORDER BY id;
 
 -- notify_batch --
+-- params: channels, payloads
 -- Wake hints for rows already committed, many per statement (rule 6: hints, not truth). A
 -- notify-only transaction assigns no xid, so it commits without a WAL flush.
 SELECT count(pg_notify(t.channel, t.payload))

@@ -44,21 +44,22 @@ def new_token() -> str:
 
 
 async def ensure_account(db: Db, name: str) -> UUID:
-    return (await db.fetchrow(Q["ensure_account"], name))["id"]
+    return (await db.fetchrow(*Q.ensure_account.bind(name=name)))["id"]
 
 
 async def create_device_token(db: Db, *, account: str, device: str) -> tuple[str, UUID]:
     """Mint a token for a new device of `account` (created if missing); returns (token, id)."""
     account_id = await ensure_account(db, account)
     token = new_token()
-    row = await db.fetchrow(Q["create_device"], account_id, device, hash_token(token))
+    row = await db.fetchrow(*Q.create_device.bind(account_id=account_id, name=device,
+                                                  token_hash=hash_token(token)))
     return token, row["id"]
 
 
 async def authenticate(db: Db, token: str) -> Principal | None:
     """The principal a bearer token names, or None (unknown or revoked)."""
     digest = hash_token(token)
-    row = await db.fetchrow(Q["authenticate_device"], digest)
+    row = await db.fetchrow(*Q.authenticate_device.bind(token_hash=digest))
     if row is None:
         # Same work on the miss path, so timing says nothing about near-miss tokens.
         hmac.compare_digest(digest, digest)
@@ -69,8 +70,8 @@ async def authenticate(db: Db, token: str) -> Principal | None:
 
 async def list_devices(db: Db) -> list[DeviceInfo]:
     return [DeviceInfo(r["id"], r["account"], r["name"], r["created_at"], r["last_seen_at"],
-                       r["revoked_at"]) for r in await db.fetch(Q["list_devices"])]
+                       r["revoked_at"]) for r in await db.fetch(Q.list_devices.sql)]
 
 
 async def revoke_device(db: Db, device_id: UUID) -> bool:
-    return await db.fetchval(Q["revoke_device"], device_id) is not None
+    return await db.fetchval(*Q.revoke_device.bind(device_id=device_id)) is not None

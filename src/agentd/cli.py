@@ -176,7 +176,7 @@ async def _status(settings: Settings, _args: argparse.Namespace) -> int:
     from agentd.queries import Q
 
     async def work(pool: Any) -> int:
-        row = await pool.fetchrow(Q["queue_status"])
+        row = await pool.fetchrow(Q.queue_status.sql)
         print(f"queued: {row['queued']}\nrunning: {row['running']}\n"
               f"expired leases awaiting the reaper: {row['expired']}\n"
               f"live workers: {', '.join(row['workers']) or '-'}")

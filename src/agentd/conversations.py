@@ -85,23 +85,25 @@ class ConversationState:
 
 
 async def create_conversation(db: Db, account_id: UUID, title: str = "") -> Conversation:
-    return Conversation(**dict(await db.fetchrow(Q["create_conversation"], account_id, title)))
+    return Conversation(**dict(await db.fetchrow(*Q.create_conversation.bind(
+        account_id=account_id, title=title))))
 
 
 async def get_conversation(db: Db, account_id: UUID,
                            conversation_id: UUID) -> Conversation | None:
-    row = await db.fetchrow(Q["get_conversation"], conversation_id, account_id)
+    row = await db.fetchrow(*Q.get_conversation.bind(conversation_id=conversation_id,
+                                                     account_id=account_id))
     return Conversation(**dict(row)) if row else None
 
 
 async def list_conversations(db: Db, account_id: UUID,
                              limit: int = 100) -> list[Conversation]:
     return [Conversation(**dict(r)) for r in
-            await db.fetch(Q["list_conversations"], account_id, limit)]
+            await db.fetch(*Q.list_conversations.bind(account_id=account_id, limit=limit))]
 
 
 async def get_run(db: Db, account_id: UUID, run_id: UUID) -> RunRow | None:
-    row = await db.fetchrow(Q["get_run"], run_id, account_id)
+    row = await db.fetchrow(*Q.get_run.bind(run_id=run_id, account_id=account_id))
     return RunRow.from_record(row) if row else None
 
 
@@ -114,9 +116,11 @@ async def conversation_state(db: Db, account_id: UUID,
     messages = [
         Message(r["id"], r["run_id"], MessageRole(r["role"]), r["content"],
                 MessageStatus(r["status"]), r["tool_calls"], r["tool_call_id"], r["created_at"])
-        for r in await db.fetch(Q["list_messages"], conversation_id)]
-    runs = [RunRow.from_record(r) for r in await db.fetch(Q["list_active_runs"], conversation_id)]
+        for r in await db.fetch(*Q.list_messages.bind(conversation_id=conversation_id))]
+    runs = [RunRow.from_record(r) for r in await db.fetch(
+        *Q.list_active_runs.bind(conversation_id=conversation_id))]
     runs.sort(key=lambda run: run.status != RunStatus.RUNNING)
-    row = await db.fetchrow(Q["get_conversation_lease"], account_id, conversation_id)
+    row = await db.fetchrow(*Q.get_conversation_lease.bind(account_id=account_id,
+                                                           conversation_id=conversation_id))
     lease = Lease(**dict(row)) if row else None
     return ConversationState(conversation, messages, runs, lease)

@@ -183,7 +183,8 @@ class TurnRunner:
         provider = self._providers.resolve(ref)
         params = dict(request.get("params") or {})
         messages = [_chat_message(r) for r in await self._pool.fetch(
-            Q["transcript_for_run"], claim.conversation_id, claim.user_message_id)]
+            *Q.transcript_for_run.bind(conversation_id=claim.conversation_id,
+                                       user_message_id=claim.user_message_id))]
         specs = self._tools.specs()
         for step in range(self._settings.max_tool_steps + 1):
             calls: list[ToolCallRequest] = []

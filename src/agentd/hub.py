@@ -221,6 +221,6 @@ class Hub:
             if conn is None or conn.is_closed():
                 return
             try:
-                await asyncio.wait_for(conn.fetchval(Q["ping"]), timeout=2.0)
+                await asyncio.wait_for(conn.fetchval(Q.ping.sql), timeout=2.0)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
                 return

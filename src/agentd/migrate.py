@@ -53,11 +53,11 @@ async def migrate(conn: asyncpg.Connection, directory: Path | None = None) -> li
     """Apply pending migrations; returns the names applied (empty when already current)."""
     migrations = discover(directory)
     applied: list[str] = []
-    await conn.execute(Q["migration_lock"], MIGRATION_LOCK_KEY)
+    await conn.execute(*Q.migration_lock.bind(key=MIGRATION_LOCK_KEY))
     try:
-        await conn.execute(Q["create_schema_migrations"])
+        await conn.execute(Q.create_schema_migrations.sql)
         done = {r["version"]: r["checksum"] for r in
-                await conn.fetch(Q["list_applied_migrations"])}
+                await conn.fetch(Q.list_applied_migrations.sql)}
         for migration in migrations:
             if migration.version in done:
                 if done[migration.version] != migration.checksum:
@@ -67,17 +67,18 @@ async def migrate(conn: asyncpg.Connection, directory: Path | None = None) -> li
             async with conn.transaction():
                 await conn.execute(migration.sql)
                 await conn.execute(
-                    Q["record_migration"], migration.version, migration.name, migration.checksum)
+                    *Q.record_migration.bind(version=migration.version, name=migration.name,
+                                             checksum=migration.checksum))
             applied.append(migration.name)
     finally:
-        await conn.execute(Q["migration_unlock"], MIGRATION_LOCK_KEY)
+        await conn.execute(*Q.migration_unlock.bind(key=MIGRATION_LOCK_KEY))
     return applied
 
 
 async def pending(conn: asyncpg.Connection, directory: Path | None = None) -> list[str]:
     """Names of migrations not yet applied (for `agentd status` / `doctor`)."""
-    exists = await conn.fetchval(Q["schema_migrations_exists"])
+    exists = await conn.fetchval(Q.schema_migrations_exists.sql)
     done: set[int] = set()
     if exists:
-        done = {r["version"] for r in await conn.fetch(Q["list_applied_migrations"])}
+        done = {r["version"] for r in await conn.fetch(Q.list_applied_migrations.sql)}
     return [m.name for m in discover(directory) if m.version not in done]

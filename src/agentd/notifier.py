@@ -58,8 +58,8 @@ class Notifier:
             return
         batch, self._pending = list(self._pending), {}
         try:
-            await self._pool.execute(Q["notify_batch"], [str(c) for c, _ in batch],
-                                     [p for _, p in batch])
+            await self._pool.execute(*Q.notify_batch.bind(
+                channels=[str(c) for c, _ in batch], payloads=[p for _, p in batch]))
             self.sent += len(batch)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             # Lost hints cost latency, never correctness: every waiter also polls.

@@ -136,12 +136,15 @@ async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, conten
                       idempotency_key: str | None = None) -> EnqueuedRun:
     """Write message + run + journal seq 1-2 + wake in one statement (rule 1)."""
     digest = request_hash(conversation_id, content, request)
-    row = await db.fetchrow(Q["enqueue_run"], account_id, conversation_id, device_id, content,
-                            request, digest, idempotency_key)
+    row = await db.fetchrow(*Q.enqueue_run.bind(
+        account_id=account_id, conversation_id=conversation_id, device_id=device_id,
+        content=content, request=request, request_hash=digest,
+        idempotency_key=idempotency_key))
     if row is not None:
         return EnqueuedRun(row["id"], RunStatus(row["status"]), row["conversation_id"], True)
     if idempotency_key is not None:
-        first = await db.fetchrow(Q["find_run_by_idempotency_key"], account_id, idempotency_key)
+        first = await db.fetchrow(*Q.find_run_by_idempotency_key.bind(
+            account_id=account_id, idempotency_key=idempotency_key))
         if first is not None:
             if first["request_hash"] != digest:
                 raise IdempotencyConflict(first["id"])
@@ -189,7 +192,8 @@ async def _send_hints(db: Db, hint: Hint | None, hints: Sequence[tuple[Channel, 
         for channel, payload in hints:
             hint(channel, payload)
     elif hints:
-        await db.execute(Q["notify_batch"], [str(c) for c, _ in hints], [p for _, p in hints])
+        await db.execute(*Q.notify_batch.bind(channels=[str(c) for c, _ in hints],
+                                              payloads=[p for _, p in hints]))
 
 
 async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int = 1,
@@ -198,7 +202,8 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
     async with _acquire(db) as conn:
         try:
             async with conn.transaction():
-                rows = await conn.fetch(Q["claim_runs"], worker_id, lease_ttl_s, limit)
+                rows = await conn.fetch(*Q.claim_runs.bind(worker_id=worker_id,
+                                                           lease_ttl_s=lease_ttl_s, limit=limit))
                 if not all(row["leased"] for row in rows):
                     # A live holder kept the conversation lease: this claim must not stand.
                     raise _LeaseNotAcquiredError
@@ -212,7 +217,8 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
 
 async def heartbeat(db: Db, claim: Claim, lease_ttl_s: float) -> Beat:
     """Renew the lease; raises LeaseLost when this execution no longer owns the run."""
-    row = await db.fetchrow(Q["heartbeat"], claim.run_id, claim.claim_token, lease_ttl_s)
+    row = await db.fetchrow(*Q.heartbeat.bind(run_id=claim.run_id, claim_token=claim.claim_token,
+                                              lease_ttl_s=lease_ttl_s))
     if row is None:
         raise LeaseLost(claim.run_id, "heartbeat")
     return Beat(row["cancel_requested"], row["lease_expires_at"])
@@ -220,7 +226,8 @@ async def heartbeat(db: Db, claim: Claim, lease_ttl_s: float) -> Beat:
 
 async def check_lease(db: Db, claim: Claim) -> Beat:
     """Read-only: is the lease still ours and ahead? Raises LeaseLost if not (no renewal)."""
-    row = await db.fetchrow(Q["check_lease"], claim.run_id, claim.claim_token)
+    row = await db.fetchrow(*Q.check_lease.bind(run_id=claim.run_id,
+                                                claim_token=claim.claim_token))
     if row is None:
         raise LeaseLost(claim.run_id, "lease check")
     return Beat(row["cancel_requested"], row["lease_expires_at"])
@@ -235,8 +242,9 @@ async def append_events(db: Db, claim: Claim, events: Sequence[NewEvent], *,
     types = [str(e.type) for e in events]
     payloads = [json.dumps(e.payload, ensure_ascii=False) for e in events]
     try:
-        row = await db.fetchrow(Q["append_events_fenced"], claim.run_id, claim.claim_token,
-                                seqs, types, payloads)
+        row = await db.fetchrow(*Q.append_events_fenced.bind(
+            run_id=claim.run_id, claim_token=claim.claim_token, seqs=seqs, types=types,
+            payloads=payloads))
     except asyncpg.UniqueViolationError as exc:
         # Someone else wrote one of our seqs: only a finalizer does that, after fencing us out.
         raise SeqConflict(claim.run_id, "journal append") from exc
@@ -250,8 +258,9 @@ async def insert_message(db: Db, claim: Claim, *, role: MessageRole, content: st
                          tool_calls: list[dict[str, Any]] | None = None,
                          tool_call_id: str | None = None) -> UUID:
     """Write a transcript message behind the fence; returns its id."""
-    message_id = await db.fetchval(Q["insert_message_fenced"], claim.run_id, claim.claim_token,
-                                   str(role), content, str(status), tool_calls, tool_call_id)
+    message_id = await db.fetchval(*Q.insert_message_fenced.bind(
+        run_id=claim.run_id, claim_token=claim.claim_token, role=str(role), content=content,
+        status=str(status), tool_calls=tool_calls, tool_call_id=tool_call_id))
     if message_id is None:
         raise LeaseLost(claim.run_id, "message write")
     return message_id
@@ -271,8 +280,10 @@ async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None
     if not status.terminal:
         raise ValueError(f"{status} is not a terminal status")
     try:
-        row = await db.fetchrow(Q["finish_run_fenced"], claim.run_id, claim.claim_token,
-                                str(status), error, usage, content, str(message_status), seq)
+        row = await db.fetchrow(*Q.finish_run_fenced.bind(
+            run_id=claim.run_id, claim_token=claim.claim_token, status=str(status),
+            error=error, usage=usage, content=content, message_status=str(message_status),
+            seq=seq))
     except asyncpg.UniqueViolationError as exc:
         raise SeqConflict(claim.run_id, "terminal write") from exc
     if row is None:
@@ -289,12 +300,12 @@ async def journal_endings(conn: asyncpg.Connection, endings: Sequence[Ending]) -
     """Journal 'complete' for runs another party just finalized, in the caller's transaction."""
     if not endings:
         return
-    await conn.execute(
-        Q["journal_endings"],
-        [e.run_id for e in endings], [e.account_id for e in endings],
-        [e.conversation_id for e in endings], [e.claim_token for e in endings],
-        [str(e.status) for e in endings], [e.error for e in endings],
-        [e.draft_id for e in endings])
+    await conn.execute(*Q.journal_endings.bind(
+        run_ids=[e.run_id for e in endings], account_ids=[e.account_id for e in endings],
+        conversation_ids=[e.conversation_id for e in endings],
+        claim_tokens=[e.claim_token for e in endings],
+        statuses=[str(e.status) for e in endings], errors=[e.error for e in endings],
+        draft_ids=[e.draft_id for e in endings]))
 
 
 def _ending(row: asyncpg.Record) -> Ending:
@@ -305,7 +316,7 @@ def _ending(row: asyncpg.Record) -> Ending:
 async def reap_expired(pool: Db, *, grace_s: float = 0.0, limit: int = 100) -> list[UUID]:
     """Finalize runs whose lease passed (re-checked in the write) as failed; never re-queue."""
     async with _acquire(pool) as conn, conn.transaction():
-        rows = await conn.fetch(Q["reap_expired_runs"], grace_s, limit)
+        rows = await conn.fetch(*Q.reap_expired_runs.bind(grace_s=grace_s, limit=limit))
         endings = [_ending(row) for row in rows]
         await journal_endings(conn, endings)
     return [e.run_id for e in endings]
@@ -314,8 +325,9 @@ async def reap_expired(pool: Db, *, grace_s: float = 0.0, limit: int = 100) -> l
 async def release_lease(db: Db, *, account_id: UUID, conversation_id: UUID,
                         execution_id: UUID) -> bool:
     """Delete the conversation lease only if this execution still holds it (seed 000)."""
-    return await db.fetchval(Q["release_lease"], account_id, conversation_id,
-                             execution_id) is not None
+    return await db.fetchval(*Q.release_lease.bind(
+        account_id=account_id, conversation_id=conversation_id,
+        execution_id=execution_id)) is not None
 
 
 async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID,
@@ -328,20 +340,23 @@ async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID
     async with _acquire(pool) as conn, conn.transaction():
         # The conversation row first: a turn enqueued concurrently either commits before the
         # sweep (and is swept) or is created after it (and runs): never half-seen.
-        await conn.fetchval(Q["lock_conversation"], conversation_id, account_id)
-        locked = await conn.fetch(Q["lock_active_runs"], conversation_id, account_id)
+        await conn.fetchval(*Q.lock_conversation.bind(conversation_id=conversation_id,
+                                                      account_id=account_id))
+        locked = await conn.fetch(*Q.lock_active_runs.bind(conversation_id=conversation_id,
+                                                           account_id=account_id))
         if run_ids is not None:
             wanted = set(run_ids)
             locked = [row for row in locked if row["id"] in wanted]
         queued = [row["id"] for row in locked if row["status"] == RunStatus.QUEUED]
         running = [row["id"] for row in locked if row["status"] == RunStatus.RUNNING]
-        cancelled = await conn.fetch(Q["cancel_queued_runs"], queued) if queued else []
+        cancelled = await conn.fetch(*Q.cancel_queued_runs.bind(run_ids=queued)) \
+            if queued else []
         await journal_endings(conn, [dataclasses.replace(_ending(row),
                                                          draft_id=row["message_id"])
                                      for row in cancelled])
-        flagged = await conn.fetch(Q["request_cancel"], running) if running else []
+        flagged = await conn.fetch(*Q.request_cancel.bind(run_ids=running)) if running else []
         if cancelled or flagged:
-            await conn.execute(Q["notify_conversation"], str(conversation_id))
+            await conn.execute(*Q.notify_conversation.bind(payload=str(conversation_id)))
     return StopResult(
         cancelled=[row["id"] for row in cancelled],
         drafts=[Draft(row["id"], row["message_id"], row["content"]) for row in cancelled],
@@ -351,11 +366,12 @@ async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID
 async def read_events(db: Db, run_id: UUID, *, after_seq: int = 0,
                       limit: int = 1000) -> list[Event]:
     """Journal rows after a cursor, in seq order."""
-    rows = await db.fetch(Q["read_events_after"], run_id, after_seq, limit)
+    rows = await db.fetch(*Q.read_events_after.bind(run_id=run_id, after_seq=after_seq,
+                                                    limit=limit))
     return [Event(r["seq"], EventType(r["type"]), r["payload"], r["created_at"]) for r in rows]
 
 
 async def trim_journal(db: Db, *, older_than_s: float) -> int:
     """Retention: drop journal rows of long-terminal runs and null their request snapshots."""
-    result = await db.execute(Q["trim_journal"], older_than_s)
+    result = await db.execute(*Q.trim_journal.bind(older_than_s=older_than_s))
     return int(result.split()[-1])

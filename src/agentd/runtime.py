@@ -67,8 +67,8 @@ async def open_database(settings: Settings) -> Database:
         "data_dir": str(server.data_dir), "seconds": round(time.monotonic() - started, 3)})
     admin = await asyncpg.connect(server.dsn("postgres"))
     try:
-        if not await admin.fetchval(Q["database_exists"], EMBEDDED_DATABASE):
-            await admin.execute(Q["create_agentd_database"])
+        if not await admin.fetchval(*Q.database_exists.bind(name=EMBEDDED_DATABASE)):
+            await admin.execute(Q.create_agentd_database.sql)
     finally:
         await admin.close()
     return Database(server.dsn(EMBEDDED_DATABASE), server)

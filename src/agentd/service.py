@@ -140,8 +140,8 @@ class Service:
 
     async def rename_conversation(self, who: Principal, conversation_id: UUID,
                                   title: str) -> convs.Conversation:
-        row = await self.pool.fetchrow(Q["rename_conversation"], conversation_id,
-                                       who.account_id, title)
+        row = await self.pool.fetchrow(*Q.rename_conversation.bind(
+            conversation_id=conversation_id, account_id=who.account_id, title=title))
         if row is None:
             raise not_found("conversation")
         return convs.Conversation(**dict(row))
@@ -152,7 +152,8 @@ class Service:
         if not query or len(query) > 200:
             raise ServiceError(400, "invalid_query", "q must be 1-200 characters")
         escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        return await self.pool.fetch(Q["search_messages"], who.account_id, f"%{escaped}%", limit)
+        return await self.pool.fetch(*Q.search_messages.bind(
+            account_id=who.account_id, pattern=f"%{escaped}%", limit=limit))
 
     async def conversation_state(self, who: Principal, conversation_id: UUID,
                                  db: queue.Db | None = None) -> convs.ConversationState:
@@ -163,7 +164,7 @@ class Service:
 
     async def attached(self, conversation_id: UUID,
                        db: queue.Db | None = None) -> list[asyncpg.Record]:
-        return await (db or self.pool).fetch(Q["list_attached"], conversation_id)
+        return await (db or self.pool).fetch(*Q.list_attached.bind(conversation_id=conversation_id))
 
     # runs -----------------------------------------------------------------------------------
 
@@ -178,8 +179,8 @@ class Service:
             # account, and lets the unique index arbitrate the idempotency key.
             return await self._enqueue(self.pool, who, conversation_id, req, idempotency_key)
         async with self.pool.acquire() as conn, conn.transaction():
-            if await conn.fetchval(Q["lock_conversation"], conversation_id,
-                                   who.account_id) is None:
+            if await conn.fetchval(*Q.lock_conversation.bind(
+                    conversation_id=conversation_id, account_id=who.account_id)) is None:
                 raise not_found("conversation")
             if idempotency_key is not None:
                 replay = await self._replay(conn, who, conversation_id, idempotency_key, req)
@@ -187,11 +188,11 @@ class Service:
                     return replay
             drafts: list[queue.Draft] = []
             if req.on_busy == "reject":
-                active = await conn.fetch(Q["list_active_runs"], conversation_id)
+                active = await conn.fetch(*Q.list_active_runs.bind(conversation_id=conversation_id))
                 if active:
                     owner = active[0]
-                    lease = await conn.fetchrow(Q["get_conversation_lease"], who.account_id,
-                                                conversation_id)
+                    lease = await conn.fetchrow(*Q.get_conversation_lease.bind(
+                        account_id=who.account_id, conversation_id=conversation_id))
                     raise ServiceError(
                         409, "conversation_busy",
                         f"the conversation is busy with run {owner['id']} ({owner['status']})",
@@ -220,7 +221,8 @@ class Service:
 
     async def _replay(self, conn: asyncpg.Connection, who: Principal, conversation_id: UUID,
                       key: str, req: RunRequest) -> CreatedRun | None:
-        first = await conn.fetchrow(Q["find_run_by_idempotency_key"], who.account_id, key)
+        first = await conn.fetchrow(*Q.find_run_by_idempotency_key.bind(
+            account_id=who.account_id, idempotency_key=key))
         if first is None:
             return None
         if first["request_hash"] != queue.request_hash(conversation_id, req.content,
@@ -263,14 +265,16 @@ class Service:
     # presence -------------------------------------------------------------------------------
 
     async def attach(self, who: Principal, conversation_id: UUID, ttl_s: float) -> UUID:
-        return await self.pool.fetchval(Q["presence_attach"], who.account_id, conversation_id,
-                                        who.device_id, ttl_s)
+        return await self.pool.fetchval(*Q.presence_attach.bind(
+            account_id=who.account_id, conversation_id=conversation_id,
+            device_id=who.device_id, ttl_s=ttl_s))
 
     async def renew_presence(self, presence_id: UUID, ttl_s: float) -> bool:
-        return await self.pool.fetchval(Q["presence_renew"], presence_id, ttl_s) is not None
+        return await self.pool.fetchval(*Q.presence_renew.bind(presence_id=presence_id,
+                                                               ttl_s=ttl_s)) is not None
 
     async def detach(self, presence_id: UUID) -> None:
-        await self.pool.execute(Q["presence_detach"], presence_id)
+        await self.pool.execute(*Q.presence_detach.bind(presence_id=presence_id))
 
 
 def _idempotency_conflict(run_id: UUID) -> ServiceError:

@@ -47,7 +47,7 @@ async def _ending(pool: asyncpg.Pool, run_id: UUID,
     reader before it gets it from the next read. A terminal run whose journal has none (a
     finalize died midway) gets one synthesized from the row.
     """
-    row = await pool.fetchrow(Q["run_status"], run_id)
+    row = await pool.fetchrow(*Q.run_status.bind(run_id=run_id))
     if row is None or not RunStatus(row["status"]).terminal:
         return False, None
     # Re-read from the reader's own last event: a `complete` committed with the status flip
@@ -156,8 +156,9 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
         recheck = True
         while True:
             sub.clear()
-            runs = await pool.fetch(Q["list_runs_of_conversation_since"], conversation_id,
-                                    cursor.watermark[0], cursor.watermark[1], list(cursor.open))
+            runs = await pool.fetch(*Q.list_runs_of_conversation_since.bind(
+                conversation_id=conversation_id, after_created_at=cursor.watermark[0],
+                after_id=cursor.watermark[1], open_run_ids=list(cursor.open)))
             progressed = False
             for row in runs:
                 run_id = row["id"]

@@ -64,7 +64,8 @@ async def model_request(api: Api, conversation_id: str, run_id: str) -> list[dic
     """The transcript the worker gives the model for this run (the statement it runs)."""
     user_message_id = await api.pool.fetchval(
         "SELECT user_message_id FROM agent_run WHERE id = $1", UUID(run_id))
-    rows = await api.pool.fetch(Q["transcript_for_run"], UUID(conversation_id), user_message_id)
+    rows = await api.pool.fetch(*Q.transcript_for_run.bind(
+        conversation_id=UUID(conversation_id), user_message_id=user_message_id))
     return [{"role": r["role"], "tool_calls": r["tool_calls"], "tool_call_id": r["tool_call_id"]}
             for r in rows]
 

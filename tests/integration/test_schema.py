@@ -155,11 +155,11 @@ async def test_every_named_statement_prepares_against_the_migrated_schema(dsn: s
     conn = await asyncpg.connect(dsn)
     try:
         failures = {}
-        for name, statement in Q.items():
+        for statement in Q:
             try:
-                await conn.prepare(statement)
+                await conn.prepare(statement.sql)
             except asyncpg.PostgresError as exc:
-                failures[name] = str(exc)
+                failures[statement.name] = str(exc)
         assert failures == {}
     finally:
         await conn.close()
@@ -201,7 +201,7 @@ def test_every_notify_channel_in_the_queries_is_a_vocabulary_channel() -> None:
     assert literals <= {str(c) for c in Channel}, literals - {str(c) for c in Channel}
     # No channel is ever named by a non-literal expression the scan above would miss, except
     # in notify_batch, whose channels are typed as vocabulary.Channel by its only callers.
-    batch = Q["notify_batch"]
+    batch = Q.notify_batch.sql
     rest = text.replace(batch, "")
     assert batch in text and "pg_notify(t.channel" in batch
     assert len(re.findall(r"pg_notify\(", rest)) == len(re.findall(r"pg_notify\(\s*'", rest))

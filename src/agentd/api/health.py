@@ -26,7 +26,7 @@ async def readyz(request: web.Request) -> web.Response:
     database = True
     try:
         async with asyncio.timeout(2):
-            await runtime.pool.fetchval(Q["ping"])
+            await runtime.pool.fetchval(Q.ping.sql)
     except Exception:
         database = False
     body = {"database": database, "hub": runtime.hub.connected, "draining": runtime.draining,

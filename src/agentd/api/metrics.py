@@ -11,7 +11,7 @@ from agentd.queries import Q
 async def metrics(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     dispatcher = runtime.dispatcher
-    queue = await runtime.pool.fetchrow(Q["queue_status"])
+    queue = await runtime.pool.fetchrow(Q.queue_status.sql)
     lines = [
         "# HELP agentd_runs_queued Runs waiting to be claimed (whole fleet).",
         "# TYPE agentd_runs_queued gauge",

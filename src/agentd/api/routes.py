@@ -279,7 +279,8 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
                                                                  readonly=True):
         # One snapshot: transcript, runs, lease and watermark agree with each other.
         state = await service.conversation_state(who, conversation_id, db=conn)
-        latest = await conn.fetchrow(Q["latest_run_of_conversation"], conversation_id)
+        latest = await conn.fetchrow(*Q.latest_run_of_conversation.bind(
+            conversation_id=conversation_id))
         attached = await service.attached(conversation_id, db=conn)
     if cursor is None:
         cursor = FeedCursor((latest["created_at"], latest["id"]) if latest else (EPOCH, NIL_UUID),
@@ -289,8 +290,8 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     renewed = loop.time()
 
     async def read_lease() -> Any:
-        row = await service.pool.fetchrow(Q["get_conversation_lease"], who.account_id,
-                                          conversation_id)
+        row = await service.pool.fetchrow(*Q.get_conversation_lease.bind(
+            account_id=who.account_id, conversation_id=conversation_id))
         return wire.lease(_lease(row))
 
     async def read_presence() -> Any:

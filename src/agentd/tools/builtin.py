@@ -73,7 +73,7 @@ def evaluate(expression: str) -> float | int:
 
 
 async def _clock(_args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
-    now = await ctx.db.fetchval(Q["database_clock"])
+    now = await ctx.db.fetchval(Q.database_clock.sql)
     return {"utc": now.isoformat()}
 
 

@@ -23,17 +23,18 @@ class StaleFence(ToolError):
 
 async def append_note(ctx: ToolContext, text: str) -> dict[str, Any]:
     """Append behind the fence; raises StaleFence (writing nothing) for a superseded run."""
-    row = await ctx.db.fetchrow(Q["append_note_fenced"], ctx.conversation_id, ctx.fence,
-                                ctx.run_id, text)
+    row = await ctx.db.fetchrow(*Q.append_note_fenced.bind(
+        conversation_id=ctx.conversation_id, fence=ctx.fence, run_id=ctx.run_id, text=text))
     if row is None:
-        mark = await ctx.db.fetchval(Q["note_fence_mark"], ctx.conversation_id)
+        mark = await ctx.db.fetchval(*Q.note_fence_mark.bind(conversation_id=ctx.conversation_id))
         raise StaleFence(f"rejected: this run's fence {ctx.fence} is lower than {mark}, which a "
                          "newer execution of this conversation already used; nothing written")
     return {"note_id": row["id"], "created_at": row["created_at"].isoformat()}
 
 
 async def list_notes(ctx: ToolContext, limit: int) -> dict[str, Any]:
-    rows = await ctx.db.fetch(Q["list_notes"], ctx.conversation_id, limit)
+    rows = await ctx.db.fetch(*Q.list_notes.bind(conversation_id=ctx.conversation_id,
+                                                 limit=limit))
     return {"notes": [{"note_id": r["id"], "text": r["text"],
                        "created_at": r["created_at"].isoformat()} for r in rows]}
 
