@@ -55,8 +55,9 @@ WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 -- the pre-filter can be fooled by snapshots, the one_running_per_conversation index cannot.
 -- Stamps a fresh claim_token, a monotonic fence and a deadline on the database clock, and
 -- acquires the seed-000 conversation lease: its conditional UPSERT takes over only a holder
--- whose run is no longer live (leased = false means not acquired; the caller rolls back),
--- and journals run_started (worker, fence, deadline); last_seq is that event's seq.
+-- whose run is no longer live; require_conversation_lease (sql/004) raises a unique violation
+-- when it was not acquired, so the whole claim rolls back. Journals run_started (worker,
+-- fence, deadline); last_seq is that event's seq.
 WITH clock AS (
     SELECT clock_timestamp() AS now
 ), picked AS (
@@ -121,9 +122,9 @@ WITH clock AS (
     FROM claimed c
     RETURNING run_id, seq
 )
-SELECT c.*, started.seq AS last_seq,
-       EXISTS (SELECT 1 FROM lease WHERE lease.run_id = c.id) AS leased
-FROM claimed c JOIN started ON started.run_id = c.id;
+SELECT c.*, started.seq AS last_seq
+FROM claimed c JOIN started ON started.run_id = c.id
+WHERE require_conversation_lease(EXISTS (SELECT 1 FROM lease WHERE lease.run_id = c.id), c.id);
 
 -- heartbeat --
 -- params: run_id, claim_token, lease_ttl_s
@@ -184,6 +185,20 @@ SELECT owner.conversation_id, owner.id, $3::text, $4::text, $5::text, $6::jsonb,
 FROM owner
 RETURNING id;
 
+-- answer_open_tool_calls_fenced --
+-- params: run_id, claim_token
+-- A stopped or failed turn answers the tool calls it leaves open with `cancelled` results
+-- (answer_open_tool_calls, sql/004) before its terminal write, only while it owns the run:
+-- zero rows = LeaseLost. FOR SHARE serializes with the reaper, as insert_message_fenced does.
+WITH owner AS (
+    SELECT id FROM agent_run
+    WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
+      AND lease_expires_at > clock_timestamp()
+    FOR SHARE
+)
+SELECT answer_open_tool_calls(owner.id) AS answered
+FROM owner;
+
 -- finish_run_fenced --
 -- params: run_id, claim_token, status, error, usage, content, message_status, seq
 -- Rule 3: the worker's terminal write. Fenced like every other write; terminal states are
@@ -199,10 +214,14 @@ WITH clock AS (
     WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
       AND r.lease_expires_at > clock.now
     RETURNING r.id, r.account_id, r.conversation_id, r.claim_token
+), repaired AS (
+    -- Backstop for a worker that died mid-tool: its open calls get `cancelled` results
+    -- (answer_open_tool_calls, sql/004), written before the answer that reads from here.
+    SELECT answer_open_tool_calls(fin.id) AS calls FROM fin
 ), answer AS (
     INSERT INTO message (conversation_id, run_id, role, content, status)
     SELECT fin.conversation_id, fin.id, 'assistant', $6::text, $7::text
-    FROM fin
+    FROM fin, repaired
     WHERE $6::text IS NOT NULL
     RETURNING id
 ), ended AS (
@@ -219,21 +238,10 @@ WITH clock AS (
     USING fin
     WHERE l.account_id = fin.account_id AND l.conversation_id = fin.conversation_id
       AND l.execution_id = fin.claim_token
-), repaired AS (
-    -- Backstop for a worker that crashed mid-tool: unanswered calls get `cancelled` results.
-    INSERT INTO message (conversation_id, run_id, role, content, status, tool_call_id)
-    SELECT m.conversation_id, m.run_id, 'tool', '{"error": "cancelled"}', 'cancelled',
-           call ->> 'id'
-    FROM message m
-    JOIN fin ON fin.id = m.run_id
-    CROSS JOIN LATERAL jsonb_array_elements(m.tool_calls) AS call
-    WHERE m.role = 'assistant' AND m.tool_calls IS NOT NULL
-      AND NOT EXISTS (SELECT 1 FROM message t
-                      WHERE t.run_id = m.run_id AND t.role = 'tool'
-                        AND t.tool_call_id = call ->> 'id')
 )
-SELECT fin.id, fin.conversation_id, (SELECT id FROM answer) AS message_id
-FROM fin;
+SELECT fin.id, fin.conversation_id, (SELECT id FROM answer) AS message_id,
+       repaired.calls AS repaired_calls
+FROM fin, repaired;
 
 -- reap_expired_runs --
 -- params: grace_s, limit
@@ -263,8 +271,9 @@ RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.erro
 -- own statement AFTER the fencing UPDATE in the same transaction: READ COMMITTED gives it a
 -- fresh snapshot that sees every append committed before our row lock, and the lock holds off
 -- the rest. one_complete_per_run makes a second ending impossible regardless.
--- Releases the runs' leases by execution id and knocks the queue. A turn a stop cancelled
--- before it started names its handed-back draft, so every stream can return it to its author.
+-- Releases the runs' leases by execution id, answers the tool calls a dead worker left open
+-- (answer_open_tool_calls, sql/004) and knocks the queue. A turn a stop cancelled before it
+-- started names its handed-back draft, so every stream can return it to its author.
 WITH ended AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[],
                          $6::text[], $7::uuid[]) AS t (run_id, account_id, conversation_id,
@@ -286,21 +295,9 @@ WITH ended AS (
     USING ended
     WHERE l.account_id = ended.account_id AND l.conversation_id = ended.conversation_id
       AND l.execution_id = ended.claim_token
-), repaired AS (
-    -- A tool call the dead worker never answered gets a `cancelled` result, so the next
-    -- turn's model request is well-formed.
-    INSERT INTO message (conversation_id, run_id, role, content, status, tool_call_id)
-    SELECT m.conversation_id, m.run_id, 'tool', '{"error": "cancelled"}', 'cancelled',
-           call ->> 'id'
-    FROM message m
-    JOIN ended ON ended.run_id = m.run_id
-    CROSS JOIN LATERAL jsonb_array_elements(m.tool_calls) AS call
-    WHERE m.role = 'assistant' AND m.tool_calls IS NOT NULL
-      AND NOT EXISTS (SELECT 1 FROM message t
-                      WHERE t.run_id = m.run_id AND t.role = 'tool'
-                        AND t.tool_call_id = call ->> 'id')
 )
 SELECT ended.run_id,
+       answer_open_tool_calls(ended.run_id) AS repaired_calls,
        pg_notify('agentd_run_event', ended.run_id::text),
        pg_notify('agentd_run_enqueued', ended.conversation_id::text),
        pg_notify('agentd_conversation', ended.conversation_id::text)
@@ -372,13 +369,8 @@ LIMIT $3::int;
 -- get_run --
 -- params: run_id, account_id
 -- Rule 9: a run is visible only to its own account. Names the device that asked.
-SELECT r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
-       d.name AS origin_device, r.status, r.request, r.idempotency_key, r.worker_id,
-       r.claim_token, r.fence, r.lease_expires_at, r.last_heartbeat_at, r.cancel_requested,
-       r.error, r.usage, r.created_at, r.started_at, r.finished_at
-FROM agent_run r
-LEFT JOIN device d ON d.id = r.origin_device_id
-WHERE r.id = $1::uuid AND r.account_id = $2::uuid;
+SELECT * FROM agent_run_with_device
+WHERE id = $1::uuid AND account_id = $2::uuid;
 
 -- list_messages --
 -- params: conversation_id
@@ -394,14 +386,9 @@ ORDER BY coalesce(asked.position, m.position), m.position;
 -- list_active_runs --
 -- params: conversation_id
 -- The running turn and the queued ones behind it, in the order they will run.
-SELECT r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
-       d.name AS origin_device, r.status, r.request, r.idempotency_key, r.worker_id,
-       r.claim_token, r.fence, r.lease_expires_at, r.last_heartbeat_at, r.cancel_requested,
-       r.error, r.usage, r.created_at, r.started_at, r.finished_at
-FROM agent_run r
-LEFT JOIN device d ON d.id = r.origin_device_id
-WHERE r.conversation_id = $1::uuid AND r.status IN ('queued', 'running')
-ORDER BY r.created_at, r.id;
+SELECT * FROM agent_run_with_device
+WHERE conversation_id = $1::uuid AND status IN ('queued', 'running')
+ORDER BY created_at, id;
 
 -- get_conversation_lease --
 -- params: account_id, conversation_id

@@ -29,6 +29,7 @@ from agentd.queue import (
     Claim,
     Hint,
     LeaseLost,
+    answer_open_tool_calls,
     check_lease,
     finish_run,
     heartbeat,
@@ -55,6 +56,7 @@ class _Turn:
     emitter: Emitter
     text: list[str] = field(default_factory=list)
     open_calls: dict[str, str] = field(default_factory=dict)  # call id -> tool name
+    asked_tools: bool = False  # a tool-call message may have been written
     input_tokens: int = 0
     output_tokens: int = 0
 
@@ -212,6 +214,7 @@ class TurnRunner:
                          calls: list[ToolCallRequest]) -> list[dict[str, Any]]:
         claim = turn.claim
         wire_calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
+        turn.asked_tools = True
         await insert_message(self._pool, claim, role=MessageRole.ASSISTANT, content="",
                              tool_calls=wire_calls)
         added: list[dict[str, Any]] = [{"role": "assistant", "content": "",
@@ -237,11 +240,15 @@ class TurnRunner:
         return added
 
     async def _repair_open_calls(self, turn: _Turn) -> None:
-        """A tool call without a result gets a `cancelled` one: the next request stays valid."""
+        """A tool call without a result gets a `cancelled` one: the next request stays valid.
+
+        The messages come from the database's one repair (every unanswered call of the run,
+        even one cancelled before it was announced); the stream gets a tool_result for each
+        call it saw announced.
+        """
+        if turn.asked_tools:
+            await answer_open_tool_calls(self._pool, turn.claim)
         for call_id, name in list(turn.open_calls.items()):
-            content = json.dumps({"error": "cancelled"})
-            await insert_message(self._pool, turn.claim, role=MessageRole.TOOL, content=content,
-                                 status=MessageStatus.CANCELLED, tool_call_id=call_id)
             await turn.emitter.event(EventType.TOOL_RESULT, {
                 "call_id": call_id, "name": name, "error": "cancelled"})
             del turn.open_calls[call_id]

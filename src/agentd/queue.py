@@ -162,10 +162,6 @@ def _claim_from_row(row: asyncpg.Record) -> Claim:
         cancel_requested=row["cancel_requested"], last_seq=row["last_seq"] or 0)
 
 
-class _LeaseNotAcquiredError(Exception):
-    pass
-
-
 class _Borrowed:
     """Lets functions that need a dedicated connection accept one the caller already holds."""
 
@@ -199,17 +195,15 @@ async def _send_hints(db: Db, hint: Hint | None, hints: Sequence[tuple[Channel, 
 async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int = 1,
                      hint: Hint | None = None) -> list[Claim]:
     """Claim up to `limit` runs in one statement (rule 2). Losing a race claims nothing."""
-    async with _acquire(db) as conn:
-        try:
-            async with conn.transaction():
-                rows = await conn.fetch(*Q.claim_runs.bind(worker_id=worker_id,
-                                                           lease_ttl_s=lease_ttl_s, limit=limit))
-                if not all(row["leased"] for row in rows):
-                    # A live holder kept the conversation lease: this claim must not stand.
-                    raise _LeaseNotAcquiredError
-        except (asyncpg.UniqueViolationError, _LeaseNotAcquiredError):
-            # Another claimer won the conversation (rule 5 / seed 000); our runs stay queued.
-            return []
+    try:
+        # One statement commits whole or not at all. Losing the conversation raises a unique
+        # violation: from one_running_per_conversation when a snapshot fooled the pre-filter,
+        # or from require_conversation_lease when a live execution holds the lease.
+        rows = await db.fetch(*Q.claim_runs.bind(worker_id=worker_id, lease_ttl_s=lease_ttl_s,
+                                                 limit=limit))
+    except asyncpg.UniqueViolationError:
+        # Another claimer won the conversation (DESIGN §5b); our runs stay queued.
+        return []
     claims = [_claim_from_row(row) for row in rows]
     await _send_hints(db, hint, [(Channel.RUN_EVENT, str(c.run_id)) for c in claims])
     return claims
@@ -264,6 +258,16 @@ async def insert_message(db: Db, claim: Claim, *, role: MessageRole, content: st
     if message_id is None:
         raise LeaseLost(claim.run_id, "message write")
     return message_id
+
+
+async def answer_open_tool_calls(db: Db, claim: Claim) -> int:
+    """Behind the fence, give each tool call of the run still without a result a `cancelled`
+    one (the same repair the reaper and stop apply); returns how many it answered."""
+    answered = await db.fetchval(*Q.answer_open_tool_calls_fenced.bind(
+        run_id=claim.run_id, claim_token=claim.claim_token))
+    if answered is None:
+        raise LeaseLost(claim.run_id, "tool-call repair")
+    return int(answered)
 
 
 async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None,

@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 
 from agentd.conversations import conversation_state
+from agentd.queries import Q
 from agentd.queue import (
     Claim,
     LeaseLost,
@@ -138,6 +139,35 @@ async def test_valid_lease_rejects_a_newcomer(dsn: str) -> None:
         state = await conversation_state(setup, held.tenant.account_id, conv)
         assert state is not None and state.lease is not None
         assert state.lease.live and state.lease.execution_id == held.claim.claim_token
+
+
+async def test_a_claim_that_meets_a_live_lease_holder_commits_nothing(pool: asyncpg.Pool) -> None:
+    """The lease guard on its own (every run-level check passes): the claim statement raises,
+    so a half claim (a run marked running without its lease) can never be committed."""
+    held = await own(pool, LONG_S)
+    other = await new_conversation(pool, held.tenant.account_id)
+    blocked = await enqueue(pool, held.tenant.account_id, other, "behind a live lease")
+    # The other conversation's lease names the live execution: only the lease guard refuses.
+    await pool.execute(
+        "INSERT INTO conversation_lease (account_id, conversation_id, run_id, execution_id,"
+        " fence, worker_id) VALUES ($1, $2, $3, $4, $5, $6)", held.tenant.account_id, other,
+        held.claim.run_id, held.claim.claim_token, held.claim.fence, held.claim.worker_id)
+    before = (await run_row(pool, blocked.run_id), await journal(pool, blocked.run_id),
+              await lease_row(pool, other))
+
+    assert await claim_runs(pool, worker_id="newcomer", lease_ttl_s=LONG_S, limit=5) == []
+    with pytest.raises(asyncpg.UniqueViolationError, match="lease is held by a live execution"):
+        await pool.fetch(*Q.claim_runs.bind(worker_id="raw", lease_ttl_s=LONG_S, limit=5))
+    assert (await run_row(pool, blocked.run_id), await journal(pool, blocked.run_id),
+            await lease_row(pool, other)) == before
+    assert before[0]["status"] == RunStatus.QUEUED
+
+    # Once the holder's run is over, the same claim takes the conversation.
+    await finish_run(pool, held.claim, RunStatus.COMPLETED, seq=held.claim.last_seq + 1)
+    claims = await claim_runs(pool, worker_id="newcomer", lease_ttl_s=LONG_S, limit=5)
+    assert blocked.run_id in {c.run_id for c in claims}
+    [taken] = [c for c in claims if c.run_id == blocked.run_id]
+    assert_lease_names(await lease_row(pool, other), taken)
 
 
 async def test_lease_deadline_is_the_running_turns_deadline_and_heartbeat_extends_it(

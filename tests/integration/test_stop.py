@@ -3,6 +3,8 @@ running turn is flagged and woken, and nothing that was queued starts after the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncpg
 
 from agentd.queue import (
@@ -113,6 +115,13 @@ def assert_stopped(rows: list[asyncpg.Record], context: str) -> None:
             assert row["cancel_requested"], f"{context}: a turn started after the stop"
 
 
+async def claim_after_round_trips(conn: asyncpg.Connection, trips: int,
+                                  **claim: Any) -> list[Claim]:
+    for _ in range(trips):
+        await conn.fetchval("SELECT 1")
+    return await claim_runs(conn, **claim)
+
+
 async def test_stop_racing_claims_never_lets_a_queued_turn_start_after_the_stop(
         dsn: str) -> None:
     outcomes = {"claim first": 0, "stop first": 0}
@@ -122,11 +131,13 @@ async def test_stop_racing_claims_never_lets_a_queued_turn_start_after_the_stop(
             conv = await new_conversation(setup, tenant.account_id)
             runs = [(await enqueue(setup, tenant.account_id, conv, f"turn {i}")).run_id
                     for i in range(3)]
+            # The claim is one round trip, the stop several: claimers set off 0-3 round trips
+            # late, so claims land before, inside and after the stop's transaction.
             stop, *claimed = await race(
                 lambda conv=conv: stop_conversation(stopper, account_id=tenant.account_id,
                                                     conversation_id=conv),
-                *(lambda conn=conn, i=i: claim_runs(conn, worker_id=f"claimer-{i}",
-                                                    lease_ttl_s=LONG_S, limit=2)
+                *(lambda conn=conn, i=i, trips=(iteration + i) % 4: claim_after_round_trips(
+                    conn, trips, worker_id=f"claimer-{i}", lease_ttl_s=LONG_S, limit=2)
                   for i, conn in enumerate(claimers)))
             context = f"iteration {iteration}"
             raise_unexpected([stop, *claimed], context=context)
