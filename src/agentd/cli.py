@@ -173,13 +173,13 @@ async def _token(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _status(settings: Settings, _args: argparse.Namespace) -> int:
-    from agentd.queries import Q
+    from agentd.queue import queue_status
 
     async def work(pool: Any) -> int:
-        row = await pool.fetchrow(Q.queue_status.sql)
-        print(f"queued: {row['queued']}\nrunning: {row['running']}\n"
-              f"expired leases awaiting the reaper: {row['expired']}\n"
-              f"live workers: {', '.join(row['workers']) or '-'}")
+        status = await queue_status(pool)
+        print(f"queued: {status.queued}\nrunning: {status.running}\n"
+              f"expired leases awaiting the reaper: {status.expired}\n"
+              f"live workers: {', '.join(status.workers) or '-'}")
         return 0
 
     return await _with_pool(settings, work)

@@ -1,4 +1,5 @@
-"""Conversations and their authoritative state: transcript, active runs and the lease.
+"""Conversations and their authoritative state: transcript, active runs, the lease, the devices
+attached (presence) and the notebook the `notes` tool writes.
 
 Every read is scoped by account (rule 9): another account's conversation simply does not exist.
 """
@@ -10,8 +11,10 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+import asyncpg
+
+from agentd.db import Db
 from agentd.queries import Q
-from agentd.queue import Db
 from agentd.vocabulary import MessageRole, MessageStatus, RunStatus
 
 
@@ -77,6 +80,16 @@ class Lease:
 
 
 @dataclass(frozen=True, slots=True)
+class Note:
+    """One entry of a conversation's notebook, with the run that wrote it."""
+
+    id: int
+    text: str
+    run_id: UUID | None
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class ConversationState:
     conversation: Conversation
     messages: list[Message]
@@ -117,10 +130,110 @@ async def conversation_state(db: Db, account_id: UUID,
         Message(r["id"], r["run_id"], MessageRole(r["role"]), r["content"],
                 MessageStatus(r["status"]), r["tool_calls"], r["tool_call_id"], r["created_at"])
         for r in await db.fetch(*Q.list_messages.bind(conversation_id=conversation_id))]
-    runs = [RunRow.from_record(r) for r in await db.fetch(
-        *Q.list_active_runs.bind(conversation_id=conversation_id))]
+    runs = await list_active_runs(db, conversation_id)
     runs.sort(key=lambda run: run.status != RunStatus.RUNNING)
+    lease = await get_lease(db, account_id, conversation_id)
+    return ConversationState(conversation, messages, runs, lease)
+
+
+async def rename_conversation(db: Db, account_id: UUID, conversation_id: UUID,
+                              title: str) -> Conversation | None:
+    row = await db.fetchrow(*Q.rename_conversation.bind(
+        conversation_id=conversation_id, account_id=account_id, title=title))
+    return Conversation(**dict(row)) if row else None
+
+
+async def lock_conversation(conn: asyncpg.Connection, account_id: UUID,
+                            conversation_id: UUID) -> bool:
+    """Serialize with enqueues and stops of this conversation until the transaction ends;
+    False when the account has no such conversation."""
+    return await conn.fetchval(*Q.lock_conversation.bind(
+        conversation_id=conversation_id, account_id=account_id)) is not None
+
+
+async def list_active_runs(db: Db, conversation_id: UUID) -> list[RunRow]:
+    """The running turn and the queued ones, in run order (created_at, id)."""
+    return [RunRow.from_record(r) for r in await db.fetch(
+        *Q.list_active_runs.bind(conversation_id=conversation_id))]
+
+
+async def get_lease(db: Db, account_id: UUID, conversation_id: UUID) -> Lease | None:
     row = await db.fetchrow(*Q.get_conversation_lease.bind(account_id=account_id,
                                                            conversation_id=conversation_id))
-    lease = Lease(**dict(row)) if row else None
-    return ConversationState(conversation, messages, runs, lease)
+    return Lease(**dict(row)) if row else None
+
+
+async def latest_run(db: Db, conversation_id: UUID) -> tuple[datetime, UUID] | None:
+    """(created_at, id) of the conversation's newest run: a feed's starting watermark."""
+    row = await db.fetchrow(*Q.latest_run_of_conversation.bind(conversation_id=conversation_id))
+    return (row["created_at"], row["id"]) if row else None
+
+
+async def runs_since(db: Db, conversation_id: UUID, watermark: tuple[datetime, UUID],
+                     open_run_ids: list[UUID]) -> list[asyncpg.Record]:
+    """Runs after the watermark plus the open ones: id, status, created_at, cancel_requested."""
+    return await db.fetch(*Q.list_runs_of_conversation_since.bind(
+        conversation_id=conversation_id, after_created_at=watermark[0], after_id=watermark[1],
+        open_run_ids=open_run_ids))
+
+
+async def transcript_for_run(db: Db, conversation_id: UUID,
+                             user_message_id: UUID) -> list[asyncpg.Record]:
+    """What the model sees for a turn: role, content, tool_calls, tool_call_id in turn order."""
+    return await db.fetch(*Q.transcript_for_run.bind(conversation_id=conversation_id,
+                                                     user_message_id=user_message_id))
+
+
+async def search_messages(db: Db, account_id: UUID, pattern: str,
+                          limit: int) -> list[asyncpg.Record]:
+    """Messages and titles matching an ILIKE pattern (escaped by the caller), newest first."""
+    return await db.fetch(*Q.search_messages.bind(account_id=account_id, pattern=pattern,
+                                                  limit=limit))
+
+
+# presence -----------------------------------------------------------------------------------
+
+async def attach_presence(db: Db, account_id: UUID, conversation_id: UUID, device_id: UUID,
+                          ttl_s: float) -> UUID:
+    presence_id: UUID = await db.fetchval(*Q.presence_attach.bind(
+        account_id=account_id, conversation_id=conversation_id, device_id=device_id,
+        ttl_s=ttl_s))
+    return presence_id
+
+
+async def renew_presence(db: Db, presence_id: UUID, ttl_s: float) -> bool:
+    """False when it had expired (the stream attaches again)."""
+    return await db.fetchval(*Q.presence_renew.bind(presence_id=presence_id,
+                                                    ttl_s=ttl_s)) is not None
+
+
+async def detach_presence(db: Db, presence_id: UUID) -> None:
+    await db.execute(*Q.presence_detach.bind(presence_id=presence_id))
+
+
+async def list_attached(db: Db, conversation_id: UUID) -> list[asyncpg.Record]:
+    """Devices attached now: device_id, device, since."""
+    return await db.fetch(*Q.list_attached.bind(conversation_id=conversation_id))
+
+
+# the notebook -------------------------------------------------------------------------------
+
+async def append_note(db: Db, *, conversation_id: UUID, run_id: UUID, fence: int,
+                      text: str) -> Note | None:
+    """Append behind the notebook's fence; None (nothing written) for a superseded fence."""
+    row = await db.fetchrow(*Q.append_note_fenced.bind(
+        conversation_id=conversation_id, fence=fence, run_id=run_id, text=text))
+    return Note(row["id"], text, run_id, row["created_at"]) if row else None
+
+
+async def note_fence_mark(db: Db, conversation_id: UUID) -> int | None:
+    """The highest fence the notebook has accepted for the conversation."""
+    mark: int | None = await db.fetchval(*Q.note_fence_mark.bind(
+        conversation_id=conversation_id))
+    return mark
+
+
+async def list_notes(db: Db, conversation_id: UUID, limit: int) -> list[Note]:
+    """The latest `limit` notes, oldest first."""
+    return [Note(r["id"], r["text"], r["run_id"], r["created_at"]) for r in await db.fetch(
+        *Q.list_notes.bind(conversation_id=conversation_id, limit=limit))]

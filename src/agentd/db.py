@@ -1,16 +1,23 @@
-"""Connection pool construction: codecs and the timeouts that keep every transaction short.
+"""Connections: the pool's codecs and timeouts, and the server-level probes (ping, clock,
+version, the embedded server's database).
 
-Claims and lease writes must never wait long on a lock (seed 000), so every pooled session gets
-bounded lock and statement timeouts.
+Claims and lease writes must never wait long on a lock (docs/architecture.md, the conversation
+lease), so every pooled session gets bounded lock and statement timeouts.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import asyncpg
+
+from agentd.queries import Q
+
+Db = asyncpg.Pool | asyncpg.Connection
+EMBEDDED_DATABASE = "agentd"  # create_agentd_database names it (identifiers cannot be bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,3 +71,25 @@ async def connect(dsn: str, *, application_name: str = "agentd",
         dsn, server_settings={"application_name": application_name}, **kwargs)
     await _init_connection(conn)
     return conn
+
+
+async def ping(db: Db) -> None:
+    """One round trip; raises when the server does not answer."""
+    await db.fetchval(Q.ping.sql)
+
+
+async def database_time(db: Db) -> datetime:
+    """The database clock: the one time agentd trusts (docs/architecture.md, rule 10)."""
+    now: datetime = await db.fetchval(Q.database_clock.sql)
+    return now
+
+
+async def server_version(db: Db) -> str:
+    version: str = await db.fetchval(Q.server_version.sql)
+    return version
+
+
+async def ensure_agentd_database(admin: asyncpg.Connection) -> None:
+    """On the embedded server: create the `agentd` database once, on first start."""
+    if not await admin.fetchval(*Q.database_exists.bind(name=EMBEDDED_DATABASE)):
+        await admin.execute(Q.create_agentd_database.sql)

@@ -21,7 +21,7 @@ async def run_checks(settings: Settings) -> list[Check]:
     from agentd import db as dbmod
     from agentd.hub import Hub
     from agentd.migrate import pending
-    from agentd.queries import Q
+    from agentd.queue import notify_conversation
     from agentd.runtime import open_database
     from agentd.vocabulary import Channel
 
@@ -44,7 +44,7 @@ async def run_checks(settings: Settings) -> list[Check]:
     try:
         conn = await dbmod.connect(database.dsn)
         try:
-            version = await conn.fetchval(Q.server_version.sql)
+            version = await dbmod.server_version(conn)
             checks.append(Check("database", True, f"PostgreSQL {version}"))
             todo = await pending(conn)
             checks.append(Check("migrations", True, "up to date" if not todo else
@@ -57,7 +57,7 @@ async def run_checks(settings: Settings) -> list[Check]:
             async with hub.subscribe(Channel.CONVERSATION, "doctor") as sub:
                 probe = await dbmod.connect(database.dsn)
                 try:
-                    await probe.execute(*Q.notify_conversation.bind(payload="doctor"))
+                    await notify_conversation(probe, "doctor")
                 finally:
                     await probe.close()
                 heard = await sub.wait(3.0)

@@ -15,6 +15,7 @@ from typing import Any
 
 import asyncpg
 
+from agentd.conversations import transcript_for_run
 from agentd.hub import Hub, Subscription
 from agentd.journal import Emitter
 from agentd.providers import ModelRef, ProviderRegistry, parse_model
@@ -24,7 +25,6 @@ from agentd.providers.base import (
     ToolCallRequest,
     Usage,
 )
-from agentd.queries import Q
 from agentd.queue import (
     Claim,
     Hint,
@@ -37,6 +37,7 @@ from agentd.queue import (
 )
 from agentd.settings import Settings
 from agentd.tools import ToolContext, ToolError, ToolRegistry
+from agentd.tools.store import DatabaseToolStore
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
 
 log = logging.getLogger("agentd.executor")
@@ -81,6 +82,7 @@ class TurnRunner:
         self._settings = settings
         self._providers = providers
         self._tools = tools
+        self._tool_store = DatabaseToolStore(pool)
 
     async def run(self, claim: Claim) -> bool:
         ctx = {"run_id": str(claim.run_id), "fence": claim.fence}
@@ -184,9 +186,8 @@ class TurnRunner:
         ref = parse_model(request.get("model"), self._settings)
         provider = self._providers.resolve(ref)
         params = dict(request.get("params") or {})
-        messages = [_chat_message(r) for r in await self._pool.fetch(
-            *Q.transcript_for_run.bind(conversation_id=claim.conversation_id,
-                                       user_message_id=claim.user_message_id))]
+        messages = [_chat_message(r) for r in await transcript_for_run(
+            self._pool, claim.conversation_id, claim.user_message_id)]
         specs = self._tools.specs()
         for step in range(self._settings.max_tool_steps + 1):
             calls: list[ToolCallRequest] = []
@@ -220,7 +221,7 @@ class TurnRunner:
         added: list[dict[str, Any]] = [{"role": "assistant", "content": "",
                                         "tool_calls": wire_calls}]
         ctx = ToolContext(claim.run_id, claim.conversation_id, claim.account_id, claim.fence,
-                          self._pool)
+                          self._tool_store)
         for call in calls:
             turn.open_calls[call.id] = call.name
             await turn.emitter.event(EventType.TOOL_CALL, {

@@ -16,7 +16,7 @@ from typing import Any
 
 import asyncpg
 
-from agentd.queries import Q
+from agentd.db import ping
 from agentd.vocabulary import Channel
 
 log = logging.getLogger("agentd.hub")
@@ -221,6 +221,6 @@ class Hub:
             if conn is None or conn.is_closed():
                 return
             try:
-                await asyncio.wait_for(conn.fetchval(Q.ping.sql), timeout=2.0)
+                await asyncio.wait_for(ping(conn), timeout=2.0)
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
                 return

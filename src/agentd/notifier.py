@@ -14,7 +14,7 @@ import logging
 
 import asyncpg
 
-from agentd.queries import Q
+from agentd.queue import notify_batch
 from agentd.vocabulary import Channel
 
 log = logging.getLogger("agentd.notifier")
@@ -58,8 +58,7 @@ class Notifier:
             return
         batch, self._pending = list(self._pending), {}
         try:
-            await self._pool.execute(*Q.notify_batch.bind(
-                channels=[str(c) for c, _ in batch], payloads=[p for _, p in batch]))
+            await notify_batch(self._pool, batch)
             self.sent += len(batch)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             # Lost hints cost latency, never correctness: every waiter also polls.

@@ -17,10 +17,9 @@ from uuid import UUID
 
 import asyncpg
 
+from agentd.db import Db
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
-
-Db = asyncpg.Pool | asyncpg.Connection
 
 
 class LeaseLost(Exception):
@@ -111,6 +110,26 @@ class StopResult:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueStatus:
+    """The whole fleet's queue, as `agentd status` and /metrics show it."""
+
+    queued: int
+    running: int
+    expired: int  # running runs past their deadline, awaiting the reaper
+    workers: list[str]  # workers holding live leases
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotentRun:
+    """The first run minted for an Idempotency-Key, and the digest of its request."""
+
+    run_id: UUID
+    status: RunStatus
+    conversation_id: UUID
+    request_hash: str
+
+
+@dataclass(frozen=True, slots=True)
 class Ending:
     """A run finalized by someone other than its worker (reaper, stop), to be journaled."""
 
@@ -143,14 +162,22 @@ async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, conten
     if row is not None:
         return EnqueuedRun(row["id"], RunStatus(row["status"]), row["conversation_id"], True)
     if idempotency_key is not None:
-        first = await db.fetchrow(*Q.find_run_by_idempotency_key.bind(
-            account_id=account_id, idempotency_key=idempotency_key))
+        first = await find_run_by_idempotency_key(db, account_id, idempotency_key)
         if first is not None:
-            if first["request_hash"] != digest:
-                raise IdempotencyConflict(first["id"])
-            return EnqueuedRun(first["id"], RunStatus(first["status"]),
-                               first["conversation_id"], False)
+            if first.request_hash != digest:
+                raise IdempotencyConflict(first.run_id)
+            return EnqueuedRun(first.run_id, first.status, first.conversation_id, False)
     raise ConversationNotFound(str(conversation_id))
+
+
+async def find_run_by_idempotency_key(db: Db, account_id: UUID,
+                                      idempotency_key: str) -> IdempotentRun | None:
+    row = await db.fetchrow(*Q.find_run_by_idempotency_key.bind(
+        account_id=account_id, idempotency_key=idempotency_key))
+    if row is None:
+        return None
+    return IdempotentRun(row["id"], RunStatus(row["status"]), row["conversation_id"],
+                         row["request_hash"])
 
 
 def _claim_from_row(row: asyncpg.Record) -> Claim:
@@ -188,8 +215,18 @@ async def _send_hints(db: Db, hint: Hint | None, hints: Sequence[tuple[Channel, 
         for channel, payload in hints:
             hint(channel, payload)
     elif hints:
-        await db.execute(*Q.notify_batch.bind(channels=[str(c) for c, _ in hints],
-                                              payloads=[p for _, p in hints]))
+        await notify_batch(db, hints)
+
+
+async def notify_batch(db: Db, hints: Sequence[tuple[Channel, str]]) -> None:
+    """Send wake hints for rows already committed, in one statement."""
+    await db.execute(*Q.notify_batch.bind(channels=[str(c) for c, _ in hints],
+                                          payloads=[p for _, p in hints]))
+
+
+async def notify_conversation(db: Db, payload: str) -> None:
+    """Wake a conversation's feeds (they re-read its rows)."""
+    await db.execute(*Q.notify_conversation.bind(payload=payload))
 
 
 async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int = 1,
@@ -360,7 +397,7 @@ async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID
                                      for row in cancelled])
         flagged = await conn.fetch(*Q.request_cancel.bind(run_ids=running)) if running else []
         if cancelled or flagged:
-            await conn.execute(*Q.notify_conversation.bind(payload=str(conversation_id)))
+            await notify_conversation(conn, str(conversation_id))
     return StopResult(
         cancelled=[row["id"] for row in cancelled],
         drafts=[Draft(row["id"], row["message_id"], row["content"]) for row in cancelled],
@@ -373,6 +410,17 @@ async def read_events(db: Db, run_id: UUID, *, after_seq: int = 0,
     rows = await db.fetch(*Q.read_events_after.bind(run_id=run_id, after_seq=after_seq,
                                                     limit=limit))
     return [Event(r["seq"], EventType(r["type"]), r["payload"], r["created_at"]) for r in rows]
+
+
+async def run_status(db: Db, run_id: UUID) -> tuple[RunStatus, str | None] | None:
+    """A run's status and error, or None if there is no such run."""
+    row = await db.fetchrow(*Q.run_status.bind(run_id=run_id))
+    return (RunStatus(row["status"]), row["error"]) if row is not None else None
+
+
+async def queue_status(db: Db) -> QueueStatus:
+    row = await db.fetchrow(Q.queue_status.sql)
+    return QueueStatus(row["queued"], row["running"], row["expired"], list(row["workers"]))
 
 
 async def trim_journal(db: Db, *, older_than_s: float) -> int:

@@ -15,7 +15,6 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import asyncpg
 from aiohttp import web
@@ -29,7 +28,6 @@ from agentd.hub import Hub
 from agentd.migrate import migrate
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
-from agentd.queries import Q
 from agentd.reaper import reap_forever, sweep
 from agentd.settings import Settings
 from agentd.systemd import sd_notify
@@ -37,7 +35,6 @@ from agentd.tools import default_tools
 
 log = logging.getLogger("agentd.runtime")
 
-EMBEDDED_DATABASE = "agentd"
 LOCAL_ACCOUNT = "local"
 
 
@@ -67,11 +64,10 @@ async def open_database(settings: Settings) -> Database:
         "data_dir": str(server.data_dir), "seconds": round(time.monotonic() - started, 3)})
     admin = await asyncpg.connect(server.dsn("postgres"))
     try:
-        if not await admin.fetchval(*Q.database_exists.bind(name=EMBEDDED_DATABASE)):
-            await admin.execute(Q.create_agentd_database.sql)
+        await dbmod.ensure_agentd_database(admin)
     finally:
         await admin.close()
-    return Database(server.dsn(EMBEDDED_DATABASE), server)
+    return Database(server.dsn(dbmod.EMBEDDED_DATABASE), server)
 
 
 async def migrate_database(dsn: str) -> list[str]:
@@ -96,7 +92,7 @@ async def ensure_local_client(pool: asyncpg.Pool, url: str) -> None:
 
 @dataclass
 class Runtime:
-    """Everything a running agentd holds; the HTTP handlers reach it via app['runtime']."""
+    """Everything a running agentd holds; the HTTP handlers reach it via app[api.RUNTIME]."""
 
     settings: Settings
     pool: asyncpg.Pool
@@ -106,7 +102,7 @@ class Runtime:
     dispatcher: Dispatcher | None = None
     draining: bool = False
     started_at: float = field(default_factory=time.time)
-    extras: dict[str, Any] = field(default_factory=dict)
+    tool_names: set[str] = field(default_factory=set)  # what a run's params may name
 
 
 def build_app(runtime: Runtime) -> web.Application:
@@ -150,9 +146,8 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     await hub.start()
     providers = ProviderRegistry(settings)
     worker_id = new_worker_id()
-    runtime = Runtime(settings, pool, hub, worker_id, providers)
     tools = default_tools()
-    runtime.extras["tool_names"] = tools.names()
+    runtime = Runtime(settings, pool, hub, worker_id, providers, tool_names=tools.names())
     notifier = Notifier(pool)
     notifier.start()
     runner = TurnRunner(pool, hub, settings, providers, tools, hint=notifier.notify)

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
@@ -21,7 +22,6 @@ from agentd.accounts import Principal
 from agentd.hub import Hub
 from agentd.providers import ModelRef, parse_model, validate_params
 from agentd.providers.base import UnknownModel
-from agentd.queries import Q
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
 
@@ -65,6 +65,15 @@ class CreatedRun:
     conversation_id: UUID
     replayed: bool = False
     drafts: list[queue.Draft] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class FeedSnapshot:
+    """Where a conversation feed starts, read in one snapshot so the parts agree."""
+
+    state: convs.ConversationState
+    watermark: tuple[datetime, UUID] | None  # the newest run; None when there is none yet
+    attached: list[asyncpg.Record]
 
 
 def parse_uuid(value: str, what: str) -> UUID:
@@ -140,11 +149,11 @@ class Service:
 
     async def rename_conversation(self, who: Principal, conversation_id: UUID,
                                   title: str) -> convs.Conversation:
-        row = await self.pool.fetchrow(*Q.rename_conversation.bind(
-            conversation_id=conversation_id, account_id=who.account_id, title=title))
-        if row is None:
+        renamed = await convs.rename_conversation(self.pool, who.account_id, conversation_id,
+                                                  title)
+        if renamed is None:
             raise not_found("conversation")
-        return convs.Conversation(**dict(row))
+        return renamed
 
     async def search(self, who: Principal, query: str, limit: int = 50) -> list[asyncpg.Record]:
         """Messages (and titles) containing `query`, newest first, across the caller's account."""
@@ -152,8 +161,7 @@ class Service:
         if not query or len(query) > 200:
             raise ServiceError(400, "invalid_query", "q must be 1-200 characters")
         escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        return await self.pool.fetch(*Q.search_messages.bind(
-            account_id=who.account_id, pattern=f"%{escaped}%", limit=limit))
+        return await convs.search_messages(self.pool, who.account_id, f"%{escaped}%", limit)
 
     async def conversation_state(self, who: Principal, conversation_id: UUID,
                                  db: queue.Db | None = None) -> convs.ConversationState:
@@ -162,9 +170,21 @@ class Service:
             raise not_found("conversation")
         return state
 
+    async def feed_snapshot(self, who: Principal, conversation_id: UUID) -> FeedSnapshot:
+        """Transcript, runs, lease, watermark and attached devices from ONE snapshot."""
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read",
+                                                                 readonly=True):
+            state = await self.conversation_state(who, conversation_id, db=conn)
+            watermark = await convs.latest_run(conn, conversation_id)
+            attached = await self.attached(conversation_id, db=conn)
+        return FeedSnapshot(state, watermark, attached)
+
+    async def lease(self, who: Principal, conversation_id: UUID) -> convs.Lease | None:
+        return await convs.get_lease(self.pool, who.account_id, conversation_id)
+
     async def attached(self, conversation_id: UUID,
                        db: queue.Db | None = None) -> list[asyncpg.Record]:
-        return await (db or self.pool).fetch(*Q.list_attached.bind(conversation_id=conversation_id))
+        return await convs.list_attached(db or self.pool, conversation_id)
 
     # runs -----------------------------------------------------------------------------------
 
@@ -179,8 +199,7 @@ class Service:
             # account, and lets the unique index arbitrate the idempotency key.
             return await self._enqueue(self.pool, who, conversation_id, req, idempotency_key)
         async with self.pool.acquire() as conn, conn.transaction():
-            if await conn.fetchval(*Q.lock_conversation.bind(
-                    conversation_id=conversation_id, account_id=who.account_id)) is None:
+            if not await convs.lock_conversation(conn, who.account_id, conversation_id):
                 raise not_found("conversation")
             if idempotency_key is not None:
                 replay = await self._replay(conn, who, conversation_id, idempotency_key, req)
@@ -188,17 +207,16 @@ class Service:
                     return replay
             drafts: list[queue.Draft] = []
             if req.on_busy == "reject":
-                active = await conn.fetch(*Q.list_active_runs.bind(conversation_id=conversation_id))
+                active = await convs.list_active_runs(conn, conversation_id)
                 if active:
                     owner = active[0]
-                    lease = await conn.fetchrow(*Q.get_conversation_lease.bind(
-                        account_id=who.account_id, conversation_id=conversation_id))
+                    lease = await convs.get_lease(conn, who.account_id, conversation_id)
                     raise ServiceError(
                         409, "conversation_busy",
-                        f"the conversation is busy with run {owner['id']} ({owner['status']})",
-                        run_id=str(owner["id"]), run_status=owner["status"],
-                        device=lease["device"] if lease else None,
-                        worker_id=lease["worker_id"] if lease else None)
+                        f"the conversation is busy with run {owner.id} ({owner.status})",
+                        run_id=str(owner.id), run_status=str(owner.status),
+                        device=lease.device if lease else None,
+                        worker_id=lease.worker_id if lease else None)
             elif req.on_busy == "interrupt":
                 stopped = await queue.stop_conversation(conn, account_id=who.account_id,
                                                         conversation_id=conversation_id)
@@ -221,15 +239,13 @@ class Service:
 
     async def _replay(self, conn: asyncpg.Connection, who: Principal, conversation_id: UUID,
                       key: str, req: RunRequest) -> CreatedRun | None:
-        first = await conn.fetchrow(*Q.find_run_by_idempotency_key.bind(
-            account_id=who.account_id, idempotency_key=key))
+        first = await queue.find_run_by_idempotency_key(conn, who.account_id, key)
         if first is None:
             return None
-        if first["request_hash"] != queue.request_hash(conversation_id, req.content,
-                                                         req.snapshot()):
-            raise _idempotency_conflict(first["id"])
-        return CreatedRun(first["id"], RunStatus(first["status"]), first["conversation_id"],
-                          replayed=True)
+        if first.request_hash != queue.request_hash(conversation_id, req.content,
+                                                    req.snapshot()):
+            raise _idempotency_conflict(first.run_id)
+        return CreatedRun(first.run_id, first.status, first.conversation_id, replayed=True)
 
     async def get_run(self, who: Principal, run_id: UUID) -> convs.RunRow:
         run = await convs.get_run(self.pool, who.account_id, run_id)
@@ -265,16 +281,14 @@ class Service:
     # presence -------------------------------------------------------------------------------
 
     async def attach(self, who: Principal, conversation_id: UUID, ttl_s: float) -> UUID:
-        return await self.pool.fetchval(*Q.presence_attach.bind(
-            account_id=who.account_id, conversation_id=conversation_id,
-            device_id=who.device_id, ttl_s=ttl_s))
+        return await convs.attach_presence(self.pool, who.account_id, conversation_id,
+                                           who.device_id, ttl_s)
 
     async def renew_presence(self, presence_id: UUID, ttl_s: float) -> bool:
-        return await self.pool.fetchval(*Q.presence_renew.bind(presence_id=presence_id,
-                                                               ttl_s=ttl_s)) is not None
+        return await convs.renew_presence(self.pool, presence_id, ttl_s)
 
     async def detach(self, presence_id: UUID) -> None:
-        await self.pool.execute(*Q.presence_detach.bind(presence_id=presence_id))
+        await convs.detach_presence(self.pool, presence_id)
 
 
 def _idempotency_conflict(run_id: UUID) -> ServiceError:

@@ -19,9 +19,9 @@ from uuid import UUID
 
 import asyncpg
 
+from agentd.conversations import runs_since
 from agentd.hub import RECONNECTED, Hub
-from agentd.queries import Q
-from agentd.queue import Event, read_events
+from agentd.queue import Event, read_events, run_status
 from agentd.vocabulary import Channel, EventType, RunStatus
 
 PAGE = 500
@@ -47,9 +47,10 @@ async def _ending(pool: asyncpg.Pool, run_id: UUID,
     reader before it gets it from the next read. A terminal run whose journal has none (a
     finalize died midway) gets one synthesized from the row.
     """
-    row = await pool.fetchrow(*Q.run_status.bind(run_id=run_id))
-    if row is None or not RunStatus(row["status"]).terminal:
+    found = await run_status(pool, run_id)
+    if found is None or not found[0].terminal:
         return False, None
+    status, error = found
     # Re-read from the reader's own last event: a `complete` committed with the status flip
     # is visible now.
     tail = await read_events(pool, run_id, after_seq=max(after_seq - 1, 0), limit=PAGE)
@@ -57,7 +58,7 @@ async def _ending(pool: asyncpg.Pool, run_id: UUID,
     if journaled is not None:
         return journaled.seq <= after_seq, None
     return True, Event(after_seq + 1, EventType.COMPLETE,
-                       {"status": row["status"], "error": row["error"], "message_id": None,
+                       {"status": str(status), "error": error, "message_id": None,
                         "synthesized": True}, datetime.now(UTC))
 
 
@@ -156,9 +157,7 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
         recheck = True
         while True:
             sub.clear()
-            runs = await pool.fetch(*Q.list_runs_of_conversation_since.bind(
-                conversation_id=conversation_id, after_created_at=cursor.watermark[0],
-                after_id=cursor.watermark[1], open_run_ids=list(cursor.open)))
+            runs = await runs_since(pool, conversation_id, cursor.watermark, list(cursor.open))
             progressed = False
             for row in runs:
                 run_id = row["id"]

@@ -14,6 +14,7 @@ import pytest
 from agentd.queue import Claim, claim_runs, reap_expired
 from agentd.tools import ToolContext, ToolError, default_tools
 from agentd.tools.notes import StaleFence
+from agentd.tools.store import DatabaseToolStore
 from tests.integration.helpers import enqueue, new_tenant, race, wait_lease_expired
 
 WORKER = "notes-test-worker"
@@ -38,7 +39,7 @@ async def _superseded_and_current(pool: asyncpg.Pool) -> tuple[ToolContext, Tool
 
     def context(claim: Claim) -> ToolContext:
         return ToolContext(claim.run_id, claim.conversation_id, claim.account_id, claim.fence,
-                           pool)
+                           DatabaseToolStore(pool))
 
     return context(claim_a), context(claim_b)
 
@@ -74,12 +75,13 @@ async def test_racing_fenced_writers_never_land_an_older_fence_after_a_newer_one
         pool: asyncpg.Pool) -> None:
     older, newer = await _superseded_and_current(pool)
     tools = default_tools()
+    store = DatabaseToolStore(pool)
     rejected = 0
     for round_no in range(1, 31):
         low = ToolContext(older.run_id, older.conversation_id, older.account_id,
-                          10 * round_no + 1, pool)
+                          10 * round_no + 1, store)
         high = ToolContext(newer.run_id, newer.conversation_id, newer.account_id,
-                           10 * round_no + 2, pool)
+                           10 * round_no + 2, store)
         results = await race(
             lambda low=low: tools.call("notes", {"action": "append", "text": "low"}, low),
             lambda high=high: tools.call("notes", {"action": "append", "text": "high"}, high))

@@ -10,7 +10,7 @@ import pytest
 from agentd.tools import ToolContext, ToolError, default_tools
 from agentd.tools.builtin import evaluate
 
-# The calculator never touches the database; a context without a pool is enough.
+# The calculator never touches the database; a context without a store is enough.
 CTX = ToolContext(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), 1, None)  # type: ignore[arg-type]
 
 

@@ -1,7 +1,13 @@
 """agentd's HTTP surface (aiohttp): handlers call the service layer, never SQL directly."""
 
-from typing import Any
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-RUNTIME: web.AppKey[Any] = web.AppKey("runtime")
+if TYPE_CHECKING:  # the daemon imports the API, not the other way round
+    from agentd.runtime import Runtime
+
+RUNTIME: web.AppKey[Runtime] = web.AppKey("runtime")
+"""The running daemon's pool, hub, settings and dispatcher, for handlers that need them."""

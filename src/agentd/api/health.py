@@ -7,7 +7,7 @@ import asyncio
 from aiohttp import web
 
 from agentd.api import RUNTIME
-from agentd.queries import Q
+from agentd.db import ping
 
 
 def add_routes(app: web.Application) -> None:
@@ -26,7 +26,7 @@ async def readyz(request: web.Request) -> web.Response:
     database = True
     try:
         async with asyncio.timeout(2):
-            await runtime.pool.fetchval(Q.ping.sql)
+            await ping(runtime.pool)
     except Exception:
         database = False
     body = {"database": database, "hub": runtime.hub.connected, "draining": runtime.draining,

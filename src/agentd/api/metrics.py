@@ -5,23 +5,23 @@ from __future__ import annotations
 from aiohttp import web
 
 from agentd.api import RUNTIME
-from agentd.queries import Q
+from agentd.queue import queue_status
 
 
 async def metrics(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     dispatcher = runtime.dispatcher
-    queue = await runtime.pool.fetchrow(Q.queue_status.sql)
+    queue = await queue_status(runtime.pool)
     lines = [
         "# HELP agentd_runs_queued Runs waiting to be claimed (whole fleet).",
         "# TYPE agentd_runs_queued gauge",
-        f"agentd_runs_queued {queue['queued']}",
+        f"agentd_runs_queued {queue.queued}",
         "# HELP agentd_runs_running Runs executing now (whole fleet).",
         "# TYPE agentd_runs_running gauge",
-        f"agentd_runs_running {queue['running']}",
+        f"agentd_runs_running {queue.running}",
         "# HELP agentd_leases_expired Running runs past their lease, awaiting the reaper.",
         "# TYPE agentd_leases_expired gauge",
-        f"agentd_leases_expired {queue['expired']}",
+        f"agentd_leases_expired {queue.expired}",
         "# HELP agentd_in_flight Turns this process is executing.",
         "# TYPE agentd_in_flight gauge",
         f"agentd_in_flight {len(dispatcher.in_flight) if dispatcher else 0}",

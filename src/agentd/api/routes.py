@@ -16,7 +16,6 @@ from agentd.api import RUNTIME, sse, wire
 from agentd.api.auth import auth_middleware, principal
 from agentd.api.errors import error_middleware
 from agentd.export import conversation_markdown
-from agentd.queries import Q
 from agentd.service import (
     Service,
     ServiceError,
@@ -34,8 +33,7 @@ SERVICE = web.AppKey("service", Service)
 
 def add_routes(app: web.Application) -> None:
     runtime = app[RUNTIME]
-    app[SERVICE] = Service(runtime.pool, runtime.hub, runtime.settings,
-                           runtime.extras.get("tool_names", set()))
+    app[SERVICE] = Service(runtime.pool, runtime.hub, runtime.settings, runtime.tool_names)
     app.middlewares.extend([error_middleware, auth_middleware])
     r = app.router
     r.add_get("/v1/me", me)
@@ -275,24 +273,17 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
         cursor = _checked_cursor(cursor_text) if cursor_text else None
     except BadCursor as exc:
         raise ServiceError(400, "invalid_cursor", str(exc)) from None
-    async with service.pool.acquire() as conn, conn.transaction(isolation="repeatable_read",
-                                                                 readonly=True):
-        # One snapshot: transcript, runs, lease and watermark agree with each other.
-        state = await service.conversation_state(who, conversation_id, db=conn)
-        latest = await conn.fetchrow(*Q.latest_run_of_conversation.bind(
-            conversation_id=conversation_id))
-        attached = await service.attached(conversation_id, db=conn)
+    start = await service.feed_snapshot(who, conversation_id)
+    state, attached = start.state, start.attached
     if cursor is None:
-        cursor = FeedCursor((latest["created_at"], latest["id"]) if latest else (EPOCH, NIL_UUID),
+        cursor = FeedCursor(start.watermark or (EPOCH, NIL_UUID),
                             {run.id: 0 for run in state.runs})
     presence_id = await service.attach(who, conversation_id, PRESENCE_TTL_S)
     loop = asyncio.get_running_loop()
     renewed = loop.time()
 
     async def read_lease() -> Any:
-        row = await service.pool.fetchrow(*Q.get_conversation_lease.bind(
-            account_id=who.account_id, conversation_id=conversation_id))
-        return wire.lease(_lease(row))
+        return wire.lease(await service.lease(who, conversation_id))
 
     async def read_presence() -> Any:
         return wire.attached(await service.attached(conversation_id))
@@ -346,9 +337,3 @@ def _checked_cursor(text: str) -> FeedCursor:
     if any(seq > MAX_SEQ for seq in cursor.open.values()):
         raise BadCursor("not a cursor this server issued")
     return cursor
-
-
-def _lease(row: Any) -> Any:
-    from agentd.conversations import Lease
-
-    return Lease(**dict(row)) if row else None

@@ -7,7 +7,6 @@ import math
 import operator
 from typing import Any
 
-from agentd.queries import Q
 from agentd.tools.registry import Tool, ToolContext, ToolError
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -73,7 +72,7 @@ def evaluate(expression: str) -> float | int:
 
 
 async def _clock(_args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:
-    now = await ctx.db.fetchval(Q.database_clock.sql)
+    now = await ctx.store.database_time()
     return {"utc": now.isoformat()}
 
 

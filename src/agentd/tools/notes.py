@@ -1,15 +1,15 @@
 """The `notes` tool: a per-conversation notebook in PostgreSQL whose writes are fenced.
 
-Seed 000's downstream resource: each append carries the run's fence, and the notebook rejects a
-fence lower than the highest it has seen for the conversation, so an execution that lost its
-lease (and was superseded) cannot write after its successor did. Reads are not fenced.
+The downstream resource of fencing (docs/providers.md, "Fenced writes"): each append carries
+the run's fence, and the notebook rejects a fence lower than the highest it has seen for the
+conversation, so an execution that lost its lease (and was superseded) cannot write after its
+successor did. Reads are not fenced.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from agentd.queries import Q
 from agentd.tools.registry import Tool, ToolContext, ToolError
 
 MAX_NOTE_CHARS = 4000
@@ -23,20 +23,19 @@ class StaleFence(ToolError):
 
 async def append_note(ctx: ToolContext, text: str) -> dict[str, Any]:
     """Append behind the fence; raises StaleFence (writing nothing) for a superseded run."""
-    row = await ctx.db.fetchrow(*Q.append_note_fenced.bind(
-        conversation_id=ctx.conversation_id, fence=ctx.fence, run_id=ctx.run_id, text=text))
-    if row is None:
-        mark = await ctx.db.fetchval(*Q.note_fence_mark.bind(conversation_id=ctx.conversation_id))
+    note = await ctx.store.append_note(conversation_id=ctx.conversation_id, run_id=ctx.run_id,
+                                       fence=ctx.fence, text=text)
+    if note is None:
+        mark = await ctx.store.note_fence_mark(ctx.conversation_id)
         raise StaleFence(f"rejected: this run's fence {ctx.fence} is lower than {mark}, which a "
                          "newer execution of this conversation already used; nothing written")
-    return {"note_id": row["id"], "created_at": row["created_at"].isoformat()}
+    return {"note_id": note.id, "created_at": note.created_at.isoformat()}
 
 
 async def list_notes(ctx: ToolContext, limit: int) -> dict[str, Any]:
-    rows = await ctx.db.fetch(*Q.list_notes.bind(conversation_id=ctx.conversation_id,
-                                                 limit=limit))
-    return {"notes": [{"note_id": r["id"], "text": r["text"],
-                       "created_at": r["created_at"].isoformat()} for r in rows]}
+    notes = await ctx.store.list_notes(ctx.conversation_id, limit)
+    return {"notes": [{"note_id": n.id, "text": n.text,
+                       "created_at": n.created_at.isoformat()} for n in notes]}
 
 
 async def _notes(args: dict[str, Any], ctx: ToolContext) -> dict[str, Any]:

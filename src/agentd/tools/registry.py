@@ -1,19 +1,34 @@
 """The tool registry: validates a call's arguments against its schema before running it.
 
-Each call receives the run's fence so a downstream resource can reject a superseded writer
-(seed 000: a uuid distinguishes executions, only a monotonic token orders them).
+Each call receives the run's fence so a downstream resource can reject a superseded writer (a
+uuid distinguishes executions, only a monotonic token orders them: docs/providers.md), and a
+ToolStore: the only database operations a tool may perform. Tools never see the pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, Protocol
 from uuid import UUID
 
-import asyncpg
-
+from agentd.conversations import Note
 from agentd.providers.base import ToolSpec
+
+
+class ToolStore(Protocol):
+    """What a tool may do to the database, and nothing more."""
+
+    async def database_time(self) -> datetime: ...
+
+    async def append_note(self, *, conversation_id: UUID, run_id: UUID, fence: int,
+                          text: str) -> Note | None:
+        """Append behind the notebook's fence; None (nothing written) for a superseded run."""
+
+    async def note_fence_mark(self, conversation_id: UUID) -> int | None: ...
+
+    async def list_notes(self, conversation_id: UUID, limit: int) -> list[Note]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +37,7 @@ class ToolContext:
     conversation_id: UUID
     account_id: UUID
     fence: int
-    db: asyncpg.Pool
+    store: ToolStore
 
 
 class ToolError(Exception):
