@@ -1,4 +1,4 @@
-"""The service layer: authorization, validation and the multi-statement operations of the API.
+"""The service layer: authorization and the multi-statement operations of the API.
 
 HTTP handlers call only this module (and tail.py); it calls the queue SQL. Every method takes the
 caller's Principal and scopes by its account first (rule 9): other accounts' objects are 404s.
@@ -20,15 +20,11 @@ from agentd import conversations as convs
 from agentd import queue
 from agentd.accounts import Principal
 from agentd.hub import Hub
-from agentd.providers import ModelRef, parse_model, validate_params
-from agentd.providers.base import UnknownModel
+from agentd.providers import ModelRef
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
 
-ON_BUSY = ("enqueue", "reject", "interrupt")
-RUN_FIELDS = {"content", "model", "params", "on_busy"}
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
-MAX_TITLE = 500
 
 
 class ServiceError(Exception):
@@ -82,52 +78,6 @@ def parse_uuid(value: str, what: str) -> UUID:
         return UUID(value)
     except (ValueError, AttributeError, TypeError):
         raise not_found(what) from None
-
-
-def validate_run_request(body: Any, settings: Settings, tool_names: set[str]) -> RunRequest:
-    if not isinstance(body, dict):
-        raise ServiceError(400, "invalid_body", "the body must be a JSON object")
-    unknown = set(body) - RUN_FIELDS
-    if unknown:
-        raise ServiceError(400, "unknown_field", f"unknown fields: {', '.join(sorted(unknown))}")
-    content = body.get("content")
-    if not isinstance(content, str) or not content.strip():
-        raise ServiceError(400, "invalid_content", "content must be a non-empty string")
-    if len(content) > settings.max_content_chars:
-        raise ServiceError(413, "content_too_large",
-                           f"content is longer than {settings.max_content_chars} characters")
-    if "\x00" in content:
-        raise ServiceError(400, "invalid_content", "content must not contain NUL characters")
-    model_name = body.get("model")
-    if model_name is not None and (not isinstance(model_name, str) or len(model_name) > 200):
-        raise ServiceError(400, "invalid_model", "model must be a string like provider:model")
-    try:
-        model = parse_model(model_name, settings)
-    except UnknownModel as exc:
-        raise ServiceError(400, "unknown_model", str(exc)) from None
-    params = body.get("params", {})
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise ServiceError(400, "invalid_params", "params must be a JSON object")
-    try:
-        validate_params(settings.providers[model.provider], params, tool_names)
-    except ValueError as exc:
-        raise ServiceError(422, "invalid_params", str(exc)) from None
-    on_busy = body.get("on_busy", "enqueue")
-    if on_busy not in ON_BUSY:
-        raise ServiceError(400, "invalid_on_busy", f"on_busy must be one of {', '.join(ON_BUSY)}")
-    return RunRequest(content, model, params, on_busy)
-
-
-def validate_title(body: Any) -> str:
-    if not isinstance(body, dict) or set(body) - {"title"}:
-        raise ServiceError(400, "invalid_body", 'the body must be {"title": "..."}')
-    title = body.get("title", "")
-    if not isinstance(title, str) or len(title) > MAX_TITLE or "\x00" in title:
-        raise ServiceError(400, "invalid_title", f"title must be a string of at most "
-                           f"{MAX_TITLE} characters")
-    return title.strip()
 
 
 class Service:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import math
 from datetime import UTC
 from typing import Any
 from uuid import UUID
@@ -14,15 +12,10 @@ from aiohttp import web
 
 from agentd.api import RUNTIME, sse, wire
 from agentd.api.auth import auth_middleware, principal
+from agentd.api.bodies import json_body, storable_text, validate_run_request, validate_title
 from agentd.api.errors import error_middleware
 from agentd.export import conversation_markdown
-from agentd.service import (
-    Service,
-    ServiceError,
-    parse_uuid,
-    validate_run_request,
-    validate_title,
-)
+from agentd.service import Service, ServiceError, parse_uuid
 from agentd.tail import EPOCH, NIL_UUID, BadCursor, FeedCursor, conversation_feed, run_tail
 
 PRESENCE_TTL_S = 20.0
@@ -56,60 +49,6 @@ def _service(request: web.Request) -> Service:
     return request.app[SERVICE]
 
 
-async def _json_body(request: web.Request, *, optional: bool = False) -> Any:
-    raw = await request.read()
-    if not raw.strip():
-        if optional:
-            return {}
-        raise ServiceError(400, "invalid_body", "a JSON body is required")
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise ServiceError(400, "invalid_json", "the body is not valid JSON") from None
-    if not _storable(body):
-        raise ServiceError(400, "invalid_json", "the body's strings must be valid Unicode "
-                           "without NUL characters")
-    return body
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is out of range")
-    return value
-
-
-def _storable(value: Any) -> bool:
-    """PostgreSQL text and jsonb hold neither NUL nor unpaired surrogates: refuse them here."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if not _storable_text(item):
-                return False
-        elif isinstance(item, dict):
-            if not all(_storable_text(key) for key in item):
-                return False
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return True
-
-
-def _storable_text(text: str) -> bool:
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _path_id(request: web.Request, what: str) -> UUID:
     return parse_uuid(request.match_info["id"], what)
 
@@ -134,7 +73,7 @@ async def me(request: web.Request) -> web.Response:
 
 
 async def create_conversation(request: web.Request) -> web.Response:
-    title = validate_title(await _json_body(request, optional=True))
+    title = validate_title(await json_body(request, optional=True))
     created = await _service(request).create_conversation(principal(request), title)
     return web.json_response(wire.conversation(created), status=201,
                              headers={"Location": f"/v1/conversations/{created.id}"})
@@ -156,7 +95,7 @@ async def get_conversation(request: web.Request) -> web.Response:
 
 async def rename_conversation(request: web.Request) -> web.Response:
     conversation_id = _path_id(request, "conversation")
-    title = validate_title(await _json_body(request))
+    title = validate_title(await json_body(request))
     renamed = await _service(request).rename_conversation(principal(request), conversation_id,
                                                           title)
     return web.json_response(wire.conversation(renamed))
@@ -172,7 +111,7 @@ async def export_conversation(request: web.Request) -> web.Response:
 async def search(request: web.Request) -> web.Response:
     limit = _int_query(request, "limit", 50, 1, 200)
     query = request.query.get("q", "")
-    if not _storable_text(query):
+    if not storable_text(query):
         raise ServiceError(400, "invalid_query", "q must be valid Unicode without NUL characters")
     rows = await _service(request).search(principal(request), query, limit)
     return web.json_response({"results": [
@@ -184,7 +123,7 @@ async def search(request: web.Request) -> web.Response:
 async def create_run(request: web.Request) -> web.Response:
     service = _service(request)
     conversation_id = _path_id(request, "conversation")
-    body = await _json_body(request)
+    body = await json_body(request)
     req = validate_run_request(body, service.settings, service.tool_names)
     key = request.headers.get("Idempotency-Key")
     # Shielded: a client that hangs up mid-request must not cut the transaction in half.
