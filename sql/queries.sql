@@ -3,10 +3,12 @@
 -- the statement takes none); comment lines naming the invariant it protects; the statement.
 -- Callers bind by name: db.fetchrow(*Q.heartbeat.bind(run_id=…, claim_token=…, lease_ttl_s=…)).
 -- All lease comparisons use clock_timestamp() (the database clock, sampled once per statement).
+-- "Rule N" is rule N of docs/architecture.md ("The rules and where they live").
 
 -- enqueue_run --
 -- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key
--- Rule 1: the user message, the run, journal seq 1-2 and the wake commit as ONE statement.
+-- A run is a row (docs/architecture.md rule 1): the user message, the run, journal seq 1-2 and
+-- the wake commit as ONE statement.
 -- A repeated idempotency key inserts nothing (the unique index arbitrates, even mid-flight).
 -- The conversation row is locked first, so runs of one conversation get created_at in commit
 -- order (a conversation feed's watermark relies on it) and on_busy checks serialize with us.
@@ -50,14 +52,16 @@ WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 
 -- claim_runs --
 -- params: worker_id, lease_ttl_s, limit
--- Rule 2: claim in one statement; SKIP LOCKED so claimers pass over each other, never wait.
--- Only the oldest queued turn of a conversation with nothing running is eligible (FIFO, rule 5);
--- the pre-filter can be fooled by snapshots, the one_running_per_conversation index cannot.
+-- Claim in one statement (docs/architecture.md rule 2); SKIP LOCKED so claimers pass over each
+-- other, never wait. Only the oldest queued turn of a conversation with nothing running is
+-- eligible (FIFO; one turn at a time per conversation, rule 5); the pre-filter can be fooled by
+-- snapshots, the one_running_per_conversation index cannot.
 -- Stamps a fresh claim_token, a monotonic fence and a deadline on the database clock, and
--- acquires the seed-000 conversation lease: its conditional UPSERT takes over only a holder
--- whose run is no longer live; require_conversation_lease (sql/004) raises a unique violation
--- when it was not acquired, so the whole claim rolls back. Journals run_started (worker,
--- fence, deadline); last_seq is that event's seq.
+-- acquires the conversation lease (which execution owns the conversation): its conditional
+-- UPSERT takes over only a holder whose run is no longer live, and require_conversation_lease
+-- (sql/004) raises a unique violation when it was not acquired, so the whole claim rolls back:
+-- no half claim can commit. Journals run_started (worker, fence, deadline); last_seq is that
+-- event's seq.
 WITH clock AS (
     SELECT clock_timestamp() AS now
 ), picked AS (
@@ -128,9 +132,11 @@ WHERE require_conversation_lease(EXISTS (SELECT 1 FROM lease WHERE lease.run_id 
 
 -- heartbeat --
 -- params: run_id, claim_token, lease_ttl_s
--- Rule 3: renew only a lease we still hold. Token + status + unexpired deadline, so a late beat
--- can never revive an execution the reaper may already have judged dead. Zero rows = LeaseLost.
--- Returns the cancel flag: the heartbeat is also the missed-NOTIFY poll for stops (rule 8).
+-- Lease for liveness, fence for correctness (docs/architecture.md rule 3): renew only a lease
+-- we still hold. Token + status + unexpired deadline, so a late beat can never revive an
+-- execution the reaper may already have judged dead. Zero rows = LeaseLost.
+-- Returns the cancel flag: the heartbeat is also the missed-NOTIFY poll for stops (stop is a
+-- state: rule 8).
 UPDATE agent_run r
 SET lease_expires_at = clock.now + make_interval(secs => $3::float8),
     last_heartbeat_at = clock.now
@@ -141,8 +147,8 @@ RETURNING r.cancel_requested, r.lease_expires_at;
 
 -- check_lease --
 -- params: run_id, claim_token
--- Seed 000: before a turn's first write, the granted deadline must still be ahead (database
--- clock) and the claim still ours; zero rows = LeaseLost. Read-only, so no synchronous commit
+-- Before a turn's first write, the granted deadline must still be ahead (database clock) and
+-- the claim still ours; zero rows = LeaseLost. Read-only, so no synchronous commit
 -- delays the start (the claim has just granted a full lease). Also reads the cancel flag after
 -- the worker subscribed to stop hints, so a stop that landed in between is not missed.
 SELECT cancel_requested, lease_expires_at
@@ -152,7 +158,8 @@ WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
 
 -- append_events_fenced --
 -- params: run_id, claim_token, seqs, types, payloads
--- Rule 7: a worker's journal batch lands whole or not at all, only while it owns the run.
+-- Streams are tables (docs/architecture.md rule 7): a worker's journal batch lands whole or not
+-- at all, only while it owns the run.
 -- FOR SHARE on the run row serializes with the reaper and stop, so a finalizer's max(seq)+1
 -- never races an append; zero rows written = LeaseLost. Its wake hint is sent after the commit
 -- (notifier.py), so nobody is woken for a batch that rolled back.
@@ -201,10 +208,11 @@ FROM owner;
 
 -- finish_run_fenced --
 -- params: run_id, claim_token, status, error, usage, content, message_status, seq
--- Rule 3: the worker's terminal write. Fenced like every other write; terminal states are
--- sticky (status = 'running' in the WHERE). In the same statement: the answer message, the one
--- 'complete' event (seq $8, or max+1 for the dispatcher's backstop) and the lease release by
--- execution id. The caller sends the knock that starts the next turn right after the commit.
+-- The worker's terminal write (docs/architecture.md rule 3). Fenced like every other write;
+-- terminal states are sticky (status = 'running' in the WHERE). In the same statement: the
+-- answer message, the one 'complete' event (seq $8, or max+1 for the dispatcher's backstop), the
+-- repair of tool calls left open and the lease release by execution id. The caller sends the
+-- knock that starts the next turn right after the commit.
 WITH clock AS (
     SELECT clock_timestamp() AS now
 ), fin AS (
@@ -245,9 +253,10 @@ FROM fin, repaired;
 
 -- reap_expired_runs --
 -- params: grace_s, limit
--- Rules 3-4: finalize 'failed' only runs whose deadline has passed, re-checked inside this
--- write against the row as it is now (a heartbeat that landed first wins; SKIP LOCKED passes
--- over a run whose heartbeat is in flight). Never re-queued: at most once.
+-- Expiry, at most once (docs/architecture.md rules 3-4): finalize 'failed' only runs whose
+-- deadline has passed, re-checked inside this write against the row as it is now (a heartbeat
+-- that landed first wins; SKIP LOCKED passes over a run whose heartbeat is in flight). Never
+-- re-queued: at most once.
 -- The caller journals the ending with journal_endings in the same transaction.
 UPDATE agent_run r
 SET status = 'failed',
@@ -305,16 +314,17 @@ FROM ended;
 
 -- release_lease --
 -- params: account_id, conversation_id, execution_id
--- Seed 000: release only by execution id. If A expired and B took over, A's late cleanup
--- matches zero rows and B's lease survives; zero rows is a normal, idempotent outcome.
+-- Release the conversation lease only by execution id. If A expired and B took over, A's late
+-- cleanup matches zero rows and B's lease survives; zero rows is a normal, idempotent outcome.
 DELETE FROM conversation_lease
 WHERE account_id = $1::uuid AND conversation_id = $2::uuid AND execution_id = $3::uuid
 RETURNING run_id;
 
 -- lock_active_runs --
 -- params: conversation_id, account_id
--- Rule 8: the stop sweep locks every active run of the conversation, queued and running,
--- in ONE transaction, so no claim or terminal wake can start a turn in the middle of it.
+-- Stop is one transaction (docs/architecture.md rule 8): the sweep locks every active run of
+-- the conversation, queued and running, in ONE transaction, so no claim or terminal wake can
+-- start a turn in the middle of it.
 SELECT id, status
 FROM agent_run
 WHERE conversation_id = $1::uuid AND account_id = $2::uuid
@@ -345,8 +355,8 @@ FROM cancelled c JOIN drafts d ON d.run_id = c.id;
 
 -- request_cancel --
 -- params: run_ids
--- Rule 8: stop is a state. Flag running runs; the NOTIFY is only the fast path, the worker
--- re-reads the flag on every heartbeat. Terminal runs are untouched (sticky).
+-- Stop is a state (docs/architecture.md rule 8). Flag running runs; the NOTIFY is only the fast
+-- path, the worker re-reads the flag on every heartbeat. Terminal runs are untouched (sticky).
 UPDATE agent_run
 SET cancel_requested = true
 WHERE id = ANY ($1::uuid[]) AND status = 'running'
@@ -359,7 +369,7 @@ SELECT pg_notify('agentd_conversation', $1::text);
 
 -- read_events_after --
 -- params: run_id, after_seq, limit
--- Rule 7: a tail is a cursor over the journal; any process can serve it.
+-- A tail is a cursor over the journal (docs/architecture.md rule 7); any process can serve it.
 SELECT seq, type, payload, created_at
 FROM run_event
 WHERE run_id = $1::uuid AND seq > $2::bigint
@@ -368,7 +378,8 @@ LIMIT $3::int;
 
 -- get_run --
 -- params: run_id, account_id
--- Rule 9: a run is visible only to its own account. Names the device that asked.
+-- A run is visible only to its own account (docs/architecture.md rule 9). Names the device that
+-- asked: the view agent_run_with_device (sql/004) is the one list of a run's columns.
 SELECT * FROM agent_run_with_device
 WHERE id = $1::uuid AND account_id = $2::uuid;
 
@@ -392,7 +403,7 @@ ORDER BY created_at, id;
 
 -- get_conversation_lease --
 -- params: account_id, conversation_id
--- Seed 000: who owns the conversation and until when. The deadline is joined from the owning
+-- Who owns the conversation (its lease) and until when. The deadline is joined from the owning
 -- run (one source of truth); live is decided by the database clock.
 SELECT l.run_id, l.execution_id, l.fence, l.worker_id, l.device_id, d.name AS device,
        r.lease_expires_at AS expires_at,
@@ -431,7 +442,8 @@ RETURNING id, account_id, name, created_at;
 
 -- authenticate_device --
 -- params: token_hash
--- Rule 9: a bearer token resolves to (account, device) only while not revoked; marks it seen.
+-- Authorize first (docs/architecture.md rule 9): a bearer token resolves to (account, device)
+-- only while not revoked; marks it seen.
 -- last_seen_at moves at most once a minute: writing it on every request put a synchronous
 -- commit, and a row lock that all of a device's requests queue on, in front of every API call.
 WITH found AS (
@@ -469,7 +481,7 @@ RETURNING id, account_id, title, created_at, updated_at;
 
 -- get_conversation --
 -- params: conversation_id, account_id
--- Rule 9: another account's conversation does not exist for you.
+-- Another account's conversation does not exist for you (docs/architecture.md rule 9).
 SELECT id, account_id, title, created_at, updated_at
 FROM conversation
 WHERE id = $1::uuid AND account_id = $2::uuid;
@@ -520,7 +532,7 @@ SELECT to_regclass('schema_migrations') IS NOT NULL;
 SELECT 1;
 
 -- database_clock --
--- The daemon's clock is not trusted (rule 10): time comes from the database.
+-- The daemon's clock is not trusted (docs/architecture.md rule 10): time comes from the database.
 SELECT clock_timestamp();
 
 -- database_exists --
@@ -654,7 +666,8 @@ LIMIT $3::int;
 
 -- append_note_fenced --
 -- params: conversation_id, fence, run_id, text
--- Seed 000, downstream fencing: the notebook raises its per-conversation high-water mark and
+-- Downstream fencing (docs/providers.md, "Fenced writes"): the notebook raises its
+-- per-conversation high-water mark and
 -- appends in ONE statement; a fence lower than the mark (a superseded execution) updates and
 -- inserts nothing (zero rows = rejected). The conflicting mark row is locked and re-checked, so
 -- concurrent writers serialize on it and an older fence can never slip in after a newer one.
@@ -688,7 +701,8 @@ ORDER BY id;
 
 -- notify_batch --
 -- params: channels, payloads
--- Wake hints for rows already committed, many per statement (rule 6: hints, not truth). A
--- notify-only transaction assigns no xid, so it commits without a WAL flush.
+-- Wake hints for rows already committed, many per statement (signals are hints, rows are
+-- truth: docs/architecture.md rule 6). A notify-only transaction assigns no xid, so it commits
+-- without a WAL flush.
 SELECT count(pg_notify(t.channel, t.payload))
 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS t (channel, payload, n);
