@@ -172,23 +172,26 @@ async def latest_run(db: Db, conversation_id: UUID) -> tuple[datetime, UUID] | N
 async def runs_since(db: Db, conversation_id: UUID, watermark: tuple[datetime, UUID],
                      open_run_ids: list[UUID]) -> list[asyncpg.Record]:
     """Runs after the watermark plus the open ones: id, status, created_at, cancel_requested."""
-    return await db.fetch(*Q.list_runs_of_conversation_since.bind(
+    rows: list[asyncpg.Record] = await db.fetch(*Q.list_runs_of_conversation_since.bind(
         conversation_id=conversation_id, after_created_at=watermark[0], after_id=watermark[1],
         open_run_ids=open_run_ids))
+    return rows
 
 
 async def transcript_for_run(db: Db, conversation_id: UUID,
                              user_message_id: UUID) -> list[asyncpg.Record]:
     """What the model sees for a turn: role, content, tool_calls, tool_call_id in turn order."""
-    return await db.fetch(*Q.transcript_for_run.bind(conversation_id=conversation_id,
-                                                     user_message_id=user_message_id))
+    rows: list[asyncpg.Record] = await db.fetch(*Q.transcript_for_run.bind(
+        conversation_id=conversation_id, user_message_id=user_message_id))
+    return rows
 
 
 async def search_messages(db: Db, account_id: UUID, pattern: str,
                           limit: int) -> list[asyncpg.Record]:
     """Messages and titles matching an ILIKE pattern (escaped by the caller), newest first."""
-    return await db.fetch(*Q.search_messages.bind(account_id=account_id, pattern=pattern,
-                                                  limit=limit))
+    rows: list[asyncpg.Record] = await db.fetch(*Q.search_messages.bind(
+        account_id=account_id, pattern=pattern, limit=limit))
+    return rows
 
 
 # presence -----------------------------------------------------------------------------------
@@ -213,7 +216,9 @@ async def detach_presence(db: Db, presence_id: UUID) -> None:
 
 async def list_attached(db: Db, conversation_id: UUID) -> list[asyncpg.Record]:
     """Devices attached now: device_id, device, since."""
-    return await db.fetch(*Q.list_attached.bind(conversation_id=conversation_id))
+    rows: list[asyncpg.Record] = await db.fetch(*Q.list_attached.bind(
+        conversation_id=conversation_id))
+    return rows
 
 
 # the notebook -------------------------------------------------------------------------------

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeAlias
 
 import asyncpg
 
 from agentd.queries import Q
 
-Db = asyncpg.Pool | asyncpg.Connection
+Db: TypeAlias = asyncpg.Pool | asyncpg.Connection  # what the data layer's functions run on
 EMBEDDED_DATABASE = "agentd"  # create_agentd_database names it (identifiers cannot be bound)
 
 

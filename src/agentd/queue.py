@@ -17,7 +17,7 @@ from uuid import UUID
 
 import asyncpg
 
-from agentd.db import Db
+from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
 
