@@ -13,7 +13,7 @@ from uuid import UUID
 
 import asyncpg
 
-from agentd.queries import Q
+from agentd.conversations import transcript_for_run
 from tests.api.conftest import Api
 from tests.api.helpers import (
     FAST,
@@ -61,11 +61,10 @@ def malformations(messages: list[dict[str, Any]]) -> list[str]:
 
 
 async def model_request(api: Api, conversation_id: str, run_id: str) -> list[dict[str, Any]]:
-    """The transcript the worker gives the model for this run (the statement it runs)."""
+    """The transcript the worker gives the model for this run (the function it calls)."""
     user_message_id = await api.pool.fetchval(
         "SELECT user_message_id FROM agent_run WHERE id = $1", UUID(run_id))
-    rows = await api.pool.fetch(*Q.transcript_for_run.bind(
-        conversation_id=UUID(conversation_id), user_message_id=user_message_id))
+    rows = await transcript_for_run(api.pool, UUID(conversation_id), user_message_id)
     return [{"role": r["role"], "tool_calls": r["tool_calls"], "tool_call_id": r["tool_call_id"]}
             for r in rows]
 
