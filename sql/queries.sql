@@ -1,7 +1,7 @@
 -- Every statement agentd sends, by name. Bound parameters only; no SQL is built from input.
 -- Format: a "-- name --" line; a "-- params: a, b" line naming $1, $2, … in order (left out when
 -- the statement takes none); comment lines naming the invariant it protects; the statement.
--- Callers bind by name: db.fetchrow(*Q.heartbeat.bind(run_id=…, claim_token=…, lease_ttl_s=…)).
+-- Callers bind by name: db.fetchrow(*Q.check_lease.bind(run_id=…, claim_token=…)).
 -- All lease comparisons use clock_timestamp() (the database clock, sampled once per statement).
 -- "Rule N" is rule N of docs/architecture.md ("The rules and where they live").
 
@@ -130,20 +130,95 @@ SELECT c.*, started.seq AS last_seq
 FROM claimed c JOIN started ON started.run_id = c.id
 WHERE require_conversation_lease(EXISTS (SELECT 1 FROM lease WHERE lease.run_id = c.id), c.id);
 
--- heartbeat --
--- params: run_id, claim_token, lease_ttl_s
--- Lease for liveness, fence for correctness (docs/architecture.md rule 3): renew only a lease
--- we still hold. Token + status + unexpired deadline, so a late beat can never revive an
--- execution the reaper may already have judged dead. Zero rows = LeaseLost.
--- Returns the cancel flag: the heartbeat is also the missed-NOTIFY poll for stops (stop is a
--- state: rule 8).
+-- beat --
+-- params: worker_id, host, pid, listen, version, lease_ttl_s, runs_in_flight, max_runs, loop_lag_ms, pool_wait_ms, admitting, run_ids, claim_tokens
+-- One beat per process (docs/architecture.md rule 3): renews the lease of every run the process
+-- holds and its own worker row, in ONE statement, sent on a connection reserved for it so no
+-- load on the pool can delay it. Each run is fenced by its own claim token, status running and a
+-- deadline still ahead of clock_timestamp() when its row is locked, so a late beat can never
+-- revive an expired lease. The beat's moment is statement_timestamp() (the database clock when
+-- the statement arrived, before any check): the new deadline counts from it, never longer than
+-- granted, and last_heartbeat_at is earlier than every check it passed.
+-- Rows locked by someone else are skipped, never waited for: one run held by a slow or frozen
+-- transaction cannot hold up the renewal of all the others. Per run the outcome is `renewed`,
+-- `busy` (locked elsewhere but, as last committed, still ours: renew_leases_waiting retries it
+-- at once) or `lost` (its token, status or deadline says it is no longer ours: stop, write
+-- nothing more). Returns the cancel flags: the beat is also the missed-NOTIFY poll (rule 8).
+-- The worker row (what `agentd status` lists) lives one lease past its last beat.
+WITH clock AS (
+    SELECT statement_timestamp() AS now
+), me AS (
+    INSERT INTO worker AS w (id, host, pid, listen, version, last_beat_at, expires_at,
+                             runs_in_flight, max_runs, loop_lag_ms, pool_wait_ms, admitting)
+    SELECT $1::text, $2::text, $3::int, $4::text, $5::text, clock.now,
+           clock.now + make_interval(secs => $6::float8), $7::int, $8::int, $9::float8,
+           $10::float8, $11::bool
+    FROM clock
+    ON CONFLICT (id) DO UPDATE
+    SET last_beat_at = EXCLUDED.last_beat_at, expires_at = EXCLUDED.expires_at,
+        runs_in_flight = EXCLUDED.runs_in_flight, max_runs = EXCLUDED.max_runs,
+        loop_lag_ms = EXCLUDED.loop_lag_ms, pool_wait_ms = EXCLUDED.pool_wait_ms,
+        admitting = EXCLUDED.admitting, listen = EXCLUDED.listen
+), held AS (
+    SELECT h.run_id, h.claim_token
+    FROM unnest($12::uuid[], $13::uuid[]) AS h (run_id, claim_token)
+), mine AS (
+    SELECT r.id
+    FROM agent_run r JOIN held ON held.run_id = r.id AND held.claim_token = r.claim_token
+    WHERE r.status = 'running' AND r.lease_expires_at > clock_timestamp()
+    FOR NO KEY UPDATE OF r SKIP LOCKED
+), renewed AS (
+    UPDATE agent_run r
+    SET lease_expires_at = clock.now + make_interval(secs => $6::float8),
+        last_heartbeat_at = clock.now
+    FROM mine, clock
+    WHERE r.id = mine.id AND r.status = 'running' AND r.lease_expires_at > clock_timestamp()
+    RETURNING r.id, r.cancel_requested, r.lease_expires_at
+)
+SELECT held.run_id,
+       CASE WHEN renewed.id IS NOT NULL THEN 'renewed'
+            WHEN EXISTS (SELECT 1 FROM agent_run r
+                         WHERE r.id = held.run_id AND r.claim_token = held.claim_token
+                           AND r.status = 'running' AND r.lease_expires_at > clock_timestamp())
+                THEN 'busy'
+            ELSE 'lost' END AS outcome,
+       renewed.cancel_requested, renewed.lease_expires_at
+FROM held LEFT JOIN renewed ON renewed.id = held.run_id;
+
+-- renew_leases_waiting --
+-- params: lease_ttl_s, run_ids, claim_tokens
+-- The beat's second chance for the few runs it found locked (mid-append, mid-stop): the same
+-- fenced renewal, waiting for the row locks this time (bounded by the beat connection's
+-- lock_timeout). A run missing from the result was re-checked after its lock: it is lost.
+-- Clocks as in beat: checked against clock_timestamp(), renewed from statement_timestamp().
 UPDATE agent_run r
-SET lease_expires_at = clock.now + make_interval(secs => $3::float8),
+SET lease_expires_at = clock.now + make_interval(secs => $1::float8),
     last_heartbeat_at = clock.now
-FROM (SELECT clock_timestamp() AS now) clock
-WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
-  AND r.lease_expires_at > clock.now
-RETURNING r.cancel_requested, r.lease_expires_at;
+FROM unnest($2::uuid[], $3::uuid[]) AS held (run_id, claim_token),
+     (SELECT statement_timestamp() AS now) clock
+WHERE r.id = held.run_id AND r.claim_token = held.claim_token AND r.status = 'running'
+  AND r.lease_expires_at > clock_timestamp()
+RETURNING r.id AS run_id, r.cancel_requested, r.lease_expires_at;
+
+-- retire_worker --
+-- params: worker_id
+-- A process that drained and exits leaves the fleet at once (a crashed one expires instead).
+DELETE FROM worker WHERE id = $1::text;
+
+-- purge_dead_workers --
+-- params: older_than_s
+-- Rows of processes that stopped beating long ago; `agentd status` shows live ones anyway.
+DELETE FROM worker WHERE expires_at < clock_timestamp() - make_interval(secs => $1::float8);
+
+-- list_workers --
+-- Every process of the fleet that beat recently, live ones (deadline ahead) first; `live` and
+-- `beat_age_s` by the database clock.
+SELECT w.id, w.host, w.pid, w.listen, w.version, w.started_at, w.last_beat_at, w.expires_at,
+       w.runs_in_flight, w.max_runs, w.loop_lag_ms, w.pool_wait_ms, w.admitting,
+       w.expires_at > clock_timestamp() AS live,
+       extract(epoch FROM clock_timestamp() - w.last_beat_at)::float8 AS beat_age_s
+FROM worker w
+ORDER BY (w.expires_at > clock_timestamp()) DESC, w.host, w.pid, w.id;
 
 -- check_lease --
 -- params: run_id, claim_token
@@ -213,6 +288,9 @@ FROM owner;
 -- answer message, the one 'complete' event (seq $8, or max+1 for the dispatcher's backstop), the
 -- repair of tool calls left open and the lease release by execution id. The caller sends the
 -- knock that starts the next turn right after the commit.
+-- A `failed` run's answer is the text its journal holds (journal_text, sql/008) with message
+-- status `failed`, whoever calls ($6 and $7 apply to the other endings): the transcript keeps
+-- exactly what every client saw, and no answer when nothing was streamed.
 WITH clock AS (
     SELECT clock_timestamp() AS now
 ), fin AS (
@@ -228,9 +306,13 @@ WITH clock AS (
     SELECT answer_open_tool_calls(fin.id) AS calls FROM fin
 ), answer AS (
     INSERT INTO message (conversation_id, run_id, role, content, status)
-    SELECT fin.conversation_id, fin.id, 'assistant', $6::text, $7::text
-    FROM fin, repaired
-    WHERE $6::text IS NOT NULL
+    SELECT fin.conversation_id, fin.id, 'assistant', said.content, said.status
+    FROM fin, repaired,
+         LATERAL (SELECT nullif(journal_text(fin.id), '') AS content, 'failed' AS status
+                  WHERE $3::text = 'failed'
+                  UNION ALL
+                  SELECT $6::text, $7::text WHERE $3::text <> 'failed') said
+    WHERE said.content IS NOT NULL
     RETURNING id
 ), ended AS (
     INSERT INTO run_event (run_id, seq, type, payload)
@@ -281,36 +363,48 @@ RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.erro
 -- fresh snapshot that sees every append committed before our row lock, and the lock holds off
 -- the rest. one_complete_per_run makes a second ending impossible regardless.
 -- Releases the runs' leases by execution id, answers the tool calls a dead worker left open
--- (answer_open_tool_calls, sql/004) and knocks the queue. A turn a stop cancelled before it
--- started names its handed-back draft, so every stream can return it to its author.
+-- (answer_open_tool_calls, sql/004) and knocks the queue. A run ended `failed` keeps the text
+-- its journal holds (journal_text, sql/008) as its answer with status `failed`, written after
+-- the repair (it reads from it), so the transcript stays in turn order and equals what every
+-- client saw. A turn a stop cancelled before it started names its handed-back draft, so every
+-- stream can return it to its author.
 WITH ended AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[],
                          $6::text[], $7::uuid[]) AS t (run_id, account_id, conversation_id,
                                                       claim_token, status, error, draft_id)
+), repaired AS (
+    SELECT ended.*, answer_open_tool_calls(ended.run_id) AS repaired_calls FROM ended
+), answer AS (
+    INSERT INTO message (conversation_id, run_id, role, content, status)
+    SELECT repaired.conversation_id, repaired.run_id, 'assistant', said.content, 'failed'
+    FROM repaired, LATERAL (SELECT nullif(journal_text(repaired.run_id), '') AS content) said
+    WHERE repaired.status = 'failed' AND said.content IS NOT NULL
+    RETURNING id, run_id
 ), journal AS (
     INSERT INTO run_event (run_id, seq, type, payload)
-    SELECT ended.run_id,
-           coalesce((SELECT max(e.seq) FROM run_event e WHERE e.run_id = ended.run_id), 0) + 1,
+    SELECT repaired.run_id,
+           coalesce((SELECT max(e.seq) FROM run_event e WHERE e.run_id = repaired.run_id), 0)
+           + 1,
            'complete',
-           jsonb_build_object('status', ended.status, 'error', ended.error, 'message_id', NULL)
-           || CASE WHEN ended.draft_id IS NULL THEN '{}'::jsonb
+           jsonb_build_object('status', repaired.status, 'error', repaired.error,
+                              'message_id', answer.id)
+           || CASE WHEN repaired.draft_id IS NULL THEN '{}'::jsonb
                    ELSE jsonb_build_object('draft', jsonb_build_object(
-                       'message_id', ended.draft_id,
-                       'content', (SELECT content FROM message WHERE id = ended.draft_id)))
+                       'message_id', repaired.draft_id,
+                       'content', (SELECT content FROM message WHERE id = repaired.draft_id)))
               END
-    FROM ended
+    FROM repaired LEFT JOIN answer ON answer.run_id = repaired.run_id
 ), released AS (
     DELETE FROM conversation_lease l
     USING ended
     WHERE l.account_id = ended.account_id AND l.conversation_id = ended.conversation_id
       AND l.execution_id = ended.claim_token
 )
-SELECT ended.run_id,
-       answer_open_tool_calls(ended.run_id) AS repaired_calls,
-       pg_notify('agentd_run_event', ended.run_id::text),
-       pg_notify('agentd_run_enqueued', ended.conversation_id::text),
-       pg_notify('agentd_conversation', ended.conversation_id::text)
-FROM ended;
+SELECT repaired.run_id, repaired.repaired_calls, answer.id AS message_id,
+       pg_notify('agentd_run_event', repaired.run_id::text),
+       pg_notify('agentd_run_enqueued', repaired.conversation_id::text),
+       pg_notify('agentd_conversation', repaired.conversation_id::text)
+FROM repaired LEFT JOIN answer ON answer.run_id = repaired.run_id;
 
 -- release_lease --
 -- params: account_id, conversation_id, execution_id

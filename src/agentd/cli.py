@@ -173,13 +173,22 @@ async def _token(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _status(settings: Settings, _args: argparse.Namespace) -> int:
-    from agentd.queue import queue_status
+    from agentd.queue import list_workers, queue_status
 
     async def work(pool: Any) -> int:
         status = await queue_status(pool)
+        workers = [w for w in await list_workers(pool) if w.live]
         print(f"queued: {status.queued}\nrunning: {status.running}\n"
               f"expired leases awaiting the reaper: {status.expired}\n"
-              f"live workers: {', '.join(status.workers) or '-'}")
+              f"live workers: {len(workers)}")
+        if workers:
+            print(f"  {'worker':34}  {'runs':>9}  {'last beat':>9}  {'loop lag':>9}  "
+                  f"{'pool wait':>9}  claiming")
+            for w in workers:
+                print(f"  {w.id:34}  {f'{w.runs_in_flight}/{w.max_runs}':>9}  "
+                      f"{f'{w.beat_age_s:.1f} s ago':>9}  {f'{w.loop_lag_ms:.0f} ms':>9}  "
+                      f"{f'{w.pool_wait_ms:.0f} ms':>9}  "
+                      f"{'yes' if w.admitting else 'holding back'}")
         return 0
 
     return await _with_pool(settings, work)

@@ -65,10 +65,12 @@ async def create_pool(dsn: str, *, min_size: int = 2, max_size: int = 20,
 
 
 async def connect(dsn: str, *, application_name: str = "agentd",
-                  **kwargs: Any) -> asyncpg.Connection:
-    """A single connection with the same codecs as the pool (the hub's, migrations', tests')."""
-    conn = await asyncpg.connect(
-        dsn, server_settings={"application_name": application_name}, **kwargs)
+                  timeouts: DbTimeouts | None = None, **kwargs: Any) -> asyncpg.Connection:
+    """A single connection with the same codecs as the pool (the hub's, migrations', tests',
+    the heartbeat's, which also bounds its waits with `timeouts`)."""
+    settings = server_settings(timeouts, application_name) if timeouts is not None else \
+        {"application_name": application_name}
+    conn = await asyncpg.connect(dsn, server_settings=settings, **kwargs)
     await _init_connection(conn)
     return conn
 

@@ -1,8 +1,11 @@
-"""The claim loop: take a concurrency slot, then claim, then run the turn in its own task.
+"""The claim loop: take a concurrency slot, wait until the load admits more, then claim, then
+run the turn in its own task.
 
 The semaphore is acquired before the claim (rule 2), so a saturated process never strands a run
-it has no capacity for. Idle, it waits on the hub's run_enqueued hint with the tick as timeout.
-However a turn's task ends, the dispatcher makes sure its run is finalized (the backstop).
+it has no capacity for; admission by capacity (load.py) holds back while the event loop lags or
+the pool waits, so overload leaves turns queued instead of claiming ones it cannot keep alive.
+Idle, it waits on the hub's run_enqueued hint with the tick as timeout. However a turn's task
+ends, the dispatcher makes sure its run is finalized (the backstop).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from collections.abc import Awaitable, Callable
 import asyncpg
 
 from agentd.hub import Hub
+from agentd.load import LoadMonitor
+from agentd.metrics import Metrics
 from agentd.queue import Claim, Hint, LeaseLost, SeqConflict, claim_runs, finish_run
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
@@ -28,13 +33,16 @@ DRAIN_ERROR = "agentd stopped before the turn finished (drain budget exhausted)"
 
 class Dispatcher:
     def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings, worker_id: str,
-                 run_turn: RunTurn, hint: Hint | None = None) -> None:
+                 run_turn: RunTurn, load: LoadMonitor, metrics: Metrics,
+                 hint: Hint | None = None) -> None:
         self._pool = pool
         self._hint = hint
         self._hub = hub
         self._settings = settings
         self._worker_id = worker_id
         self._run_turn = run_turn
+        self._load = load
+        self._metrics = metrics
         self._slots = asyncio.Semaphore(settings.max_runs)
         self._loop_task: asyncio.Task[None] | None = None
         self._draining = False
@@ -72,6 +80,11 @@ class Dispatcher:
         async with self._hub.subscribe(Channel.RUN_ENQUEUED) as wake:
             while True:
                 await self._slots.acquire()
+                try:
+                    await self._load.admitted()
+                except asyncio.CancelledError:
+                    self._slots.release()
+                    raise
                 wake.clear()  # hints from here on are kept for the idle wait below
                 try:
                     claims = await claim_runs(self._pool, worker_id=self._worker_id,
@@ -88,6 +101,7 @@ class Dispatcher:
                     continue
                 for claim in claims:
                     self.claimed += 1
+                    self._metrics.claimed.inc()
                     task = asyncio.create_task(self._run_and_release(claim),
                                                name=f"run-{claim.run_id}")
                     self.in_flight.add(task)

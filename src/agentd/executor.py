@@ -1,7 +1,8 @@
 """Runs one claimed turn: model stream ⇄ tools, journaled behind the fence, finalized once.
 
-A heartbeat task renews the lease every heartbeat_s and re-reads the cancel flag; a cancel NOTIFY
-triggers that beat at once. On LeaseLost everything stops and nothing more is written.
+The process's heartbeat (heartbeat.LeaseKeeper) keeps the lease and reports the cancel flag and a
+lost lease; on LeaseLost everything stops and nothing more is written. A failed turn keeps the
+text it streamed (finish_run_fenced stores the journal's text with status `failed`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import asyncpg
 
 from agentd.conversations import transcript_for_run
-from agentd.hub import Hub, Subscription
+from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.journal import Emitter
 from agentd.providers import ModelRef, ProviderRegistry, parse_model
 from agentd.providers.base import (
@@ -32,13 +33,12 @@ from agentd.queue import (
     answer_open_tool_calls,
     check_lease,
     finish_run,
-    heartbeat,
     insert_message,
 )
 from agentd.settings import Settings
 from agentd.tools import ToolContext, ToolError, ToolRegistry
 from agentd.tools.store import DatabaseToolStore
-from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
+from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
 
 log = logging.getLogger("agentd.executor")
 
@@ -55,6 +55,7 @@ class _Turn:
 
     claim: Claim
     emitter: Emitter
+    held: HeldRun
     text: list[str] = field(default_factory=list)
     open_calls: dict[str, str] = field(default_factory=dict)  # call id -> tool name
     asked_tools: bool = False  # a tool-call message may have been written
@@ -73,12 +74,12 @@ class _Turn:
 class TurnRunner:
     """Executes claims for one worker; `run` returns True once the terminal write landed."""
 
-    def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings,
+    def __init__(self, pool: asyncpg.Pool, keeper: LeaseKeeper, settings: Settings,
                  providers: ProviderRegistry, tools: ToolRegistry,
                  hint: Hint | None = None) -> None:
         self._pool = pool
         self._hint = hint
-        self._hub = hub
+        self._keeper = keeper
         self._settings = settings
         self._providers = providers
         self._tools = tools
@@ -86,8 +87,10 @@ class TurnRunner:
 
     async def run(self, claim: Claim) -> bool:
         ctx = {"run_id": str(claim.run_id), "fence": claim.fence}
-        # Subscribe before the first beat so a stop committed in between still wakes us.
-        async with self._hub.subscribe(Channel.RUN_CANCEL, str(claim.run_id)) as cancel_sub:
+        # Held before the first read, so a stop committed in between still reaches us (the
+        # heartbeat listens for stops of every run it holds).
+        held = self._keeper.hold(claim)
+        try:
             try:
                 # Seed 000: the granted deadline must still be ahead before any work starts.
                 # A read, not a renewal: the claim just granted a full lease, and a write here
@@ -98,20 +101,16 @@ class TurnRunner:
                 return False
             emitter = Emitter(self._pool, claim,
                               flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint)
-            turn = _Turn(claim, emitter)
-            cancel, lost = asyncio.Event(), asyncio.Event()
-            if beat.cancel_requested or claim.cancel_requested:
-                cancel.set()
-            beating = asyncio.create_task(self._keep_lease(claim, cancel_sub, cancel, lost))
+            turn = _Turn(claim, emitter, held)
+            if beat.cancel_requested:
+                held.cancel.set()
             try:
-                return await self._execute(turn, cancel, lost, ctx)
+                return await self._execute(turn, held.cancel, held.lost, ctx)
             except LeaseLost:
                 log.warning("lease lost; stopped and wrote nothing more", extra=ctx)
                 return False
-            finally:
-                beating.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await beating
+        finally:
+            self._keeper.release(claim.run_id)
 
     async def _execute(self, turn: _Turn, cancel: asyncio.Event, lost: asyncio.Event,
                        ctx: dict[str, Any]) -> bool:
@@ -152,8 +151,10 @@ class TurnRunner:
         await turn.emitter.close()
         answer = turn.answer
         complete = status == RunStatus.COMPLETED
+        turn.held.finishing = True  # a beat that finds the run ended from here on is no news
         await finish_run(
             self._pool, turn.claim, status, seq=turn.emitter.next_seq,
+            # A failed turn's answer is its journal's text, taken by the terminal write itself.
             content=answer if (answer or complete) else None,
             message_status=MessageStatus.COMPLETE if complete else MessageStatus.PARTIAL,
             hint=self._hint,
@@ -161,24 +162,6 @@ class TurnRunner:
         log.info("run finished", extra={**ctx, "status": str(status), "error": error,
                                         "journal_rows": turn.emitter.rows_written})
         return True
-
-    async def _keep_lease(self, claim: Claim, cancel_sub: Subscription, cancel: asyncio.Event,
-                          lost: asyncio.Event) -> None:
-        """Renew every heartbeat_s; a cancel hint beats at once. Stops only when cancelled."""
-        while True:
-            await cancel_sub.wait(self._settings.heartbeat_s)
-            try:
-                beat = await heartbeat(self._pool, claim, self._settings.lease_ttl_s)
-            except LeaseLost:
-                lost.set()
-                return
-            except _DB_ERRORS as exc:
-                # Keep trying: the deadline, checked by the database, decides if we lost it.
-                log.warning("heartbeat failed; retrying",
-                            extra={"run_id": str(claim.run_id), "error": str(exc)})
-                continue
-            if beat.cancel_requested:
-                cancel.set()
 
     async def _generate(self, turn: _Turn) -> None:
         claim = turn.claim

@@ -81,6 +81,43 @@ class Beat:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """What a process says about itself with every beat (its row of the `worker` table)."""
+
+    worker_id: str
+    host: str
+    pid: int
+    listen: str | None = None
+    version: str | None = None
+    runs_in_flight: int = 0
+    max_runs: int = 0
+    loop_lag_ms: float = 0.0  # the worst since the previous beat
+    pool_wait_ms: float = 0.0
+    admitting: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRow:
+    """A process of the fleet as its last beat described it; live by the database clock."""
+
+    id: str
+    host: str
+    pid: int
+    listen: str | None
+    version: str | None
+    started_at: datetime
+    last_beat_at: datetime
+    expires_at: datetime
+    runs_in_flight: int
+    max_runs: int
+    loop_lag_ms: float
+    pool_wait_ms: float
+    admitting: bool
+    live: bool
+    beat_age_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class NewEvent:
     seq: int
     type: EventType
@@ -246,13 +283,78 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
     return claims
 
 
+@dataclass(frozen=True, slots=True)
+class BeatResult:
+    """What one beat learned: renewed runs (with their cancel flags), runs it must retry
+    because another transaction held their row, and runs that are no longer ours."""
+
+    renewed: dict[UUID, Beat]
+    busy: list[UUID]
+    lost: list[UUID]
+
+
+async def beat(db: Db, worker: WorkerReport, held: Sequence[Claim],
+               lease_ttl_s: float) -> BeatResult:
+    """One process's beat: renew every lease in `held` and the worker's own row, in ONE
+    statement; rows locked elsewhere are skipped (`busy`), never waited for."""
+    rows = await db.fetch(*Q.beat.bind(
+        worker_id=worker.worker_id, host=worker.host, pid=worker.pid, listen=worker.listen,
+        version=worker.version, lease_ttl_s=lease_ttl_s, runs_in_flight=worker.runs_in_flight,
+        max_runs=worker.max_runs, loop_lag_ms=worker.loop_lag_ms,
+        pool_wait_ms=worker.pool_wait_ms, admitting=worker.admitting,
+        run_ids=[c.run_id for c in held], claim_tokens=[c.claim_token for c in held]))
+    result = BeatResult({}, [], [])
+    for row in rows:
+        if row["outcome"] == "renewed":
+            result.renewed[row["run_id"]] = Beat(row["cancel_requested"],
+                                                 row["lease_expires_at"])
+        elif row["outcome"] == "busy":
+            result.busy.append(row["run_id"])
+        else:
+            result.lost.append(row["run_id"])
+    return result
+
+
+async def renew_leases_waiting(db: Db, held: Sequence[Claim],
+                               lease_ttl_s: float) -> dict[UUID, Beat]:
+    """Renew these leases, waiting for their row locks; a run missing from the answer is lost.
+    Raises asyncpg.LockNotAvailableError when a lock is held past the session's lock_timeout."""
+    rows = await db.fetch(*Q.renew_leases_waiting.bind(
+        lease_ttl_s=lease_ttl_s, run_ids=[c.run_id for c in held],
+        claim_tokens=[c.claim_token for c in held]))
+    return {row["run_id"]: Beat(row["cancel_requested"], row["lease_expires_at"])
+            for row in rows}
+
+
 async def heartbeat(db: Db, claim: Claim, lease_ttl_s: float) -> Beat:
-    """Renew the lease; raises LeaseLost when this execution no longer owns the run."""
-    row = await db.fetchrow(*Q.heartbeat.bind(run_id=claim.run_id, claim_token=claim.claim_token,
-                                              lease_ttl_s=lease_ttl_s))
-    if row is None:
+    """Renew one lease (a beat holding just this run, reported under the claim's worker id);
+    raises LeaseLost when this execution no longer owns the run."""
+    host, _, rest = claim.worker_id.partition(":")
+    pid = rest.partition(":")[0]
+    result = await beat(db, WorkerReport(claim.worker_id, host,
+                                         int(pid) if pid.isdigit() else 0, runs_in_flight=1),
+                        [claim], lease_ttl_s)
+    renewed = result.renewed.get(claim.run_id)
+    if renewed is None and result.busy:
+        renewed = (await renew_leases_waiting(db, [claim], lease_ttl_s)).get(claim.run_id)
+    if renewed is None:
         raise LeaseLost(claim.run_id, "heartbeat")
-    return Beat(row["cancel_requested"], row["lease_expires_at"])
+    return renewed
+
+
+async def retire_worker(db: Db, worker_id: str) -> None:
+    """A drained process leaves the fleet's list at once."""
+    await db.execute(*Q.retire_worker.bind(worker_id=worker_id))
+
+
+async def list_workers(db: Db) -> list[WorkerRow]:
+    """The fleet's processes that beat recently, live ones first."""
+    return [WorkerRow(**dict(row)) for row in await db.fetch(Q.list_workers.sql)]
+
+
+async def purge_dead_workers(db: Db, *, older_than_s: float) -> int:
+    result = await db.execute(*Q.purge_dead_workers.bind(older_than_s=older_than_s))
+    return int(result.split()[-1])
 
 
 async def check_lease(db: Db, claim: Claim) -> Beat:

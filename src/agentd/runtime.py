@@ -19,15 +19,20 @@ from dataclasses import dataclass, field
 import asyncpg
 from aiohttp import web
 
+from agentd import __version__
 from agentd import db as dbmod
 from agentd.accounts import create_device_token
 from agentd.dispatcher import Dispatcher
 from agentd.embedded_pg import EmbeddedPostgres, default_data_root
 from agentd.executor import TurnRunner
+from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
+from agentd.load import LoadMonitor
+from agentd.metrics import Metrics
 from agentd.migrate import migrate
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
+from agentd.queue import WorkerReport
 from agentd.reaper import reap_forever, sweep
 from agentd.settings import Settings
 from agentd.systemd import sd_notify
@@ -36,6 +41,9 @@ from agentd.tools import default_tools
 log = logging.getLogger("agentd.runtime")
 
 LOCAL_ACCOUNT = "local"
+# Test-only: with this variable set to N seconds, SIGUSR1 blocks the event loop for N seconds
+# (a worker that stops making progress while its process lives on, unlike SIGSTOP).
+BLOCK_LOOP_ENV = "AGENTD_TESTHOOK_BLOCK_LOOP_S"
 
 
 def new_worker_id() -> str:
@@ -100,6 +108,9 @@ class Runtime:
     worker_id: str
     providers: ProviderRegistry
     dispatcher: Dispatcher | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    load: LoadMonitor | None = None
+    keeper: LeaseKeeper | None = None
     draining: bool = False
     started_at: float = field(default_factory=time.time)
     tool_names: set[str] = field(default_factory=set)  # what a run's params may name
@@ -148,14 +159,26 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     worker_id = new_worker_id()
     tools = default_tools()
     runtime = Runtime(settings, pool, hub, worker_id, providers, tool_names=tools.names())
+    metrics = runtime.metrics
+    load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
+                       max_pool_wait_s=settings.max_pool_wait_ms / 1000)
+    runtime.load = load
+    keeper = LeaseKeeper(database.dsn, hub, settings, metrics,
+                         report=lambda: _worker_report(runtime))
+    runtime.keeper = keeper
     notifier = Notifier(pool)
     notifier.start()
-    runner = TurnRunner(pool, hub, settings, providers, tools, hint=notifier.notify)
-    dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, hint=notifier.notify)
+    runner = TurnRunner(pool, keeper, settings, providers, tools, hint=notifier.notify)
+    dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, load, metrics,
+                            hint=notifier.notify)
     runtime.dispatcher = dispatcher
+    _watch_process(runtime)
+    _install_test_hooks()
     app_runner = web.AppRunner(build_app(runtime), access_log=None, shutdown_timeout=1.0,
                                handler_cancellation=True)
     await app_runner.setup()
+    load.start()
+    keeper.start()
     reaping = asyncio.create_task(reap_forever(pool, settings), name="agentd-reaper")
     try:
         site = web.TCPSite(app_runner, settings.listen_host, settings.listen_port)
@@ -181,6 +204,51 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
         with contextlib.suppress(asyncio.CancelledError):
             await reaping
         await app_runner.cleanup()
+        # After the drain: the turns still in flight until now needed their beats.
+        await keeper.close(retire=True)
+        await load.close()
         await notifier.close()
         await hub.close()
         await providers.close()
+
+
+def _worker_report(runtime: Runtime) -> WorkerReport:
+    """What this process says about itself with every beat (its row in `agentd status`)."""
+    host, pid, _ = runtime.worker_id.rsplit(":", 2)
+    dispatcher, load = runtime.dispatcher, runtime.load
+    lag_s, wait_s = load.take_peaks() if load is not None else (0.0, 0.0)
+    return WorkerReport(
+        worker_id=runtime.worker_id, host=host, pid=int(pid), listen=runtime.settings.listen,
+        version=__version__,
+        runs_in_flight=len(dispatcher.in_flight) if dispatcher is not None else 0,
+        max_runs=runtime.settings.max_runs, loop_lag_ms=round(lag_s * 1000, 3),
+        pool_wait_ms=round(wait_s * 1000, 3),
+        admitting=not (load is not None and load.holding_back) and not runtime.draining)
+
+
+def _watch_process(runtime: Runtime) -> None:
+    """Figures other objects keep, shown by /metrics when it is scraped."""
+    metrics = runtime.metrics
+    metrics.read_at_scrape(metrics.in_flight, lambda: len(runtime.dispatcher.in_flight)
+                           if runtime.dispatcher is not None else 0)
+    metrics.read_at_scrape(metrics.pool_size, runtime.pool.get_size)
+    metrics.read_at_scrape(metrics.hub_connected, lambda: int(runtime.hub.connected))
+    metrics.read_at_scrape(metrics.hub_subscribers, runtime.hub.subscriber_count)
+    metrics.total_at_scrape("agentd_hub_reconnects", "LISTEN reconnections.",
+                            lambda: runtime.hub.reconnects)
+    metrics.total_at_scrape("agentd_hub_notifications", "NOTIFY hints received.",
+                            lambda: runtime.hub.notifications)
+
+
+def _install_test_hooks() -> None:
+    """SIGUSR1 blocks the event loop when the test-only variable asks for it (never otherwise)."""
+    seconds = float(os.environ.get(BLOCK_LOOP_ENV) or 0)
+    if seconds <= 0:
+        return
+
+    def block() -> None:
+        log.warning("test hook: blocking the event loop", extra={"seconds": seconds})
+        time.sleep(seconds)  # on purpose: the whole loop stops, as a runaway computation would
+        log.warning("test hook: the event loop runs again")
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, block)

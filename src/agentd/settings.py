@@ -47,6 +47,10 @@ class Settings:
     reap_grace_s: float = 5.0
     tick_s: float = 10.0
     max_runs: int = 16
+    # Admission by capacity: claim only while the event loop's lag and the pool's wait stayed
+    # below these over the last second (a process that lags cannot keep its leases).
+    max_loop_lag_ms: int = 250
+    max_pool_wait_ms: int = 250
     drain_s: float = 25.0
     flush_ms: int = 250
     pool_max: int = 20
@@ -60,7 +64,7 @@ class Settings:
 
     def validate(self) -> Settings:
         positive = ("lease_ttl_s", "heartbeat_s", "reap_interval_s", "tick_s", "flush_ms",
-                    "keepalive_s")
+                    "keepalive_s", "max_loop_lag_ms", "max_pool_wait_ms")
         for key in positive:
             if getattr(self, key) <= 0:
                 raise SettingsError(f"{key} ({_env(key)}) must be > 0")

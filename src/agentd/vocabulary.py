@@ -28,7 +28,8 @@ ACTIVE_RUN_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.RUNNING})
 class MessageStatus(StrEnum):
     QUEUED = "queued"  # a user turn waiting for its run
     COMPLETE = "complete"  # a user turn that ran, or a finished assistant answer
-    PARTIAL = "partial"  # an assistant answer cut short (cancel, failure) and kept
+    PARTIAL = "partial"  # an assistant answer a stop cut short, kept
+    FAILED = "failed"  # what a failed turn had streamed, kept as every client saw it
     CANCELLED = "cancelled"  # a tool result synthesized for a call a cancel interrupted
     DRAFT = "draft"  # a queued user turn a stop handed back to its author
 

@@ -18,9 +18,11 @@ import asyncpg
 import pytest
 
 from agentd.executor import TurnRunner
+from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
+from agentd.metrics import Metrics
 from agentd.providers import ProviderRegistry
-from agentd.queue import claim_runs, reap_expired
+from agentd.queue import WorkerReport, claim_runs, reap_expired
 from agentd.settings import Settings, load_settings
 from agentd.tools import default_tools
 from agentd.vocabulary import EventType, RunStatus
@@ -53,9 +55,13 @@ async def worker(dsn: str, pool: asyncpg.Pool, settings: Settings) -> AsyncItera
     hub = Hub(dsn)
     await hub.start()
     providers = ProviderRegistry(settings)
+    keeper = LeaseKeeper(dsn, hub, settings, Metrics(),
+                         report=lambda: WorkerReport(WORKER, "provider-test", 0))
+    keeper.start()
     try:
-        yield TurnRunner(pool, hub, settings, providers, default_tools())
+        yield TurnRunner(pool, keeper, settings, providers, default_tools())
     finally:
+        await keeper.close()
         await providers.close()
         await hub.close()
 

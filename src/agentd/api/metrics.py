@@ -1,8 +1,13 @@
-"""GET /metrics: Prometheus text exposition of this process and of the shared queue."""
+"""GET /metrics: this process's Prometheus metrics and the shared queue, via prometheus-client.
+
+The exposition (text or OpenMetrics, as the scraper's Accept header asks) is the library's; the
+queue figures are read from the database at each scrape, so every process reports the fleet's.
+"""
 
 from __future__ import annotations
 
 from aiohttp import web
+from prometheus_client.exposition import choose_encoder
 
 from agentd.api import RUNTIME
 from agentd.queue import queue_status
@@ -10,39 +15,12 @@ from agentd.queue import queue_status
 
 async def metrics(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
-    dispatcher = runtime.dispatcher
+    series = runtime.metrics
     queue = await queue_status(runtime.pool)
-    lines = [
-        "# HELP agentd_runs_queued Runs waiting to be claimed (whole fleet).",
-        "# TYPE agentd_runs_queued gauge",
-        f"agentd_runs_queued {queue.queued}",
-        "# HELP agentd_runs_running Runs executing now (whole fleet).",
-        "# TYPE agentd_runs_running gauge",
-        f"agentd_runs_running {queue.running}",
-        "# HELP agentd_leases_expired Running runs past their lease, awaiting the reaper.",
-        "# TYPE agentd_leases_expired gauge",
-        f"agentd_leases_expired {queue.expired}",
-        "# HELP agentd_in_flight Turns this process is executing.",
-        "# TYPE agentd_in_flight gauge",
-        f"agentd_in_flight {len(dispatcher.in_flight) if dispatcher else 0}",
-        "# HELP agentd_claimed_total Runs this process has claimed.",
-        "# TYPE agentd_claimed_total counter",
-        f"agentd_claimed_total {dispatcher.claimed if dispatcher else 0}",
-        "# HELP agentd_hub_connected Whether the LISTEN connection is up.",
-        "# TYPE agentd_hub_connected gauge",
-        f"agentd_hub_connected {int(runtime.hub.connected)}",
-        "# HELP agentd_hub_reconnects_total LISTEN reconnections.",
-        "# TYPE agentd_hub_reconnects_total counter",
-        f"agentd_hub_reconnects_total {runtime.hub.reconnects}",
-        "# HELP agentd_hub_notifications_total NOTIFY hints received.",
-        "# TYPE agentd_hub_notifications_total counter",
-        f"agentd_hub_notifications_total {runtime.hub.notifications}",
-        "# HELP agentd_hub_subscribers In-process subscriptions (tails, waiters, watchers).",
-        "# TYPE agentd_hub_subscribers gauge",
-        f"agentd_hub_subscribers {runtime.hub.subscriber_count()}",
-        "# HELP agentd_pool_size Database connections open in this process's pool.",
-        "# TYPE agentd_pool_size gauge",
-        f"agentd_pool_size {runtime.pool.get_size()}",
-    ]
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain",
-                        charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
+    series.runs_queued.set(queue.queued)
+    series.runs_running.set(queue.running)
+    series.leases_expired.set(queue.expired)
+    encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return web.Response(body=encode(series.registry),
+                        headers={"Content-Type": content_type,
+                                 "X-Content-Type-Options": "nosniff"})
