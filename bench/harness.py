@@ -81,6 +81,18 @@ def percentiles(values: Iterable[float], digits: int = 3) -> dict[str, Any]:
             "max": round(data[-1], digits), "mean": round(sum(data) / len(data), digits)}
 
 
+def peak_concurrent(runs: Iterable[Mapping[str, Any]]) -> int:
+    """The most runs running at once, from their started_at/finished_at."""
+    runs = list(runs)
+    edges = sorted([(r["started_at"].timestamp(), 1) for r in runs if r["started_at"]]
+                   + [(r["finished_at"].timestamp(), -1) for r in runs if r["finished_at"]])
+    peak = level = 0
+    for _stamp, step in edges:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
 # -- arguments --------------------------------------------------------------------------------
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -283,8 +295,11 @@ def _make_workdir(label: str) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def bench_database(args: argparse.Namespace, label: str) -> AsyncIterator[BenchDatabase]:
-    """The run's database: on --dsn's server, or on a throwaway embedded PostgreSQL."""
+async def bench_database(args: argparse.Namespace, label: str, *,
+                         pg_settings: Mapping[str, str] | None = None,
+                         ) -> AsyncIterator[BenchDatabase]:
+    """The run's database: on --dsn's server, or on a throwaway embedded PostgreSQL (started
+    with `pg_settings` on top of its own)."""
     workdir = _make_workdir(label)
     server = None
     try:
@@ -294,7 +309,7 @@ async def bench_database(args: argparse.Namespace, label: str) -> AsyncIterator[
             from agentd.embedded_pg import EmbeddedPostgres
 
             progress("starting a throwaway embedded PostgreSQL")
-            server = EmbeddedPostgres(workdir / "pg", fast=args.pg_fast)
+            server = EmbeddedPostgres(workdir / "pg", fast=args.pg_fast, settings=pg_settings)
             await asyncio.to_thread(server.start)
             admin_dsn = server.dsn("postgres")
             pid_line = (server.data_dir / "postmaster.pid").read_text().split("\n", 1)[0]

@@ -37,6 +37,7 @@ from harness import (
     open_pool,
     own_cpu_seconds,
     params_of,
+    peak_concurrent,
     percentiles,
     post_json,
     progress,
@@ -185,12 +186,7 @@ async def main() -> int:
     window = (last_finish.timestamp() if last_finish else time.time() + offset) - first_start
     in_window = sum(1 for e in events if e["created_at"].timestamp() >= first_start)
     deltas_in_window = sum(1 for e in events if e["type"] == "content_delta")
-    edges = sorted([(r["started_at"].timestamp(), 1) for r in runs if r["started_at"]]
-                   + [(r["finished_at"].timestamp(), -1) for r in runs if r["finished_at"]])
-    peak = level = 0
-    for _stamp, step in edges:
-        level += step
-        peak = max(peak, level)
+    peak = peak_concurrent(runs)
     durations = [(r["finished_at"] - r["started_at"]).total_seconds() for r in runs
                  if r["started_at"] and r["finished_at"]]
     elapsed = cpu1[3] - cpu0[3]
