@@ -72,5 +72,16 @@ async def list_devices(db: Db) -> list[DeviceInfo]:
                        r["revoked_at"]) for r in await db.fetch(Q["list_devices"])]
 
 
-async def revoke_device(db: Db, device_id: UUID) -> bool:
-    return await db.fetchval(Q["revoke_device"], device_id) is not None
+async def revoke_device(db: Db, device_id: UUID, *, account_id: UUID | None = None) -> bool:
+    """Revoke a device (of `account_id` only, when given); False if no such active device.
+
+    Its presence goes at once and its open streams end (agentd.revocation).
+    """
+    return await db.fetchval(Q["revoke_device"], device_id, account_id) is not None
+
+
+async def account_devices(db: Db, account_id: UUID) -> list[DeviceInfo]:
+    """The devices of one account (the account name is left empty: the caller knows it)."""
+    return [DeviceInfo(r["id"], "", r["name"], r["created_at"], r["last_seen_at"],
+                       r["revoked_at"])
+            for r in await db.fetch(Q["list_account_devices"], account_id)]
