@@ -204,7 +204,10 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     runtime.dispatcher = dispatcher
     app_runner = web.AppRunner(build_app(runtime), access_log=None, shutdown_timeout=1.0,
                                handler_cancellation=True,
-                               keepalive_timeout=settings.idle_timeout_s)
+                               keepalive_timeout=settings.idle_timeout_s,
+                               # Unread request bytes after an answer (a 413, a body timeout)
+                               # are drained this long at most, not aiohttp's 10 s.
+                               lingering_time=2.0)
     await app_runner.setup()
     reaping = asyncio.create_task(reap_forever(pool, settings), name="agentd-reaper")
     try:

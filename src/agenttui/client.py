@@ -277,6 +277,10 @@ class AgentClient:
                     raise error from exc
             else:
                 self._note_date(response)
+                if 300 <= response.status_code < 400:
+                    # Never followed: a redirect must not lead a pinned client anywhere else.
+                    raise ApiError(response.status_code, "unexpected_redirect",
+                                   f"{self.url} answered with a redirect (not followed)")
                 if response.status_code < 400:
                     return response
                 error = _error_from(response)
