@@ -17,6 +17,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 from aiohttp import web
@@ -34,7 +35,7 @@ from agentd.providers import ProviderRegistry
 from agentd.queries import Q
 from agentd.reaper import reap_forever, sweep
 from agentd.revocation import RevocationWatch
-from agentd.settings import Settings
+from agentd.settings import Settings, is_loopback_host
 from agentd.systemd import sd_notify
 from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
 from agentd.tools import default_tools
@@ -86,15 +87,32 @@ async def migrate_database(dsn: str) -> list[str]:
         await conn.close()
 
 
-async def ensure_local_client(pool: asyncpg.Pool, url: str,
-                              fingerprint: str | None = None) -> None:
-    """First embedded start: give the TUI on this machine a token so it just works.
+async def ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | None = None,
+                              *, create: bool = True) -> None:
+    """Keep the TUI on this machine attached: give it a token on the first embedded start.
 
-    Over TLS the client also pins this daemon's certificate, as `agenttui login` would.
+    Over TLS it also pins this daemon's certificate, as `agenttui login` would; a config that
+    already points at this port on loopback follows a switch to or from TLS, or a new
+    certificate (this daemon is the authority on its own certificate, on its own machine).
     """
-    from agenttui.locations import config_file, write_client_config
+    from agenttui.locations import config_file, read_config, write_client_config
 
     if config_file().exists():
+        config = read_config()
+        old, token = config.get("url"), config.get("token")
+        if not isinstance(old, str) or not isinstance(token, str):
+            return
+        before, now = urlsplit(old), urlsplit(url)
+        if before.port != now.port or not is_loopback_host(before.hostname or ""):
+            return
+        if (old, config.get("fingerprint")) != (url, fingerprint):
+            device = config.get("device")
+            path = write_client_config(url, token, device=device if isinstance(device, str)
+                                       else None, fingerprint=fingerprint)
+            log.info("updated the local client's address and pin", extra={
+                "path": str(path), "url": url, "fingerprint": fingerprint})
+        return
+    if not create:
         return
     token, _ = await create_device_token(pool, account=LOCAL_ACCOUNT,
                                          device=socket.gethostname() or "local")
@@ -215,9 +233,9 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                            guard=runtime.connection_guard,
                            ssl_context=server_context(certificate) if certificate else None)
         await site.start()
-        if database.embedded is not None:
-            await ensure_local_client(pool, local_url(settings),
-                                      certificate.fingerprint if certificate else None)
+        await ensure_local_client(pool, local_url(settings),
+                                  certificate.fingerprint if certificate else None,
+                                  create=database.embedded is not None)
         dispatcher.start()
         if not settings.serves_tls and not settings.listen_is_loopback:
             log.warning("serving PLAIN HTTP on a non-loopback address (insecure_http): tokens "

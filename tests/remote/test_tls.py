@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from agentd.fingerprints import fingerprint
 from agentd.providers.demo import expected_answer
 from agenttui.client import AgentClient, CertificateMismatch, ConnectionState, ConnectionStatus
-from tests.daemon_harness import free_port
+from tests.daemon_harness import free_port, poll_until
 from tests.remote.helpers import (
     CLI_TIMEOUT_S,
     RemoteDaemon,
@@ -273,3 +273,28 @@ async def test_the_tui_over_pinned_https_says_so_in_its_status_line(
             assert time.monotonic() < deadline, app.main.bar.plain
             await pilot.pause(0.05)
         assert f"pinned {pin[:15]}…" in app.main.bar.plain and "● live" in app.main.bar.plain
+
+
+async def test_the_local_client_follows_its_daemon_to_tls(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool, tmp_path: Path) -> None:
+    from agentd.accounts import create_device_token
+
+    port = free_port()
+    token, _ = await create_device_token(pool, account="local", device="this machine")
+    local_config = tmp_path / "local" / "home" / "config" / "agenttui" / "config.toml"
+    local_config.parent.mkdir(parents=True)
+    local_config.write_text(f'url = "http://127.0.0.1:{port}"\ntoken = "{token}"\n'
+                            'theme = "nord"\n')
+    daemon = spawn_remote(tls=True, port=port, name="local")
+    await daemon.wait_ready()
+
+    async def repinned() -> dict[str, str] | None:
+        config = tomllib.loads(local_config.read_text())
+        return config if config.get("fingerprint") else None
+
+    config = await poll_until(repinned, 10, what="the local client's config to follow")
+    assert config == {"url": f"https://127.0.0.1:{port}", "token": token,
+                      "fingerprint": served_fingerprint(daemon), "theme": "nord"}
+    env = client_env(local_config.parent.parent / "agenttui")
+    asked = run_cli("agenttui", "ask", "--param", "tokens=2", "still here?", env=env)
+    assert asked.returncode == 0, asked.stderr
