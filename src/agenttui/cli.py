@@ -99,7 +99,8 @@ Over https the certificate is pinned: without --fingerprint you are shown it and
     login.add_argument("--token", metavar="-", help="`-`: read a device token from stdin "
                        "(a token is never taken from the command line)")
     login.add_argument("--fingerprint", metavar="SHA256:…",
-                       help="the server certificate's fingerprint to pin")
+                       help="the server certificate's fingerprint to pin (`ca`: no pin, trust "
+                            "a CA-signed certificate and the host name instead)")
     login.add_argument("--device", help="this device's name (default: the host name)")
     login.add_argument("--no-verify", action="store_true",
                        help="with --token: store without asking the daemon first")

@@ -26,6 +26,8 @@ from agenttui.client import AgentClient, ApiError, CertificateMismatch, Unauthor
 from agenttui.locations import read_config, write_client_config
 from agenttui.pinning import server_fingerprint
 
+TRUST_CAS = "ca"  # --fingerprint ca: a CA-signed certificate (e.g. a reverse proxy's), no pin
+
 
 class LoginError(Exception):
     def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
@@ -123,6 +125,8 @@ async def _settle_pin(url: str, request: LoginRequest, stdin: TextIO,
             print(f"agenttui: warning: {url} is not encrypted: the code and the token cross "
                   "the network in clear text", file=stderr)
         return None
+    if request.fingerprint and request.fingerprint.lower() == TRUST_CAS:
+        return None  # no pin: the system's CAs and the host name decide, at every connection
     if request.fingerprint:
         try:
             return normalize(request.fingerprint)

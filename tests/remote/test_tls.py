@@ -101,6 +101,10 @@ async def test_pair_login_and_ask_over_https_then_a_new_certificate_is_refused(
                       env=laptop)
     assert refused.returncode == 4 and pin in refused.stderr and wrong in refused.stderr
     assert not await code_spent(pool)
+    # `ca` (no pin, a CA must vouch for the certificate) does not take a self-signed one either.
+    no_ca = run_cli("agenttui", "login", url, "--code", code, "--fingerprint", "ca", env=laptop)
+    assert no_ca.returncode == 4 and "certificate verify failed" in no_ca.stderr, no_ca.stderr
+    assert not await code_spent(pool)
     assert not (tmp_path / "laptop" / "config.toml").exists()
 
     login = run_cli("agenttui", "login", url, "--code", code, "--fingerprint", pin, env=laptop)
