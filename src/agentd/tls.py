@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from agentd.fingerprints import fingerprint
-from agentd.settings import Settings
+from agentd.settings import Settings, is_loopback_host
 
 log = logging.getLogger("agentd.tls")
 
@@ -111,6 +111,9 @@ def certificate_names(settings: Settings) -> list[str]:
                                                                    proto=socket.IPPROTO_TCP)]
         except OSError:
             continue
+    primary = _primary_address()
+    if primary:
+        names.append(primary)
     unique: dict[str, None] = {}
     for name in names:
         if name and name.split("%")[0] not in unique:
@@ -124,7 +127,9 @@ def public_url(settings: Settings) -> str:
         return settings.public_url.rstrip("/")
     host = settings.listen_host
     if host in _WILDCARDS:
-        host = socket.getfqdn() or socket.gethostname()
+        # A name others can resolve to this machine, else the address of its default route.
+        name = socket.getfqdn() or socket.gethostname()
+        host = name if not is_loopback_host(name) else (_primary_address() or name)
     return _url(settings, host)
 
 
@@ -134,6 +139,17 @@ def local_url(settings: Settings) -> str:
     if host in _WILDCARDS:
         host = "127.0.0.1" if host != "::" else "::1"
     return _url(settings, host)
+
+
+def _primary_address() -> str | None:
+    """The address this machine reaches the network from (a UDP "connect" sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: only the routing table is consulted
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if ipaddress.ip_address(address).is_loopback else address
 
 
 def _url(settings: Settings, host: str) -> str:
