@@ -205,3 +205,27 @@ async def test_operational_detail_only_for_loopback_or_a_token(
     detail = (await daemon.request("GET", "/readyz", headers=token)).json()
     assert detail["status"] == "ready" and detail["database"] is True and "worker_id" in detail
     assert (await daemon.request("GET", "/healthz")).json() == {"status": "ok"}
+
+
+async def test_the_head_timer_never_cuts_a_request_in_progress_or_a_reused_connection(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    daemon = spawn_remote(header_timeout_s=1, keepalive_s=1)
+    await daemon.wait_ready()
+    device = await new_device(pool, "alice", "patient")
+    async with device.client(daemon) as client, asyncio.timeout(60):
+        conversation = await create_conversation(client)
+        async with client.stream("GET", f"/v1/conversations/{conversation}/events") as feed:
+            assert feed.status_code == 200
+            started = time.monotonic()
+            keepalives = 0
+            async for chunk in feed.aiter_text():  # a stream lasting many head timeouts
+                keepalives += chunk.count(": keepalive")
+                if keepalives >= 4:
+                    break
+            assert time.monotonic() - started >= 3
+        # The same pooled connection, quiet for several head timeouts, still serves.
+        first = await client.get("/v1/me")
+        await asyncio.sleep(2.5)  # idle on purpose: longer than the head timeout
+        second = await client.get("/v1/me")
+        assert first.status_code == second.status_code == 200
+    assert "did not arrive in time" not in daemon.log_text()
