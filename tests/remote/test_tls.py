@@ -273,10 +273,11 @@ async def test_the_tui_over_pinned_https_says_so_in_its_status_line(
     async with app.run_test(size=(120, 36)) as pilot:
         await pilot.press(*"hello", "enter")  # opens a conversation, so the bar shows the link
         deadline = time.monotonic() + 30
-        while "encrypted · pinned" not in app.main.bar.plain:
+        while not ("encrypted · pinned" in app.main.bar.plain and "● live" in
+                   app.main.bar.plain):
             assert time.monotonic() < deadline, app.main.bar.plain
             await pilot.pause(0.05)
-        assert f"pinned {pin[:15]}…" in app.main.bar.plain and "● live" in app.main.bar.plain
+        assert f"🔒 encrypted · pinned {pin[:15]}…" in app.main.bar.plain
 
 
 async def test_the_local_client_follows_its_daemon_to_tls(
