@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     except SettingsError as exc:
         _fail(f"invalid setting: {exc}")
     from agentd.embedded_pg import EmbeddedPgError
+    from agentd.listen import ListenError
     from agentd.logs import configure_logging
 
     configure_logging(settings.log_level if args.command == "serve" else "warning")
@@ -120,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         code = asyncio.run(handlers[args.command](settings, args))
     except EmbeddedPgError as exc:
         _fail(f"{exc}\nPass --dsn (or AGENTD_DSN) to use an existing PostgreSQL server.")
+    except ListenError as exc:
+        _fail(str(exc), 1)
     except (OSError, ConnectionError) as exc:
         _fail(f"cannot reach the database: {exc}", 1)
     except KeyboardInterrupt:

@@ -1,4 +1,5 @@
-"""The daemon's lifecycle: database → migrate → reconcile → hub → dispatcher → HTTP, and back.
+"""The daemon's lifecycle: listen address → database → migrate → reconcile → hub → dispatcher →
+HTTP, and back. The address is bound first, so a busy one fails before anything was touched.
 
 SIGTERM/SIGINT run the two-phase drain: stop claiming at once, let in-flight turns finish within
 drain_s, cancel the rest (finalized failed, never re-queued), close, exit 0.
@@ -26,6 +27,7 @@ from agentd.dispatcher import Dispatcher
 from agentd.embedded_pg import EmbeddedPostgres, default_data_root
 from agentd.executor import TurnRunner
 from agentd.hub import Hub
+from agentd.listen import bind_listen_sockets
 from agentd.migrate import migrate
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
@@ -127,22 +129,28 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    database = await open_database(settings)
+    # Bound (not listening) before the database is opened: a busy address touches nothing.
+    sockets = bind_listen_sockets(settings.listen_host, settings.listen_port)
     try:
-        applied = await migrate_database(database.dsn)
-        if applied:
-            log.info("migrations applied", extra={"applied": ",".join(applied)})
-        pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max)
+        database = await open_database(settings)
         try:
-            return await _serve_with_pool(settings, database, pool, stop)
+            applied = await migrate_database(database.dsn)
+            if applied:
+                log.info("migrations applied", extra={"applied": ",".join(applied)})
+            pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max)
+            try:
+                return await _serve_with_pool(settings, database, pool, stop, sockets)
+            finally:
+                await pool.close()
         finally:
-            await pool.close()
+            await asyncio.to_thread(database.close)
     finally:
-        await asyncio.to_thread(database.close)
+        for sock in sockets:
+            sock.close()
 
 
 async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg.Pool,
-                           stop: asyncio.Event) -> int:
+                           stop: asyncio.Event, sockets: list[socket.socket]) -> int:
     reconciled = await sweep(pool, settings)
     if reconciled:
         log.warning("boot reconciler failed orphaned runs", extra={"runs": reconciled})
@@ -163,8 +171,8 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     await app_runner.setup()
     reaping = asyncio.create_task(reap_forever(pool, settings), name="agentd-reaper")
     try:
-        site = web.TCPSite(app_runner, settings.listen_host, settings.listen_port)
-        await site.start()
+        for sock in sockets:
+            await web.SockSite(app_runner, sock).start()
         url = f"http://{settings.listen}"
         if database.embedded is not None:
             await ensure_local_client(pool, url)
