@@ -76,9 +76,15 @@ class Terminal:
         self.initial_termios = _fresh_pty_termios()
         self.proc = ptyprocess.PtyProcess.spawn(self.argv, env=dict(env), cwd=cwd,
                                                 dimensions=(rows, columns))
-        # Our own handle on the program's side of the pty, to see whether it has read its input.
-        self._slave: int | None = os.open(os.readlink(f"/proc/{self.proc.pid}/fd/0"),
-                                          os.O_RDWR | os.O_NOCTTY)
+        # Our own handle on the program's side of the pty, to see whether it has read its input
+        # (Linux: the pty's name from /proc).
+        try:
+            self._slave: int | None = os.open(os.readlink(f"/proc/{self.proc.pid}/fd/0"),
+                                              os.O_RDWR | os.O_NOCTTY)
+        except OSError:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
         self._reader = threading.Thread(target=self._drain, name=f"pty-{self.proc.pid}",
                                         daemon=True)
         self._reader.start()

@@ -172,15 +172,16 @@ async def test_the_stop_key_cancels_the_streaming_turn_on_the_server(
 async def test_two_devices_side_by_side_see_one_conversation_stream(
         daemon: Daemon, desk: Device, laptop: Device, open_agenttui: OpenAgentTUI) -> None:
     conversation_id = await new_conversation(daemon, desk, "side by side")
-    mine = open_agenttui(daemon.url, desk, conversation=conversation_id,
-                         params={"tokens": 80, "delay_ms": 50})
-    theirs = open_agenttui(daemon.url, laptop, conversation=conversation_id)
+    # 8 s of streaming: room for a slow host; screens tall enough for the whole answer.
+    mine = open_agenttui(daemon.url, desk, conversation=conversation_id, size=(100, 50),
+                         params={"tokens": 200, "delay_ms": 40})
+    theirs = open_agenttui(daemon.url, laptop, conversation=conversation_id, size=(100, 50))
     both = re.compile(r"attached: (desk, laptop|laptop, desk)")
     await mine.wait_for_text(both)
     await theirs.wait_for_text(both)
 
     mine.write_raw("sent from the desk\r")
-    expected = expected_answer("demo", "sent from the desk", 80)
+    expected = expected_answer("demo", "sent from the desk", 200)
     # The laptop sees the desk's turn run and its answer arrive word by word...
     await theirs.wait_for(lambda s: "● running · asked from desk" in s and "▍ streaming…" in s
                           and shows(s, first_words(expected, 3)) and not shows(s, expected),
