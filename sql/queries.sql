@@ -336,13 +336,14 @@ FOR UPDATE;
 -- params: run_ids
 -- A queued turn never started: cancel it outright and hand its text back as a draft.
 -- Runs only under lock_active_runs' locks; status = 'queued' re-checked in the write.
+-- Drafts come back in the order their turns were queued.
 WITH cancelled AS (
     UPDATE agent_run r
     SET status = 'cancelled', error = 'stopped before it started',
         finished_at = clock_timestamp()
     WHERE r.id = ANY ($1::uuid[]) AND r.status = 'queued'
     RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.error,
-              r.user_message_id
+              r.user_message_id, r.created_at
 ), drafts AS (
     UPDATE message m SET status = 'draft'
     FROM cancelled
@@ -351,7 +352,8 @@ WITH cancelled AS (
 )
 SELECT c.id, c.account_id, c.conversation_id, c.claim_token, c.status, c.error,
        d.id AS message_id, d.content
-FROM cancelled c JOIN drafts d ON d.run_id = c.id;
+FROM cancelled c JOIN drafts d ON d.run_id = c.id
+ORDER BY c.created_at, c.id;
 
 -- request_cancel --
 -- params: run_ids

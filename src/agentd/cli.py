@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     except SettingsError as exc:
         _fail(f"invalid setting: {exc}")
     from agentd.embedded_pg import EmbeddedPgError
+    from agentd.listen import ListenError
     from agentd.logs import configure_logging
     from agentd.tls import TLSError
 
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"{exc}\nPass --dsn (or AGENTD_DSN) to use an existing PostgreSQL server.")
     except TLSError as exc:
         _fail(f"{exc}\nFix tls_cert/tls_key, or remove them to use a self-signed certificate.")
+    except ListenError as exc:
+        _fail(str(exc), 1)
     except (OSError, ConnectionError) as exc:
         _fail(f"cannot reach the database: {exc}", 1)
     except KeyboardInterrupt:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from dataclasses import dataclass
 
@@ -74,12 +73,14 @@ async def run_checks(settings: Settings) -> list[Check]:
 
 
 def _port_check(settings: Settings) -> Check:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((settings.listen_host, settings.listen_port))
-        except OSError as exc:
-            return Check("listen address", False, f"{settings.listen}: {exc.strerror} "
-                         "(another agentd running? choose --listen)")
+    from agentd.listen import ListenError, bind_listen_sockets
+
+    try:
+        sockets = bind_listen_sockets(settings.listen_host, settings.listen_port)
+    except ListenError as exc:
+        return Check("listen address", False, str(exc))
+    for sock in sockets:
+        sock.close()
     return Check("listen address", True, f"{settings.listen} is free")
 
 

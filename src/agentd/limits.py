@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -223,11 +224,12 @@ class _GuardedProtocol(asyncio.Protocol):
 class GuardedSite(web.BaseSite):
     """aiohttp's TCPSite, with every connection passed through a ConnectionGuard first."""
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, *,
+    def __init__(self, runner: web.BaseRunner, sock: socket.socket, *,
                  guard: ConnectionGuard, ssl_context: Any = None, backlog: int = 128) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
-        self._host = host
-        self._port = port
+        # Bound before anything else started (agentd.listen), so a busy address touched nothing.
+        self._sock = sock
+        self._host, self._port = sock.getsockname()[:2]
         self._guard = guard
 
     @property
@@ -246,5 +248,5 @@ class GuardedSite(web.BaseSite):
             # A client that connects and never finishes its handshake is a slow head too.
             extra["ssl_handshake_timeout"] = max(1.0, math.ceil(self._guard.header_timeout_s))
         self._server = await loop.create_server(
-            self._guard.protocol_factory(server), self._host or None, self._port,
-            ssl=self._ssl_context, backlog=self._backlog, reuse_address=True, **extra)
+            self._guard.protocol_factory(server), sock=self._sock,
+            ssl=self._ssl_context, backlog=self._backlog, **extra)

@@ -1,4 +1,5 @@
-"""The daemon's lifecycle: database → migrate → reconcile → hub → dispatcher → HTTP, and back.
+"""The daemon's lifecycle: listen address → database → migrate → reconcile → hub → dispatcher →
+HTTP, and back. The address is bound first, so a busy one fails before anything was touched.
 
 SIGTERM/SIGINT run the two-phase drain: stop claiming at once, let in-flight turns finish within
 drain_s, cancel the rest (finalized failed, never re-queued), close, exit 0.
@@ -28,6 +29,7 @@ from agentd.embedded_pg import EmbeddedPostgres, default_data_root
 from agentd.executor import TurnRunner
 from agentd.hub import Hub
 from agentd.limits import AddressRateLimiter, ConnectionGuard, GuardedSite, StreamSlots
+from agentd.listen import bind_listen_sockets
 from agentd.migrate import migrate
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
@@ -163,22 +165,29 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    # The certificate first: a bad one fails the start before anything else is touched.
-    certificate = await asyncio.to_thread(server_certificate, settings) \
-        if settings.serves_tls else None
-    _raise_open_files_limit(settings.max_connections + 256)
-    database = await open_database(settings)
+    # Bound (not listening) before the database is opened: a busy address touches nothing.
+    sockets = bind_listen_sockets(settings.listen_host, settings.listen_port)
     try:
-        applied = await migrate_database(database.dsn)
-        if applied:
-            log.info("migrations applied", extra={"applied": ",".join(applied)})
-        pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max)
+        # The certificate next: a bad one fails the start before the database is touched.
+        certificate = await asyncio.to_thread(server_certificate, settings) \
+            if settings.serves_tls else None
+        _raise_open_files_limit(settings.max_connections + 256)
+        database = await open_database(settings)
         try:
-            return await _serve_with_pool(settings, database, pool, stop, certificate)
+            applied = await migrate_database(database.dsn)
+            if applied:
+                log.info("migrations applied", extra={"applied": ",".join(applied)})
+            pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max)
+            try:
+                return await _serve_with_pool(settings, database, pool, stop, sockets,
+                                              certificate)
+            finally:
+                await pool.close()
         finally:
-            await pool.close()
+            await asyncio.to_thread(database.close)
     finally:
-        await asyncio.to_thread(database.close)
+        for sock in sockets:
+            sock.close()
 
 
 def _raise_open_files_limit(wanted: int) -> None:
@@ -194,7 +203,8 @@ def _raise_open_files_limit(wanted: int) -> None:
 
 
 async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg.Pool,
-                           stop: asyncio.Event, certificate: ServerCertificate | None) -> int:
+                           stop: asyncio.Event, sockets: list[socket.socket],
+                           certificate: ServerCertificate | None) -> int:
     reconciled = await sweep(pool, settings)
     if reconciled:
         log.warning("boot reconciler failed orphaned runs", extra={"runs": reconciled})
@@ -224,10 +234,11 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     await app_runner.setup()
     reaping = asyncio.create_task(reap_forever(pool, settings), name="agentd-reaper")
     try:
-        site = GuardedSite(app_runner, settings.listen_host, settings.listen_port,
-                           guard=runtime.connection_guard,
-                           ssl_context=server_context(certificate) if certificate else None)
-        await site.start()
+        ssl_context = server_context(certificate) if certificate else None
+        sites = [GuardedSite(app_runner, sock, guard=runtime.connection_guard,
+                             ssl_context=ssl_context) for sock in sockets]
+        for site in sites:
+            await site.start()
         await ensure_local_client(pool, local_url(settings),
                                   certificate.fingerprint if certificate else None,
                                   create=database.embedded is not None)
@@ -237,7 +248,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                         "and pairing codes cross the network in clear text",
                         extra={"listen": settings.listen})
         log.info("agentd serving", extra={
-            "url": site.name, "worker_id": worker_id, "embedded": database.embedded is not None,
+            "url": sites[0].name, "worker_id": worker_id, "embedded": database.embedded is not None,
             "fingerprint": certificate.fingerprint if certificate else None})
         sd_notify("READY=1")
         await stop.wait()

@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     ask_parser.add_argument("--tools", action=argparse.BooleanOptionalAction, default=None,
                             help="show tool calls on stderr (default: when stderr is a "
                                  "terminal)")
+    ask_parser.add_argument("--raw", action="store_true",
+                            help="write the model's text as it came, control characters "
+                                 "included\n(default: on a terminal, drop every control "
+                                 "character but\nnewline and tab; pipes and files always get "
+                                 "it as it came)")
     ask_parser.add_argument("text", nargs="*", help="the message (default: read stdin)")
 
     login = commands.add_parser(
@@ -177,7 +182,7 @@ def _ask(args: argparse.Namespace) -> int:
                 outcome = await ask(client, text, conversation=getattr(args, "conversation",
                                                                          None) or None,
                                     model=args.model or settings.model, params=params,
-                                    show_tools=args.tools)
+                                    show_tools=args.tools, raw=args.raw)
             except Unauthorized as exc:
                 print(f"agenttui: the daemon refused the token: {exc.message} "
                       f"(run `agenttui login`)", file=sys.stderr)

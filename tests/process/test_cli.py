@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import asyncpg
 import pytest
 
 from agentd.accounts import authenticate
+from tests.conftest import with_database
 from tests.daemon_harness import free_port
 
 
@@ -76,6 +79,44 @@ def test_unreachable_database_is_a_clear_error() -> None:
     assert result.returncode == 1
     assert "cannot reach the database" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_serve_on_a_busy_address_names_it_and_its_holder_and_touches_nothing(
+        pg_admin_dsn: str, tmp_path: Path) -> None:
+    empty = f"agentd_busy_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(pg_admin_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{empty}"')
+        home = tmp_path / "home"
+        env = {f"XDG_{name.upper()}_HOME": str(home / name)
+               for name in ("config", "data", "state", "cache")}
+        data_dir = tmp_path / "pg"
+        with socket.socket() as holder:  # this process holds the port
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            listen = f"127.0.0.1:{holder.getsockname()[1]}"
+            for where in (["--dsn", with_database(pg_admin_dsn, empty)],
+                          ["--data-dir", str(data_dir)]):
+                result = agentd("serve", "--listen", listen, *where, env=env)
+                assert result.returncode == 1, result.stderr
+                program = sys.orig_argv[0]  # as this process's command line shows it
+                assert f"cannot listen on {listen}: the address is already in use by " \
+                       f"pid {os.getpid()} ({program}" in result.stderr, result.stderr
+                assert "--listen" in result.stderr
+                assert "database" not in result.stderr and "Traceback" not in result.stderr
+        # Nothing was touched: no migration, no embedded cluster, no file written.
+        conn = await asyncpg.connect(with_database(pg_admin_dsn, empty))
+        try:
+            assert await conn.fetchval("SELECT count(*) FROM pg_class c JOIN pg_namespace n"
+                                       " ON n.oid = c.relnamespace"
+                                       " WHERE n.nspname = 'public'") == 0
+        finally:
+            await conn.close()
+        assert not data_dir.exists()
+        assert not home.exists() or not [p for p in home.rglob("*") if p.is_file()]
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{empty}" WITH (FORCE)')
+        await admin.close()
 
 
 def test_install_service_writes_a_hardened_unit_without_secrets(tmp_path: Path) -> None:

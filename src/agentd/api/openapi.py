@@ -126,7 +126,9 @@ SCHEMAS: dict[str, Any] = {
     "StopResult": {"type": "object", "required": ["cancelled", "flagged", "drafts"],
                    "properties": {"cancelled": {"type": "array", "items": UUID},
                                   "flagged": {"type": "array", "items": UUID},
-                                  "drafts": {"type": "array", "items": _ref("Draft")}}},
+                                  "drafts": {"type": "array", "items": _ref("Draft"),
+                                             "description": "in the order their turns were "
+                                                            "queued"}}},
 }
 
 SSE = {"description": "Server-Sent Events", "content": {"text/event-stream": {
