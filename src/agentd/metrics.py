@@ -75,6 +75,10 @@ class Metrics:
         self.hub_subscribers = Gauge(
             "agentd_hub_subscribers", "In-process subscriptions (tails, waiters, watchers).",
             registry=r)
+        self.connections_open = Gauge("agentd_connections_open",
+                                      "HTTP connections open to this process.", registry=r)
+        self.streams_open = Gauge("agentd_streams_open", "SSE streams open on this process.",
+                                  registry=r)
         self._totals = _Totals()
         r.register(self._totals)
 

@@ -1,4 +1,5 @@
-"""The daemon's lifecycle: database → migrate → reconcile → hub → dispatcher → HTTP, and back.
+"""The daemon's lifecycle: listen address → database → migrate → reconcile → hub → dispatcher →
+HTTP, and back. The address is bound first, so a busy one fails before anything was touched.
 
 SIGTERM/SIGINT run the two-phase drain: stop claiming at once, let in-flight turns finish within
 drain_s, cancel the rest (finalized failed, never re-queued), close, exit 0.
@@ -10,11 +11,13 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import secrets
 import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import asyncpg
 from aiohttp import web
@@ -27,6 +30,8 @@ from agentd.embedded_pg import EmbeddedPostgres, default_data_root
 from agentd.executor import TurnRunner
 from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
+from agentd.limits import AddressRateLimiter, ConnectionGuard, GuardedSite, StreamSlots
+from agentd.listen import bind_listen_sockets
 from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
 from agentd.migrate import migrate
@@ -34,8 +39,10 @@ from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
 from agentd.queue import WorkerReport
 from agentd.reaper import reap_forever, sweep
-from agentd.settings import Settings
+from agentd.revocation import RevocationWatch
+from agentd.settings import Settings, is_loopback_host
 from agentd.systemd import sd_notify
+from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
 from agentd.tools import default_tools
 
 log = logging.getLogger("agentd.runtime")
@@ -86,15 +93,37 @@ async def migrate_database(dsn: str) -> list[str]:
         await conn.close()
 
 
-async def ensure_local_client(pool: asyncpg.Pool, url: str) -> None:
-    """First embedded start: give the TUI on this machine a token so it just works."""
-    from agenttui.locations import config_file, write_client_config
+async def ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | None = None,
+                              *, create: bool = True) -> None:
+    """Keep the TUI on this machine attached: give it a token on the first embedded start.
+
+    Over TLS it also pins this daemon's certificate, as `agenttui login` would; a config that
+    already points at this port on loopback follows a switch to or from TLS, or a new
+    certificate (this daemon is the authority on its own certificate, on its own machine).
+    """
+    from agenttui.locations import config_file, read_config, write_client_config
 
     if config_file().exists():
+        config = read_config()
+        old, token = config.get("url"), config.get("token")
+        if not isinstance(old, str) or not isinstance(token, str):
+            return
+        before, now = urlsplit(old), urlsplit(url)
+        if before.port != now.port or not is_loopback_host(before.hostname or ""):
+            return
+        if (old, config.get("fingerprint")) != (url, fingerprint):
+            device = config.get("device")
+            path = write_client_config(url, token, device=device if isinstance(device, str)
+                                       else None, fingerprint=fingerprint)
+            log.info("updated the local client's address and pin", extra={
+                "path": str(path), "url": url, "fingerprint": fingerprint})
+        return
+    if not create:
         return
     token, _ = await create_device_token(pool, account=LOCAL_ACCOUNT,
                                          device=socket.gethostname() or "local")
-    path = write_client_config(url, token, device=socket.gethostname())
+    path = write_client_config(url, token, device=socket.gethostname(),
+                               fingerprint=fingerprint)
     log.info("wrote a device token for the local client", extra={"path": str(path)})
 
 
@@ -114,14 +143,27 @@ class Runtime:
     draining: bool = False
     started_at: float = field(default_factory=time.time)
     tool_names: set[str] = field(default_factory=set)  # what a run's params may name
+    # Reaching us from other machines: the certificate served (None: plain HTTP) and the limits.
+    certificate: ServerCertificate | None = None
+    connection_guard: ConnectionGuard | None = None
+    revocations: RevocationWatch | None = None
+    stream_slots: StreamSlots = field(init=False)
+    pair_limiter: AddressRateLimiter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream_slots = StreamSlots(self.settings.streams_per_device)
+        self.pair_limiter = AddressRateLimiter(self.settings.pair_attempts_per_min)
 
 
 def build_app(runtime: Runtime) -> web.Application:
-    from agentd.api import RUNTIME, health, metrics, openapi, routes
+    from agentd.api import RUNTIME, devices, health, metrics, openapi, routes
 
     app = web.Application(client_max_size=1 << 20)
     app[RUNTIME] = runtime
     routes.add_routes(app)
+    devices.add_routes(app)
+    if runtime.connection_guard is not None:
+        app.middlewares.insert(0, runtime.connection_guard.middleware)
     health.add_routes(app)
     app.router.add_get("/metrics", metrics.metrics)
     app.router.add_get("/openapi.json", openapi.serve_spec)
@@ -134,22 +176,46 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    database = await open_database(settings)
+    # Bound (not listening) before the database is opened: a busy address touches nothing.
+    sockets = bind_listen_sockets(settings.listen_host, settings.listen_port)
     try:
-        applied = await migrate_database(database.dsn)
-        if applied:
-            log.info("migrations applied", extra={"applied": ",".join(applied)})
-        pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max)
+        # The certificate next: a bad one fails the start before the database is touched.
+        certificate = await asyncio.to_thread(server_certificate, settings) \
+            if settings.serves_tls else None
+        _raise_open_files_limit(settings.max_connections + 256)
+        database = await open_database(settings)
         try:
-            return await _serve_with_pool(settings, database, pool, stop)
+            applied = await migrate_database(database.dsn)
+            if applied:
+                log.info("migrations applied", extra={"applied": ",".join(applied)})
+            pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max)
+            try:
+                return await _serve_with_pool(settings, database, pool, stop, sockets,
+                                              certificate)
+            finally:
+                await pool.close()
         finally:
-            await pool.close()
+            await asyncio.to_thread(database.close)
     finally:
-        await asyncio.to_thread(database.close)
+        for sock in sockets:
+            sock.close()
+
+
+def _raise_open_files_limit(wanted: int) -> None:
+    """Every connection is a file descriptor: let max_connections fit under RLIMIT_NOFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        log.warning("the open-files limit is below max_connections; lower max_connections "
+                    "or raise LimitNOFILE", extra={"hard_limit": hard, "wanted": wanted})
 
 
 async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg.Pool,
-                           stop: asyncio.Event) -> int:
+                           stop: asyncio.Event, sockets: list[socket.socket],
+                           certificate: ServerCertificate | None) -> int:
     reconciled = await sweep(pool, settings)
     if reconciled:
         log.warning("boot reconciler failed orphaned runs", extra={"runs": reconciled})
@@ -159,6 +225,12 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     worker_id = new_worker_id()
     tools = default_tools()
     runtime = Runtime(settings, pool, hub, worker_id, providers, tool_names=tools.names())
+    runtime.certificate = certificate
+    runtime.connection_guard = ConnectionGuard(max_connections=settings.max_connections,
+                                               header_timeout_s=settings.header_timeout_s)
+    # Half a keepalive: a revocation whose hint was lost still ends streams within one.
+    runtime.revocations = RevocationWatch(pool, hub, poll_s=settings.keepalive_s / 2)
+    runtime.revocations.start()
     metrics = runtime.metrics
     load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
                        max_pool_wait_s=settings.max_pool_wait_ms / 1000)
@@ -175,20 +247,32 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     _watch_process(runtime)
     _install_test_hooks()
     app_runner = web.AppRunner(build_app(runtime), access_log=None, shutdown_timeout=1.0,
-                               handler_cancellation=True)
+                               handler_cancellation=True,
+                               keepalive_timeout=settings.idle_timeout_s,
+                               # Unread request bytes after an answer (a 413, a body timeout)
+                               # are drained this long at most, not aiohttp's 10 s.
+                               lingering_time=2.0)
     await app_runner.setup()
     load.start()
     keeper.start()
     reaping = asyncio.create_task(reap_forever(pool, settings), name="agentd-reaper")
     try:
-        site = web.TCPSite(app_runner, settings.listen_host, settings.listen_port)
-        await site.start()
-        url = f"http://{settings.listen}"
-        if database.embedded is not None:
-            await ensure_local_client(pool, url)
+        ssl_context = server_context(certificate) if certificate else None
+        sites = [GuardedSite(app_runner, sock, guard=runtime.connection_guard,
+                             ssl_context=ssl_context) for sock in sockets]
+        for site in sites:
+            await site.start()
+        await ensure_local_client(pool, local_url(settings),
+                                  certificate.fingerprint if certificate else None,
+                                  create=database.embedded is not None)
         dispatcher.start()
-        log.info("agentd serving", extra={"listen": settings.listen, "worker_id": worker_id,
-                                          "embedded": database.embedded is not None})
+        if not settings.serves_tls and not settings.listen_is_loopback:
+            log.warning("serving PLAIN HTTP on a non-loopback address (insecure_http): tokens "
+                        "and pairing codes cross the network in clear text",
+                        extra={"listen": settings.listen})
+        log.info("agentd serving", extra={
+            "url": sites[0].name, "worker_id": worker_id, "embedded": database.embedded is not None,
+            "fingerprint": certificate.fingerprint if certificate else None})
         sd_notify("READY=1")
         await stop.wait()
         sd_notify("STOPPING=1")
@@ -204,6 +288,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
         with contextlib.suppress(asyncio.CancelledError):
             await reaping
         await app_runner.cleanup()
+        await runtime.revocations.close()
         # After the drain: the turns still in flight until now needed their beats.
         await keeper.close(retire=True)
         await load.close()
@@ -238,6 +323,15 @@ def _watch_process(runtime: Runtime) -> None:
                             lambda: runtime.hub.reconnects)
     metrics.total_at_scrape("agentd_hub_notifications", "NOTIFY hints received.",
                             lambda: runtime.hub.notifications)
+    metrics.read_at_scrape(metrics.streams_open, lambda: runtime.stream_slots.total)
+    guard = runtime.connection_guard
+    if guard is not None:
+        metrics.read_at_scrape(metrics.connections_open, lambda: guard.open)
+        metrics.total_at_scrape("agentd_connections_refused",
+                                "Connections refused at max_connections.", lambda: guard.refused)
+        metrics.total_at_scrape("agentd_header_timeouts",
+                                "Connections closed for a slow request head.",
+                                lambda: guard.head_timeouts)
 
 
 def _install_test_hooks() -> None:

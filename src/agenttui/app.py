@@ -11,14 +11,16 @@ from typing import ClassVar
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
-from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.command import DiscoveryHit, Hit, Hits, Matcher, Provider
+from textual.content import Content
 from textual.screen import Screen
 from textual.theme import Theme
 
-from agenttui.client import AgentClient
+from agenttui.client import AgentClient, ApiError, describe
 from agenttui.drafts import DraftLedger
 from agenttui.screens.help import HelpScreen
 from agenttui.screens.main import MainScreen
+from agenttui.screens.pairing import PairingScreen
 from agenttui.settings import DEFAULT_THEME, Settings
 from agenttui.widgets.composer import Composer
 from agenttui.widgets.conversation_list import conversation_label
@@ -29,8 +31,20 @@ AGENTTUI_THEME = Theme(
     background="#1c1c1c", surface="#262626", panel="#303030", dark=True)
 
 
+def literal_highlight(matcher: Matcher, text: str) -> Content:
+    """`text` as typed, its matched letters highlighted. (`Matcher.highlight` would parse a
+    title such as `[bold]x` as markup, or raise on `[/]`.)"""
+    content = Content(text)
+    score, offsets = matcher.fuzzy_search.match(matcher.query, text)
+    if score:
+        for offset in offsets:
+            if not text[offset].isspace():
+                content = content.stylize(matcher.match_style, offset, offset + 1)
+    return content
+
+
 class ConversationCommands(Provider):
-    """Palette entries to switch to any conversation by title."""
+    """Palette entries to switch to any conversation by title (shown literally)."""
 
     async def search(self, query: str) -> Hits:
         app = self.app
@@ -40,17 +54,17 @@ class ConversationCommands(Provider):
             label = f"Open: {conversation_label(conversation)}"
             score = matcher.match(label)
             if score > 0:
-                yield Hit(score, matcher.highlight(label),
-                          partial(app.main.action_open, conversation.id),
+                yield Hit(score, literal_highlight(matcher, label),
+                          partial(app.main.action_open, conversation.id), text=label,
                           help="switch to this conversation")
 
     async def discover(self) -> Hits:
         app = self.app
         assert isinstance(app, AgentTUI)
         for conversation in app.main.conversation_list.conversations[:10]:
-            yield DiscoveryHit(f"Open: {conversation_label(conversation)}",
-                               partial(app.main.action_open, conversation.id),
-                               help="switch to this conversation")
+            label = f"Open: {conversation_label(conversation)}"
+            yield DiscoveryHit(Content(label), partial(app.main.action_open, conversation.id),
+                               text=label, help="switch to this conversation")
 
 
 class AgentTUI(App[None]):
@@ -91,7 +105,8 @@ class AgentTUI(App[None]):
         else:
             self.theme = DEFAULT_THEME
             self.notify(f"Unknown theme {theme!r}; using {DEFAULT_THEME}. Themes: "
-                        f"{', '.join(sorted(self.available_themes))}", severity="warning")
+                        f"{', '.join(sorted(self.available_themes))}", severity="warning",
+                        markup=False)
         self.install_screen(MainScreen(), "main")
         self.push_screen("main")
 
@@ -136,6 +151,20 @@ class AgentTUI(App[None]):
                             main.action_toggle_sidebar)
         yield SystemCommand("Help", "Keys and how devices share a conversation",
                             self.action_help)
+        yield SystemCommand("Pair another device",
+                            "A one-time code and the line to run on the other machine",
+                            self.action_pair_device)
+
+    def action_pair_device(self) -> None:
+        self.run_worker(self._pair_device(), group="pairing", exit_on_error=False)
+
+    async def _pair_device(self) -> None:
+        try:
+            pairing = await self.client.create_pairing()
+        except ApiError as exc:
+            self.notify(f"Could not get a pairing code: {describe(exc)}", severity="error")
+            return
+        await self.push_screen(PairingScreen(pairing))
 
 
 def make_app(settings: Settings, client: AgentClient, *, close_client: bool = False,

@@ -1,14 +1,17 @@
 """`agenttui ask`: queue one turn and stream its answer to stdout, for scripts.
 
 stdout gets exactly the answer text (plus a final newline on a terminal); everything else goes
-to stderr. Ctrl-C asks the server to stop the run — a disconnect alone would not stop it — and
-waits for the run to end; a second Ctrl-C leaves at once.
+to stderr. On a terminal, control characters in the model's text are dropped (`--raw` keeps
+them): a model must not move the cursor, retitle the window or rewrite the screen. Ctrl-C asks
+the server to stop the run — a disconnect alone would not stop it — and waits for the run to
+end; a second Ctrl-C leaves at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import signal
 import sys
 from collections.abc import Mapping
@@ -27,6 +30,15 @@ EXIT_UNREACHABLE = 4
 EXIT_INTERRUPTED = 130
 
 TITLE_CHARS = 60
+
+# C0 controls except newline and tab, DEL, and the C1 controls (U+0080-U+009F): the characters
+# a terminal acts on instead of showing. Without ESC and CSI no escape sequence can start.
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def without_controls(text: str) -> str:
+    """`text` with every control character but newline and tab removed."""
+    return _CONTROLS.sub("", text)
 
 
 @dataclass
@@ -62,6 +74,14 @@ async def resolve_conversation(client: AgentClient, conversation: str | None,
     return (await client.create_conversation(title)).id, True
 
 
+@dataclass(frozen=True)
+class _Screens:
+    """Which of stdout / stderr is a terminal that must only get printable model text."""
+
+    out: bool
+    err: bool
+
+
 class _Interrupts:
     """First Ctrl-C: stop the run through the API. Second: give up waiting."""
 
@@ -78,11 +98,14 @@ class _Interrupts:
 async def ask(client: AgentClient, text: str, *, conversation: str | None = None,
               model: str | None = None, params: Mapping[str, Any] | None = None,
               out: TextIO | None = None, err: TextIO | None = None,
-              show_tools: bool | None = None, handle_sigint: bool = True) -> AskOutcome:
+              show_tools: bool | None = None, handle_sigint: bool = True,
+              raw: bool = False) -> AskOutcome:
+    """Ask and stream the answer to `out`; `raw` keeps control characters on a terminal."""
     out = out or sys.stdout
     err = err or sys.stderr
     if show_tools is None:
         show_tools = err.isatty()
+    screens = _Screens(out=not raw and out.isatty(), err=not raw and err.isatty())
     interrupts = _Interrupts()
     loop = asyncio.get_running_loop()
     installed = False
@@ -95,7 +118,8 @@ async def ask(client: AgentClient, text: str, *, conversation: str | None = None
         if created and err.isatty():
             print(f"agenttui: conversation {conversation_id}", file=err)
         run = await client.create_run(conversation_id, text, model=model, params=params)
-        follow = asyncio.create_task(_follow(client, run.run_id, out, err, show_tools))
+        follow = asyncio.create_task(_follow(client, run.run_id, out, err, show_tools,
+                                             screens))
         stopper = asyncio.create_task(_stop_on_interrupt(client, run.run_id, interrupts, err))
         giving_up = asyncio.create_task(interrupts.second.wait())
         try:
@@ -131,7 +155,8 @@ async def _stop_on_interrupt(client: AgentClient, run_id: str, interrupts: _Inte
 
 
 async def _follow(client: AgentClient, run_id: str, out: TextIO, err: TextIO,
-                  show_tools: bool) -> tuple[RunStatus | str | None, str | None, bool]:
+                  show_tools: bool,
+                  screens: _Screens) -> tuple[RunStatus | str | None, str | None, bool]:
     wrote = False
     outage = False
     async for item in client.run_events(run_id):
@@ -146,12 +171,12 @@ async def _follow(client: AgentClient, run_id: str, out: TextIO, err: TextIO,
         if not isinstance(item, RunEvent):
             continue
         if item.type == EventType.CONTENT_DELTA:
-            out.write(item.delta)
+            out.write(without_controls(item.delta) if screens.out else item.delta)
             out.flush()
             wrote = wrote or bool(item.delta)
         elif item.type == EventType.TOOL_CALL and show_tools:
-            print(f"· {item.payload.get('name')} {item.payload.get('arguments') or {}}",
-                  file=err)
+            line = f"· {item.payload.get('name')} {item.payload.get('arguments') or {}}"
+            print(without_controls(line) if screens.err else line, file=err)
         elif item.type == EventType.COMPLETE:
             status = item.payload.get("status")
             try:

@@ -367,9 +367,11 @@ class ConversationModel:
         return wanted
 
     def take_drafts(self) -> list[Draft]:
-        """Drafts to put back in this device's composer (each is offered once)."""
+        """Drafts to put back in this device's composer (each offered once), in the order
+        their turns were queued (a stop's answer lists them in no particular order)."""
         drafts, self._pending_drafts = self._pending_drafts, []
-        return drafts
+        position = {key: index for index, key in enumerate(self.order)}
+        return sorted(drafts, key=lambda draft: position.get(draft.run_id, len(position)))
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -93,6 +93,16 @@ async def test_stop_cancels_queued_turns_with_drafts_and_flags_the_running_turn(
         "status": "cancelled", "error": None, "message_id": str(message_id)}
 
 
+async def test_stop_hands_drafts_back_in_the_order_they_were_queued(pool: asyncpg.Pool) -> None:
+    tenant = await new_tenant(pool)
+    conv = tenant.conversation_id
+    queued = [await enqueue(pool, tenant.account_id, conv, f"turn {n}") for n in range(12)]
+    # The statement orders them: ids are random, so an index on them would not.
+    result = await stop_conversation(pool, account_id=tenant.account_id, conversation_id=conv)
+    assert result.cancelled == [turn.run_id for turn in queued]
+    assert [d.content for d in result.drafts] == [f"turn {n}" for n in range(12)]
+
+
 async def test_stop_by_another_account_changes_nothing(pool: asyncpg.Pool) -> None:
     owner = await new_tenant(pool)
     intruder = await new_tenant(pool)

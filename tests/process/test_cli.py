@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import stat
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import asyncpg
+import pytest
 
 from agentd.accounts import authenticate
+from tests.conftest import with_database
 from tests.daemon_harness import free_port
 
 
@@ -75,13 +81,83 @@ def test_unreachable_database_is_a_clear_error() -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_install_service_writes_a_notify_unit(tmp_path: Path) -> None:
-    result = agentd("install-service", "--no-enable", "--", "--dsn", "postgresql://db/agentd",
-                    home=tmp_path)
+async def test_serve_on_a_busy_address_names_it_and_its_holder_and_touches_nothing(
+        pg_admin_dsn: str, tmp_path: Path) -> None:
+    empty = f"agentd_busy_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(pg_admin_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{empty}"')
+        home = tmp_path / "home"
+        env = {f"XDG_{name.upper()}_HOME": str(home / name)
+               for name in ("config", "data", "state", "cache")}
+        data_dir = tmp_path / "pg"
+        with socket.socket() as holder:  # this process holds the port
+            holder.bind(("127.0.0.1", 0))
+            holder.listen()
+            listen = f"127.0.0.1:{holder.getsockname()[1]}"
+            for where in (["--dsn", with_database(pg_admin_dsn, empty)],
+                          ["--data-dir", str(data_dir)]):
+                result = agentd("serve", "--listen", listen, *where, env=env)
+                assert result.returncode == 1, result.stderr
+                program = sys.orig_argv[0]  # as this process's command line shows it
+                assert f"cannot listen on {listen}: the address is already in use by " \
+                       f"pid {os.getpid()} ({program}" in result.stderr, result.stderr
+                assert "--listen" in result.stderr
+                assert "database" not in result.stderr and "Traceback" not in result.stderr
+        # Nothing was touched: no migration, no embedded cluster, no file written.
+        conn = await asyncpg.connect(with_database(pg_admin_dsn, empty))
+        try:
+            assert await conn.fetchval("SELECT count(*) FROM pg_class c JOIN pg_namespace n"
+                                       " ON n.oid = c.relnamespace"
+                                       " WHERE n.nspname = 'public'") == 0
+        finally:
+            await conn.close()
+        assert not data_dir.exists()
+        assert not home.exists() or not [p for p in home.rglob("*") if p.is_file()]
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{empty}" WITH (FORCE)')
+        await admin.close()
+
+
+def test_install_service_writes_a_hardened_unit_without_secrets(tmp_path: Path) -> None:
+    secret_dsn = "postgresql://agentd:s3cret-pw@db.internal/agentd"
+    data = tmp_path / "data dir"
+    result = agentd("install-service", "--no-enable", "--", "--dsn", secret_dsn,
+                    "--data-dir", str(data), "--listen", "0.0.0.0:8740", home=tmp_path,
+                    env={"OPENAI_API_KEY": "sk-test-key-123", "AGENTD_MAX_RUNS": "4"})
     assert result.returncode == 0, result.stderr
-    unit = (tmp_path / "systemd" / "user" / "agentd.service").read_text()
+    unit_path = tmp_path / "systemd" / "user" / "agentd.service"
+    unit = unit_path.read_text()
+    for secret in ("s3cret-pw", "sk-test-key-123", secret_dsn):
+        assert secret not in unit and secret not in result.stdout + result.stderr
     assert "Type=notify" in unit
-    assert "-m agentd serve --dsn postgresql://db/agentd" in unit
+    command = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert command.endswith(f"-m agentd serve --data-dir '{data}' --listen 0.0.0.0:8740")
+    for line in ("NoNewPrivileges=yes", "PrivateTmp=yes", "ProtectSystem=strict"):
+        assert line in unit.splitlines(), line
+    writable = next(line for line in unit.splitlines() if line.startswith("ReadWritePaths="))
+    assert f'"{data}"' in writable  # the data directory (quoted: it holds a space)
+    assert data.is_dir()
+
+    env_path = tmp_path / "agentd" / "agentd.env"
+    assert f"EnvironmentFile={env_path}" in unit
+    assert stat.S_IMODE(env_path.stat().st_mode) == 0o600
+    variables = dict(line.split("=", 1) for line in env_path.read_text().splitlines()
+                     if line and not line.startswith("#"))
+    assert variables.items() >= {"AGENTD_DSN": f'"{secret_dsn}"',
+                                 "OPENAI_API_KEY": '"sk-test-key-123"',
+                                 "AGENTD_MAX_RUNS": '"4"'}.items()
+    # Nothing else but settings and the providers' keys (this machine may have some set).
+    assert {k for k in variables if not k.startswith("AGENTD_")} <= {"OPENAI_API_KEY",
+                                                                    "ANTHROPIC_API_KEY"}
+
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed: the unit was not verified by systemd")
+    verified = subprocess.run([analyze, "verify", str(unit_path)], capture_output=True,
+                              text=True, timeout=120, check=False)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "agentd.service" not in verified.stderr, verified.stderr  # no warning about it
 
 
 def test_help_names_every_command() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import random
 import re
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rich.console import Console
 
 from agenttui.client import AgentClient, Backoff
 from agenttui.drafts import DraftLedger
@@ -219,15 +221,17 @@ def tui_settings(url: str, device: Device, **overrides: Any) -> Settings:
 @contextlib.asynccontextmanager
 async def running_tui(url: str, device: Device, state_dir: Path, *,
                       transport: httpx.AsyncBaseTransport | None = None,
-                      size: tuple[int, int] = TERMINAL_SIZE, **settings: Any) -> AsyncIterator[Any]:
-    """An app for `device` on a live daemon, driven by Pilot: yields (app, pilot)."""
+                      size: tuple[int, int] = TERMINAL_SIZE, notifications: bool = False,
+                      **settings: Any) -> AsyncIterator[Any]:
+    """An app for `device` on a live daemon, driven by Pilot: yields (app, pilot). Toasts are
+    drawn only with `notifications=True`."""
     from agenttui.app import make_app
 
     client = client_for(url, device, transport=transport)
     ledger = DraftLedger(state_dir / f"drafts-{device.name}.json")
     app = make_app(tui_settings(url, device, **settings), client, drafts=ledger)
     try:
-        async with app.run_test(size=size) as pilot:
+        async with app.run_test(size=size, notifications=notifications) as pilot:
             yield app, pilot
     finally:
         await client.aclose()
@@ -245,6 +249,32 @@ async def wait_for(pilot: Any, predicate: Callable[[], Any], what: str,
             return value
         if expired:
             raise AssertionError(f"timed out after {within:g}s waiting for {what}")
+
+
+async def search_for(app: Any, pilot: Any, words: str) -> Any:
+    """Open the search screen (Ctrl+F), search `words`, return the screen once it has hits."""
+    from textual.widgets import Input
+
+    from agenttui.screens.search import SearchScreen
+
+    await pilot.press("ctrl+f")
+    await wait_for(pilot, lambda: isinstance(app.screen, SearchScreen), "the search screen")
+    search = app.screen
+    search.query_one(Input).value = words
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: search.hits, "search results")
+    return search
+
+
+def screen_text(app: Any) -> str:
+    """What the screen shows, as plain text: the render `export_screenshot` makes, as text."""
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True,
+                      color_system="truecolor", record=True, legacy_windows=False,
+                      safe_box=False)
+    console.print(app.screen._compositor.render_update(
+        full=True, screen_stack=app._background_screens))
+    return console.export_text()
 
 
 # -- SVG snapshots ---------------------------------------------------------------------------

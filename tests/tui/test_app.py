@@ -186,6 +186,30 @@ async def test_stop_from_the_second_device_cancels_the_first_devices_run(
         assert "handed back to your composer" in view(mine, turns(mine)[1]).head_text
 
 
+async def test_drafts_return_in_the_order_they_were_queued_before_what_was_typed(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    async with client_for(daemon, desk) as api:
+        conversation = await api.create_conversation("drafts")
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation.id,
+                           params={"tokens": 5, "delay_ms": 60_000}) as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.model and screen.model.snapshots, "attach")
+        for text in ("think for a minute", "one", "two\nlines", "three"):
+            screen.composer.text = text
+            await pilot.press("enter")
+            await wait_for(pilot, lambda text=text: turns(app) and
+                           turns(app)[-1].question == text, f"{text!r} to queue")
+        await wait_for(pilot, lambda: turns(app)[0].running and
+                       len(screen.model.queued_turns) == 3, "one running, three queued")
+        screen.composer.text = "typed meanwhile"
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: screen.model.state == "idle" and
+                       all(t.question_status == MessageStatus.DRAFT for t in turns(app)[1:]),
+                       "the stop to land")
+        await pilot.pause()
+        assert screen.composer.text == "one\n\ntwo\nlines\n\nthree\n\ntyped meanwhile"
+
+
 async def api_state(daemon: Daemon, device: Device, conversation_id: str):
     async with client_for(daemon, device) as api:
         return await api.get_conversation(conversation_id)

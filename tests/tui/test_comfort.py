@@ -14,10 +14,9 @@ from agenttui.app import AgentTUI
 from agenttui.locations import clipboard_file
 from agenttui.screens.help import HelpScreen
 from agenttui.screens.main import MainScreen, last_code_block
-from agenttui.screens.search import SearchScreen
 from agenttui.widgets.composer import Composer
 from tests.daemon_harness import Daemon
-from tests.tui.helpers import Device, client_for, running_tui, wait_for
+from tests.tui.helpers import Device, client_for, running_tui, search_for, wait_for
 
 NOWHERE = "http://127.0.0.1:9"  # nothing listens there: the app keeps retrying
 
@@ -74,6 +73,32 @@ async def test_keys_remap_from_config_and_f1_shows_the_mapping(desk: Device,
                 "Help"} <= titles
 
 
+async def test_a_remapped_send_key_sends_and_enter_can_become_the_newline(
+        desk: Device, agenttui_dirs: Path) -> None:
+    async with running_tui(NOWHERE, desk, agenttui_dirs,
+                           keys={"send": "f5", "newline": "enter"}) as (app, pilot):
+        screen = app.main
+        await pilot.press("a", "enter", "b")
+        assert screen.composer.text == "a\nb"
+        await pilot.press("f5")  # no daemon: refused, and the text stays
+        await wait_for(pilot, lambda: any(n.startswith("Not connected") for n in screen.notices),
+                       "the send to be tried")
+        assert screen.composer.text == "a\nb"
+
+
+async def test_text_put_back_keeps_its_order_and_what_was_typed(desk: Device,
+                                                                agenttui_dirs: Path) -> None:
+    async with running_tui(NOWHERE, desk, agenttui_dirs) as (app, _pilot):
+        composer = app.main.composer
+        composer.text = "look"
+        for text in ("ok", "then\nthis", "ok"):  # the second "ok" is already there
+            composer.put_back(text)
+        assert composer.text == "ok\n\nthen\nthis\n\nlook"
+        composer.text = "edited"
+        composer.put_back("after an edit")
+        assert composer.text == "after an edit\n\nedited"
+
+
 async def test_copy_export_search_rename_and_new(daemon: Daemon, desk: Device,
                                                  agenttui_dirs: Path, tmp_path: Path) -> None:
     answers = {}
@@ -108,12 +133,7 @@ async def test_copy_export_search_rename_and_new(daemon: Daemon, desk: Device,
         assert exported[0].name.startswith("alpha-notes-")
         assert text.startswith("# Alpha notes") and alpha_answer in text
 
-        await pilot.press("ctrl+f")
-        await wait_for(pilot, lambda: isinstance(app.screen, SearchScreen), "the search screen")
-        search = app.screen
-        search.query_one(Input).value = "beta"
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: search.hits, "search results")
+        search = await search_for(app, pilot, "beta")
         assert {hit.conversation_id for hit in search.hits} == {beta}
         search.query_one(OptionList).focus()
         await pilot.press("enter")

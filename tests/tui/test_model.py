@@ -8,7 +8,7 @@ from typing import Any
 from agentd.vocabulary import EventType, MessageStatus, RunStatus
 from agenttui.client import ConnectionState, ConnectionStatus, LeaseChanged, Snapshot
 from agenttui.conversation import ConversationModel
-from agenttui.models import ConversationState, Lease, Me, RunEvent
+from agenttui.models import ConversationState, Draft, Lease, Me, RunEvent, StopResult
 
 ME = Me("team", "acct", "desk", "dev-desk")
 OTHER = "dev-laptop"
@@ -132,6 +132,19 @@ def test_a_draft_goes_to_its_author_once() -> None:
     assert fresh.runs_to_resolve() == ["r1"]
     assert fresh.note_run(_run_row("r1", ME.device_id)).drafts
     assert [d.content for d in fresh.take_drafts()] == ["later"]
+
+
+def test_drafts_come_back_in_the_order_they_were_queued() -> None:
+    model = ConversationModel(ME, CONV)
+    model.apply(snapshot([message(f"m{n}", "user", f"turn {n}", "queued", f"r{n}")
+                          for n in (1, 2, 3, 4)],
+                         [run(f"r{n}", "queued", ME.device_id) for n in (1, 2, 3, 4)]))
+    # One ending arrives on the feed first; the stop's answer lists the rest in any order.
+    model.apply(event("r2", 3, EventType.COMPLETE, status="cancelled", error="stopped"))
+    model.note_stop(StopResult(("r4", "r1", "r3"), (), tuple(
+        Draft(f"r{n}", f"m{n}", f"turn {n}") for n in (4, 1, 3))))
+    assert [d.content for d in model.take_drafts()] == ["turn 1", "turn 2", "turn 3", "turn 4"]
+    assert model.take_drafts() == []
 
 
 def _run_row(rid: str, device: str) -> Any:

@@ -25,6 +25,7 @@ from agentd.vocabulary import EventType
 from agenttui.client import (
     AgentClient,
     ApiError,
+    CertificateMismatch,
     ConnectionState,
     ConnectionStatus,
     NotFound,
@@ -98,11 +99,15 @@ class MainScreen(Screen[None]):
         self.model: ConversationModel | None = None
         self.notices: deque[str] = deque(maxlen=50)  # recent messages, newest last
         self._render_lock = asyncio.Lock()
+        # Sends go out one at a time, in the order they were made (the lock wakes waiters in
+        # order): messages typed in one burst are queued in the order they were typed.
+        self._send_lock = asyncio.Lock()
 
     def notify(self, message: str, *, title: str = "",  # type: ignore[override]
-               **kwargs: Any) -> None:
+               markup: bool = False, **kwargs: Any) -> None:
+        """A toast; literal by default: messages quote titles, errors and paths."""
         self.notices.append(message)
-        super().notify(message, title=title, **kwargs)
+        super().notify(message, title=title, markup=markup, **kwargs)
 
     @property
     def client(self) -> AgentClient:
@@ -152,7 +157,10 @@ class MainScreen(Screen[None]):
                 self.me = await self.client.me()
             except Unauthorized as exc:
                 self.bar.show(None, f"✗ {self.client.url} refused the token ({exc.message}). "
-                                    f"Run `agenttui login --url URL --token TOKEN`.")
+                                    f"Pair again: `agentd pair` prints the line to run.")
+                return
+            except CertificateMismatch as exc:
+                self.bar.show(None, f"✗ {exc.message}")  # never retried: it will not change
                 return
             except ApiError as exc:
                 attempt += 1
@@ -256,7 +264,7 @@ class MainScreen(Screen[None]):
         drafts = model.take_drafts()
         if not drafts:
             return
-        for draft in drafts:
+        for draft in drafts:  # in queue order: each lands after the one before
             self.composer.put_back(draft.content)
         self.app.drafts.consume(d.message_id for d in drafts)
         self.notify("A stop handed your queued message back: it is in the composer.",
@@ -266,11 +274,14 @@ class MainScreen(Screen[None]):
 
     @on(Composer.Submitted)
     def _submitted(self, event: Composer.Submitted) -> None:
-        self.composer.clear()
-        self.send(event.text)
+        self.send(event.text)  # the composer cleared itself, in key order
 
     @work(group="send", exit_on_error=False)
     async def send(self, text: str) -> None:
+        async with self._send_lock:
+            await self._send(text)
+
+    async def _send(self, text: str) -> None:
         settings = self.app.settings
         if self.me is None:
             self.composer.put_back(text)

@@ -29,7 +29,7 @@ class TextPrompt(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label(self.question)
+            yield Label(self.question, markup=False)
             yield Input(self.value, placeholder=self.placeholder)
 
     def on_mount(self) -> None:

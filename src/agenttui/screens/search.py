@@ -47,8 +47,9 @@ class SearchScreen(ModalScreen[str | None]):
         with Vertical():
             yield Label("Search all conversations (Enter to search, ↓ to pick a result)")
             yield Input(placeholder="words to find", id="query")
-            yield Label("", classes="search-status", id="search-status")
-            yield OptionList(id="results")
+            # Hits quote conversations and errors quote the server: both shown literally.
+            yield Label("", classes="search-status", id="search-status", markup=False)
+            yield OptionList(id="results", markup=False)
 
     def on_mount(self) -> None:
         self.query_one(Input).focus()

@@ -1,14 +1,25 @@
 """The composer: Enter sends; Ctrl+J (or Shift+Enter / Alt+Enter where the terminal sends them)
 starts a new line. Drafts handed back by a stop land here, never silently overwriting text.
+
+Enter is handled here, in the order keys arrive, not as an app-level priority binding. Textual
+checks priority bindings in the app's own message loop the moment a key is read, but forwards
+every other key to the focused widget's queue: a line and its Enter read in one go (a paste
+without bracketed paste, a laggy SSH link, `tmux send-keys`) would reach a priority binding
+while the characters before it were still queued, and send an empty composer.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+from textual import events
 from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.widgets import TextArea
+
+# The composer's own actions, run when their key reaches the composer (never earlier).
+OWN_ACTIONS = frozenset({"submit", "newline"})
+SEPARATOR = "\n\n"
 
 
 class Composer(TextArea):
@@ -18,9 +29,9 @@ class Composer(TextArea):
     """
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("enter", "submit", "Send", id="send", priority=True),
+        Binding("enter", "submit", "Send", id="send"),
         Binding("ctrl+j,shift+enter,alt+enter", "newline", "Newline", id="newline",
-                key_display="^j", priority=True),
+                key_display="^j"),
     ]
 
     class Submitted(Message):
@@ -33,20 +44,50 @@ class Composer(TextArea):
         super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False,
                          placeholder="Message — Enter sends · Ctrl+J new line",
                          **kwargs)  # type: ignore[arg-type]
+        self._handed_back: list[str] = []  # texts put back, in order, leading the composer
+
+    async def _on_key(self, event: events.Key) -> None:
+        # A key bound to send or newline (as remapped by the user) acts here, after every key
+        # before it was inserted; TextArea would otherwise insert Enter as a line break.
+        if not event.is_printable:
+            active = self.screen.active_bindings.get(event.key)
+            if active is not None and active.node is self and \
+                    active.binding.action in OWN_ACTIONS:
+                event.stop()
+                event.prevent_default()
+                await self.run_action(active.binding.action)
+                return
+        await super()._on_key(event)
 
     def action_submit(self) -> None:
         text = self.text
         if text.strip():
+            # Cleared now, not when the screen gets the message: keys after this Enter are
+            # already queued behind it and belong to the next message.
+            self.clear()
+            self._handed_back = []
             self.post_message(self.Submitted(self, text))
 
     def action_newline(self) -> None:
         self.insert("\n")
 
     def put_back(self, text: str) -> None:
-        """Return text to the composer (a failed send, a draft); what is typed stays too."""
+        """Return text to the composer (a failed send, a draft); what is typed stays too.
+
+        Texts handed back one after another stay in that order, ahead of what was typed since:
+        drafts a stop returns come back in the order they were queued.
+        """
         current = self.text
-        if current.strip() and text.strip() not in current:
-            self.text = f"{text}\n\n{current}"
-        elif not current.strip():
-            self.text = text
+        paragraphs = {part.strip() for part in current.split(SEPARATOR)}
+        if not text.strip() or text.strip() in paragraphs:  # already here, word for word
+            return
+        block = SEPARATOR.join(self._handed_back)
+        if self._handed_back and current.startswith(block):
+            typed = current[len(block):]
+        else:  # edited (or nothing handed back yet): start a new block
+            self._handed_back = []
+            typed = current
+        self._handed_back.append(text)
+        self.text = SEPARATOR.join(self._handed_back) + \
+            (SEPARATOR + typed.lstrip("\n") if typed.strip() else "")
         self.move_cursor(self.document.end)

@@ -18,7 +18,8 @@ class ConversationList(OptionList):
     """
 
     def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+        # Titles are the users' words: shown as typed, never parsed as markup.
+        super().__init__(markup=False, **kwargs)  # type: ignore[arg-type]
         self.conversations: list[Conversation] = []
         self.current: str | None = None
         self.border_title = "Conversations"
