@@ -112,8 +112,10 @@ async def main() -> int:
                          "own embedded server (omit --dsn)")
     raise_nofile()
     started = time.monotonic()
+    # One bench device follows every turn: room for all its streams and connections.
     settings = daemon_settings(args, max_runs=args.runs, lease_ttl_s=args.lease_ttl_s,
-                               heartbeat_s=args.heartbeat_s)
+                               heartbeat_s=args.heartbeat_s, streams_per_device=args.runs + 10,
+                               max_connections=2 * args.runs + 100)
     pg = {"shared_preload_libraries": "pg_stat_statements", "max_connections": "300"}
     async with bench_database(args, "saturation", pg_settings=pg) as database:
         machine = await machine_info(database)

@@ -95,7 +95,10 @@ async def main() -> int:
     if nofile < needed:
         progress(f"open-file limit {nofile} < {needed}: expect connection errors")
     started = time.monotonic()
-    settings = daemon_settings(args, max_runs=max(args.runs, 16))
+    # One bench device holds every stream: room for all of them and their connections.
+    settings = daemon_settings(args, max_runs=max(args.runs, 16),
+                               streams_per_device=args.runs * args.clients + 10,
+                               max_connections=args.runs * args.clients + args.runs + 100)
     async with bench_database(args, "streams") as database:
         machine = await machine_info(database)
         pool = await open_pool(database.dsn)

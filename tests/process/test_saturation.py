@@ -31,7 +31,9 @@ TURNS = 500
 TOKENS = 300
 DELAY_MS = 100  # 30 s of streaming per turn when the daemon keeps up
 SETTINGS = {"lease_ttl_s": 3, "heartbeat_s": 1, "reap_interval_s": 0.5, "reap_grace_s": 0,
-            "max_runs": TURNS + 100, "log_level": "warning"}
+            "max_runs": TURNS + 100, "log_level": "warning",
+            # one device follows every turn: let it hold them all open
+            "streams_per_device": TURNS + 10}
 STREAM_TIMEOUT = httpx.Timeout(30.0, read=120.0)
 DEADLINE_S = 600  # a loaded shared machine may stretch this; the test polls, never sleeps
 
