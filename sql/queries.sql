@@ -6,22 +6,34 @@
 -- "Rule N" is rule N of docs/architecture.md ("The rules and where they live").
 
 -- enqueue_run --
--- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key
+-- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key, default_max_queued
 -- A run is a row (docs/architecture.md rule 1): the user message, the run, journal seq 1-2 and
 -- the wake commit as ONE statement.
 -- A repeated idempotency key inserts nothing (the unique index arbitrates, even mid-flight).
 -- The conversation row is locked first, so runs of one conversation get created_at in commit
 -- order (a conversation feed's watermark relies on it) and on_busy checks serialize with us.
+-- Bounded: the account's queued count is read from its account_runs row, locked (after the
+-- conversation's), so enqueues of one account serialize there and none can overshoot its
+-- max_queued ($8 when the account sets none); over it nothing is written. The answer row
+-- says which: `room` false = over the limit; no row at all = no such conversation here.
 WITH conv AS (
     UPDATE conversation SET updated_at = clock_timestamp()
     WHERE id = $2::uuid AND account_id = $1::uuid
     RETURNING id, account_id
+), room AS (
+    SELECT a.queued < coalesce(acc.max_queued, $8::int) AS ok,
+           coalesce(acc.max_queued, $8::int) AS max_queued
+    FROM conv
+    JOIN account_runs a ON a.account_id = conv.account_id
+    JOIN account acc ON acc.id = conv.account_id
+    FOR NO KEY UPDATE OF a
 ), run AS (
     INSERT INTO agent_run (account_id, conversation_id, user_message_id, origin_device_id,
                            request, request_hash, idempotency_key, created_at)
     SELECT conv.account_id, conv.id, gen_random_uuid(), $3::uuid, $5::jsonb, $6::text, $7::text,
            clock_timestamp()
-    FROM conv
+    FROM conv, room
+    WHERE room.ok
     ON CONFLICT (account_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, conversation_id, user_message_id, status, created_at
 ), msg AS (
@@ -38,10 +50,11 @@ WITH conv AS (
             'device', (SELECT name FROM device WHERE id = $3::uuid)))
     ) AS e (seq, type, payload)
 )
-SELECT run.id, run.status, run.conversation_id, run.user_message_id, run.created_at,
+SELECT room.ok AS room, room.max_queued, run.id, run.status, run.conversation_id,
+       run.user_message_id, run.created_at,
        pg_notify('agentd_run_enqueued', run.conversation_id::text),
        pg_notify('agentd_conversation', run.conversation_id::text)
-FROM run;
+FROM conv CROSS JOIN room LEFT JOIN run ON true;
 
 -- find_run_by_idempotency_key --
 -- params: account_id, idempotency_key
@@ -51,11 +64,17 @@ FROM agent_run
 WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 
 -- claim_runs --
--- params: worker_id, lease_ttl_s, limit
+-- params: worker_id, lease_ttl_s, limit, default_max_running
 -- Claim in one statement (docs/architecture.md rule 2); SKIP LOCKED so claimers pass over each
--- other, never wait. Only the oldest queued turn of a conversation with nothing running is
--- eligible (FIFO; one turn at a time per conversation, rule 5); the pre-filter can be fooled by
+-- other, never wait. Fair: accounts take turns, the one served longest ago first (round robin
+-- by account_runs.last_claimed_at, one turn of each before a second of any), FIFO within the
+-- account; only the oldest queued turn of a conversation with nothing running is eligible
+-- (FIFO; one turn at a time per conversation, rule 5); the pre-filter can be fooled by
 -- snapshots, the one_running_per_conversation index cannot.
+-- Bounded: an account takes at most max_running ($4 when it sets none) minus its running
+-- turns. Its account_runs row is locked to decide and read as last committed, so two daemons
+-- can never together exceed the limit; the count_account_runs trigger (sql/009) counts the
+-- claimed turns before the lock is released.
 -- Stamps a fresh claim_token, a monotonic fence and a deadline on the database clock, and
 -- acquires the conversation lease (which execution owns the conversation): its conditional
 -- UPSERT takes over only a holder whose run is no longer live, and require_conversation_lease
@@ -64,20 +83,53 @@ WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 -- event's seq.
 WITH clock AS (
     SELECT clock_timestamp() AS now
+), candidates AS (
+    -- Per account below its limit, its oldest eligible turns, numbered in arrival order: as
+    -- many as it may still start, at most the batch and 32 more (a claimer passes over the
+    -- turns rival claimers are taking right now: SKIP LOCKED below).
+    SELECT next.id, a.account_id, a.last_claimed_at, next.created_at,
+           row_number() OVER (PARTITION BY a.account_id
+                              ORDER BY next.created_at, next.id) AS nth
+    FROM account_runs a
+    JOIN account acc ON acc.id = a.account_id
+    CROSS JOIN LATERAL (
+        SELECT q.id, q.created_at FROM agent_run q
+        WHERE q.account_id = a.account_id AND q.status = 'queued'
+          AND NOT EXISTS (
+              SELECT 1 FROM agent_run busy
+              WHERE busy.conversation_id = q.conversation_id AND busy.status = 'running')
+          AND NOT EXISTS (
+              SELECT 1 FROM agent_run older
+              WHERE older.conversation_id = q.conversation_id AND older.status = 'queued'
+                AND (older.created_at, older.id) < (q.created_at, q.id))
+        ORDER BY q.created_at, q.id
+        LIMIT least($3::int + 32, coalesce(acc.max_running, $4::int) - a.running)
+    ) next
+    WHERE a.queued > 0 AND a.running < coalesce(acc.max_running, $4::int)
 ), picked AS (
-    SELECT r.id
-    FROM agent_run r
-    WHERE r.status = 'queued'
-      AND NOT EXISTS (
-          SELECT 1 FROM agent_run busy
-          WHERE busy.conversation_id = r.conversation_id AND busy.status = 'running')
-      AND NOT EXISTS (
-          SELECT 1 FROM agent_run older
-          WHERE older.conversation_id = r.conversation_id AND older.status = 'queued'
-            AND (older.created_at, older.id) < (r.created_at, r.id))
-    ORDER BY r.created_at, r.id
+    -- Round robin: every account's first turn (the account served longest ago first), then
+    -- every account's second, and so on.
+    SELECT r.id, r.account_id, c.created_at
+    FROM candidates c JOIN agent_run r ON r.id = c.id
+    WHERE r.status = 'queued'  -- re-checked on the row as it is once locked
+    ORDER BY c.nth, c.last_claimed_at NULLS FIRST, c.created_at, c.id
     LIMIT $3::int
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF r SKIP LOCKED
+), slots AS (
+    -- The picked accounts' running counts, locked and read as last committed (a claimer of
+    -- the same account waits here for the other's commit, milliseconds, then counts it).
+    SELECT a.account_id, coalesce(acc.max_running, $4::int) - a.running AS free
+    FROM account_runs a JOIN account acc ON acc.id = a.account_id
+    WHERE a.account_id IN (SELECT account_id FROM picked)
+    FOR NO KEY UPDATE OF a
+), admitted AS (
+    SELECT p.id
+    FROM (SELECT picked.id, picked.account_id,
+                 row_number() OVER (PARTITION BY picked.account_id
+                                    ORDER BY picked.created_at, picked.id) AS nth
+          FROM picked) p
+    JOIN slots ON slots.account_id = p.account_id
+    WHERE p.nth <= slots.free
 ), claimed AS (
     UPDATE agent_run r
     SET status = 'running',
@@ -87,11 +139,11 @@ WITH clock AS (
         lease_expires_at = clock.now + make_interval(secs => $2::float8),
         last_heartbeat_at = clock.now,
         started_at = clock.now
-    FROM picked, clock
-    WHERE r.id = picked.id AND r.status = 'queued'
+    FROM admitted, clock
+    WHERE r.id = admitted.id AND r.status = 'queued'
     RETURNING r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
               r.request, r.claim_token, r.fence, r.worker_id, r.lease_expires_at,
-              r.cancel_requested
+              r.cancel_requested, r.created_at, r.started_at
 ), asked AS (
     UPDATE message m SET status = 'complete'
     FROM claimed
@@ -282,7 +334,7 @@ SELECT answer_open_tool_calls(owner.id) AS answered
 FROM owner;
 
 -- finish_run_fenced --
--- params: run_id, claim_token, status, error, usage, content, message_status, seq
+-- params: run_id, claim_token, status, error, usage, content, message_status, seq, error_code
 -- The worker's terminal write (docs/architecture.md rule 3). Fenced like every other write;
 -- terminal states are sticky (status = 'running' in the WHERE). In the same statement: the
 -- answer message, the one 'complete' event (seq $8, or max+1 for the dispatcher's backstop), the
@@ -295,7 +347,8 @@ WITH clock AS (
     SELECT clock_timestamp() AS now
 ), fin AS (
     UPDATE agent_run r
-    SET status = $3::text, error = $4::text, usage = $5::jsonb, finished_at = clock.now
+    SET status = $3::text, error = $4::text, error_code = $9::text, usage = $5::jsonb,
+        finished_at = clock.now
     FROM clock
     WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
       AND r.lease_expires_at > clock.now
@@ -320,7 +373,7 @@ WITH clock AS (
            coalesce($8::bigint,
                     (SELECT max(e.seq) + 1 FROM run_event e WHERE e.run_id = fin.id)),
            'complete',
-           jsonb_build_object('status', $3::text, 'error', $4::text,
+           jsonb_build_object('status', $3::text, 'error', $4::text, 'error_code', $9::text,
                               'message_id', (SELECT id FROM answer))
     FROM fin
 ), released AS (
@@ -339,10 +392,12 @@ FROM fin, repaired;
 -- deadline has passed, re-checked inside this write against the row as it is now (a heartbeat
 -- that landed first wins; SKIP LOCKED passes over a run whose heartbeat is in flight). Never
 -- re-queued: at most once.
--- The caller journals the ending with journal_endings in the same transaction.
+-- The caller journals the ending with journal_endings in the same transaction. What clients
+-- see is the code and a message without internals; the worker's id goes to the reaper's log.
 UPDATE agent_run r
 SET status = 'failed',
-    error = 'lease expired: worker ' || r.worker_id || ' stopped renewing it',
+    error = 'the worker running this turn stopped renewing its lease',
+    error_code = 'lease_expired',
     finished_at = clock.now
 FROM (SELECT clock_timestamp() AS now) clock
 WHERE r.id IN (
@@ -354,10 +409,11 @@ WHERE r.id IN (
         FOR UPDATE SKIP LOCKED)
   AND r.status = 'running'
   AND r.lease_expires_at <= clock.now - make_interval(secs => $1::float8)
-RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.error;
+RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.error,
+          r.error_code, r.worker_id, r.started_at, r.finished_at;
 
 -- journal_endings --
--- params: run_ids, account_ids, conversation_ids, claim_tokens, statuses, errors, draft_ids
+-- params: run_ids, account_ids, conversation_ids, claim_tokens, statuses, errors, draft_ids, error_codes
 -- Finalizers other than the worker (reaper, stop) append 'complete' at max(seq)+1. Run as its
 -- own statement AFTER the fencing UPDATE in the same transaction: READ COMMITTED gives it a
 -- fresh snapshot that sees every append committed before our row lock, and the lock holds off
@@ -370,8 +426,9 @@ RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.erro
 -- stream can return it to its author.
 WITH ended AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[],
-                         $6::text[], $7::uuid[]) AS t (run_id, account_id, conversation_id,
-                                                      claim_token, status, error, draft_id)
+                         $6::text[], $7::uuid[], $8::text[])
+        AS t (run_id, account_id, conversation_id, claim_token, status, error, draft_id,
+              error_code)
 ), repaired AS (
     SELECT ended.*, answer_open_tool_calls(ended.run_id) AS repaired_calls FROM ended
 ), answer AS (
@@ -387,7 +444,7 @@ WITH ended AS (
            + 1,
            'complete',
            jsonb_build_object('status', repaired.status, 'error', repaired.error,
-                              'message_id', answer.id)
+                              'error_code', repaired.error_code, 'message_id', answer.id)
            || CASE WHEN repaired.draft_id IS NULL THEN '{}'::jsonb
                    ELSE jsonb_build_object('draft', jsonb_build_object(
                        'message_id', repaired.draft_id,
@@ -434,17 +491,17 @@ FOR UPDATE;
 WITH cancelled AS (
     UPDATE agent_run r
     SET status = 'cancelled', error = 'stopped before it started',
-        finished_at = clock_timestamp()
+        error_code = 'stopped_before_start', finished_at = clock_timestamp()
     WHERE r.id = ANY ($1::uuid[]) AND r.status = 'queued'
     RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.error,
-              r.user_message_id, r.created_at
+              r.error_code, r.user_message_id, r.created_at
 ), drafts AS (
     UPDATE message m SET status = 'draft'
     FROM cancelled
     WHERE m.id = cancelled.user_message_id
     RETURNING m.id, m.run_id, m.content
 )
-SELECT c.id, c.account_id, c.conversation_id, c.claim_token, c.status, c.error,
+SELECT c.id, c.account_id, c.conversation_id, c.claim_token, c.status, c.error, c.error_code,
        d.id AS message_id, d.content
 FROM cancelled c JOIN drafts d ON d.run_id = c.id
 ORDER BY c.created_at, c.id;
@@ -539,11 +596,12 @@ RETURNING id, account_id, name, created_at;
 -- authenticate_device --
 -- params: token_hash
 -- Authorize first (docs/architecture.md rule 9): a bearer token resolves to (account, device)
--- only while not revoked; marks it seen.
+-- only while not revoked; marks it seen. Brings the account's model patterns along (NULL: every
+-- model), so an enqueue checks them without another round trip.
 -- last_seen_at moves at most once a minute: writing it on every request put a synchronous
 -- commit, and a row lock that all of a device's requests queue on, in front of every API call.
 WITH found AS (
-    SELECT d.id, d.name, d.account_id, a.name AS account_name
+    SELECT d.id, d.name, d.account_id, a.name AS account_name, a.models
     FROM device d JOIN account a ON a.id = d.account_id
     WHERE d.token_hash = $1::bytea AND d.revoked_at IS NULL
 ), seen AS (
@@ -552,8 +610,62 @@ WITH found AS (
     WHERE d.id = found.id AND d.revoked_at IS NULL
       AND (d.last_seen_at IS NULL OR d.last_seen_at < clock_timestamp() - interval '1 minute')
 )
-SELECT found.id AS device_id, found.name AS device_name, found.account_id, found.account_name
+SELECT found.id AS device_id, found.name AS device_name, found.account_id, found.account_name,
+       found.models
 FROM found;
+
+-- set_account_limits --
+-- params: name, change_running, max_running, change_queued, max_queued, change_models, models
+-- An operator's limits for one account (created when missing). Each changes only when asked
+-- ($2, $4, $6); NULL restores the fleet's default. Running turns are never touched: the next
+-- claim and the next enqueue read the new limits (every daemon of the fleet alike).
+INSERT INTO account AS acc (name, max_running, max_queued, models)
+VALUES ($1::text, CASE WHEN $2::bool THEN $3::int END, CASE WHEN $4::bool THEN $5::int END,
+        CASE WHEN $6::bool THEN $7::text[] END)
+ON CONFLICT (name) DO UPDATE
+SET max_running = CASE WHEN $2::bool THEN EXCLUDED.max_running ELSE acc.max_running END,
+    max_queued = CASE WHEN $4::bool THEN EXCLUDED.max_queued ELSE acc.max_queued END,
+    models = CASE WHEN $6::bool THEN EXCLUDED.models ELSE acc.models END
+RETURNING id;
+
+-- list_account_limits --
+-- params: name
+-- Accounts with their limits (NULL: the fleet's default) and their queued and running turns
+-- now; one account by name, or all when $1 is NULL.
+SELECT a.id, a.name, a.max_running, a.max_queued, a.models, r.queued, r.running,
+       r.last_claimed_at
+FROM account a JOIN account_runs r ON r.account_id = a.id
+WHERE $1::text IS NULL OR a.name = $1::text
+ORDER BY a.name;
+
+-- queue_by_account --
+-- params: limit
+-- What `agentd status` and /metrics show per account: the busiest accounts' queued and running
+-- turns (counted as they change: account_runs, sql/009).
+SELECT a.name AS account, r.queued, r.running, a.max_running, a.max_queued
+FROM account_runs r JOIN account a ON a.id = r.account_id
+WHERE r.queued > 0 OR r.running > 0
+ORDER BY r.queued + r.running DESC, a.name
+LIMIT $1::int;
+
+-- running_turns --
+-- params: limit
+-- Who owns which running conversation: the device that asked, the worker executing it and
+-- the lease left by the database clock (negative: expired, awaiting the reaper).
+SELECT r.id AS run_id, r.conversation_id, c.title, a.name AS account, d.name AS device,
+       r.worker_id, r.started_at, r.cancel_requested,
+       extract(epoch FROM r.lease_expires_at - clock_timestamp())::float8 AS lease_left_s
+FROM agent_run r
+JOIN conversation c ON c.id = r.conversation_id
+JOIN account a ON a.id = r.account_id
+LEFT JOIN device d ON d.id = r.origin_device_id
+WHERE r.status = 'running'
+ORDER BY r.started_at, r.id
+LIMIT $1::int;
+
+-- count_attached_devices --
+-- Devices holding a conversation stream open anywhere in the fleet (each counted once).
+SELECT count(DISTINCT device_id) FROM presence WHERE expires_at > clock_timestamp();
 
 -- list_devices --
 -- Operators see every credential, never a token.
@@ -760,7 +872,7 @@ LIMIT 1;
 -- params: run_id
 -- A tail's truth check when the journal is quiet: a terminal run without a journaled
 -- `complete` gets one synthesized from this row.
-SELECT status, error FROM agent_run WHERE id = $1::uuid;
+SELECT status, error, error_code FROM agent_run WHERE id = $1::uuid;
 
 -- search_messages --
 -- params: account_id, pattern, limit

@@ -17,18 +17,19 @@ from collections.abc import Awaitable, Callable
 
 import asyncpg
 
+from agentd.failures import RunFailure, failure, log_failure
 from agentd.hub import Hub
 from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
 from agentd.queue import Claim, Hint, LeaseLost, SeqConflict, claim_runs, finish_run
 from agentd.settings import Settings
-from agentd.vocabulary import Channel, RunStatus
+from agentd.vocabulary import Channel, RunErrorCode, RunStatus
 
 log = logging.getLogger("agentd.dispatcher")
 
 RunTurn = Callable[[Claim], Awaitable[bool]]
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
-DRAIN_ERROR = "agentd stopped before the turn finished (drain budget exhausted)"
+DRAIN_FAILURE = failure(RunErrorCode.SHUTDOWN)
 
 
 class Dispatcher:
@@ -87,14 +88,16 @@ class Dispatcher:
                     raise
                 wake.clear()  # hints from here on are kept for the idle wait below
                 try:
-                    claims = await claim_runs(self._pool, worker_id=self._worker_id,
-                                              lease_ttl_s=self._settings.lease_ttl_s, limit=1,
-                                              hint=self._hint)
+                    claims = await claim_runs(
+                        self._pool, worker_id=self._worker_id,
+                        lease_ttl_s=self._settings.lease_ttl_s, limit=1,
+                        default_max_running=self._settings.account_max_running, hint=self._hint)
                 except _DB_ERRORS as exc:
                     self._slots.release()
                     log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
                     await wake.wait(self._settings.tick_s)
                     continue
+                self._metrics.claim_batch.observe(len(claims))
                 if not claims:
                     self._slots.release()
                     await wake.wait(self._settings.tick_s)
@@ -102,6 +105,9 @@ class Dispatcher:
                 for claim in claims:
                     self.claimed += 1
                     self._metrics.claimed.inc()
+                    if claim.created_at is not None and claim.started_at is not None:
+                        self._metrics.enqueue_to_start.observe(
+                            (claim.started_at - claim.created_at).total_seconds())
                     task = asyncio.create_task(self._run_and_release(claim),
                                                name=f"run-{claim.run_id}")
                     self.in_flight.add(task)
@@ -109,29 +115,30 @@ class Dispatcher:
 
     async def _run_and_release(self, claim: Claim) -> None:
         finalized = False
-        reason = "the turn ended without finalizing"
+        ended = failure(RunErrorCode.INTERNAL_ERROR)
+        error: BaseException | None = None
         try:
             finalized = await self._run_turn(claim)
         except asyncio.CancelledError:
-            reason = DRAIN_ERROR if self._draining else "the turn was cancelled"
+            if self._draining:
+                ended = DRAIN_FAILURE
         except Exception as exc:
-            log.exception("turn crashed", extra={"run_id": str(claim.run_id)})
-            reason = f"internal error: {type(exc).__name__}: {exc}"
+            error = exc
         finally:
             try:
                 if not finalized:
-                    await asyncio.shield(self._backstop(claim, reason))
+                    await asyncio.shield(self._backstop(claim, ended, error))
             finally:
                 self._slots.release()
 
-    async def _backstop(self, claim: Claim, reason: str) -> None:
+    async def _backstop(self, claim: Claim, ended: RunFailure,
+                        error: BaseException | None) -> None:
         """Finalize failed behind the fence; zero rows means someone already ended it."""
         for _attempt in range(3):
             try:
-                await finish_run(self._pool, claim, RunStatus.FAILED, seq=None, error=reason,
-                                 hint=self._hint)
-                log.warning("run finalized by the backstop",
-                            extra={"run_id": str(claim.run_id), "error": reason})
+                await finish_run(self._pool, claim, RunStatus.FAILED, seq=None,
+                                 error=ended.message, error_code=ended.code, hint=self._hint)
+                log_failure(claim.run_id, ended, error, finalized_by="the backstop")
                 return
             except SeqConflict:
                 continue  # an append landed between our snapshot and our lock: re-read

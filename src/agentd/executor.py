@@ -1,8 +1,11 @@
 """Runs one claimed turn: model stream ⇄ tools, journaled behind the fence, finalized once.
 
 The process's heartbeat (heartbeat.LeaseKeeper) keeps the lease and reports the cancel flag and a
-lost lease; on LeaseLost everything stops and nothing more is written. A failed turn keeps the
-text it streamed (finish_run_fenced stores the journal's text with status `failed`).
+lost lease; on LeaseLost everything stops and nothing more is written. A turn is bounded: past
+max_run_s it ends `failed` with `deadline_exceeded`, and each model call past its provider's
+call_timeout_s with `provider_timeout`. A failed turn keeps the text it streamed
+(finish_run_fenced stores the journal's text with status `failed`); clients get a stable code
+and a short message (failures.py), the log gets the detail.
 """
 
 from __future__ import annotations
@@ -11,14 +14,17 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
 
 from agentd.conversations import transcript_for_run
+from agentd.failures import RunFailure, classify, failure, log_failure
 from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.journal import Emitter
+from agentd.metrics import Metrics
 from agentd.providers import ModelRef, ProviderRegistry, parse_model
 from agentd.providers.base import (
     ProviderError,
@@ -38,7 +44,7 @@ from agentd.queue import (
 from agentd.settings import Settings
 from agentd.tools import ToolContext, ToolError, ToolRegistry
 from agentd.tools.store import DatabaseToolStore
-from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
+from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunErrorCode, RunStatus
 
 log = logging.getLogger("agentd.executor")
 
@@ -46,7 +52,8 @@ _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutErr
 
 
 class TooManyToolSteps(ProviderError):
-    pass
+    def __init__(self, message: str) -> None:
+        super().__init__(message, RunErrorCode.TOOL_STEPS_EXCEEDED)
 
 
 @dataclass
@@ -56,6 +63,8 @@ class _Turn:
     claim: Claim
     emitter: Emitter
     held: HeldRun
+    max_run_s: float
+    started: float = field(default_factory=time.monotonic)
     text: list[str] = field(default_factory=list)
     open_calls: dict[str, str] = field(default_factory=dict)  # call id -> tool name
     asked_tools: bool = False  # a tool-call message may have been written
@@ -70,16 +79,24 @@ class _Turn:
     def usage(self) -> dict[str, int]:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
 
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def deadline_left(self) -> float:
+        """Seconds until max_run_s from the turn's start (never negative)."""
+        return max(0.0, self.max_run_s - self.elapsed())
+
 
 class TurnRunner:
     """Executes claims for one worker; `run` returns True once the terminal write landed."""
 
     def __init__(self, pool: asyncpg.Pool, keeper: LeaseKeeper, settings: Settings,
                  providers: ProviderRegistry, tools: ToolRegistry,
-                 hint: Hint | None = None) -> None:
+                 hint: Hint | None = None, metrics: Metrics | None = None) -> None:
         self._pool = pool
         self._hint = hint
         self._keeper = keeper
+        self._metrics = metrics or Metrics()
         self._settings = settings
         self._providers = providers
         self._tools = tools
@@ -101,13 +118,16 @@ class TurnRunner:
                 return False
             emitter = Emitter(self._pool, claim,
                               flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint)
-            turn = _Turn(claim, emitter, held)
+            turn = _Turn(claim, emitter, held, self._settings.max_run_s)
             if beat.cancel_requested:
                 held.cancel.set()
             try:
                 return await self._execute(turn, held.cancel, held.lost, ctx)
-            except LeaseLost:
-                log.warning("lease lost; stopped and wrote nothing more", extra=ctx)
+            except LeaseLost as exc:
+                if emitter.lost is not None or exc.action != "heartbeat":
+                    self._metrics.fenced_writes.inc()  # a write was refused, not only a beat
+                log.warning("lease lost; stopped and wrote nothing more",
+                            extra={**ctx, "during": exc.action})
                 return False
         finally:
             self._keeper.release(claim.run_id)
@@ -119,7 +139,8 @@ class TurnRunner:
         generating = asyncio.create_task(self._generate(turn))
         stops = [asyncio.create_task(cancel.wait()), asyncio.create_task(lost.wait())]
         try:
-            await asyncio.wait([generating, *stops], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([generating, *stops], timeout=turn.deadline_left(),
+                                         return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in stops:
                 task.cancel()
@@ -129,24 +150,32 @@ class TurnRunner:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await generating
         if lost.is_set() or emitter.lost is not None:
-            raise LeaseLost(claim.run_id, "heartbeat")
-        if generating.cancelled() or (cancel.is_set() and not _finished_ok(generating)):
+            raise emitter.lost or LeaseLost(claim.run_id, "heartbeat")
+        if cancel.is_set() and not _finished_ok(generating):
             await self._repair_open_calls(turn)
             await emitter.event(EventType.CANCEL_REQUESTED, {"partial": bool(turn.text)})
+            return await self._finish(turn, RunStatus.CANCELLED, None, ctx)
+        if not done:
+            # Past max_run_s: the stream is closed, what it said is kept, the calls repaired.
+            ended = failure(RunErrorCode.DEADLINE_EXCEEDED)
+            self._metrics.deadline_failures.inc()
+            log_failure(claim.run_id, ended, None, max_run_s=self._settings.max_run_s)
+            await self._repair_open_calls(turn)
+            return await self._finish(turn, RunStatus.FAILED, ended, ctx)
+        if generating.cancelled():
+            await self._repair_open_calls(turn)
             return await self._finish(turn, RunStatus.CANCELLED, None, ctx)
         error = generating.exception()
         if isinstance(error, LeaseLost):
             raise error
         if error is not None:
-            if not isinstance(error, ProviderError):
-                log.exception("turn crashed", exc_info=error, extra=ctx)
+            ended = classify(error)
+            log_failure(claim.run_id, ended, error, fence=claim.fence)
             await self._repair_open_calls(turn)
-            message = str(error) if isinstance(error, ProviderError) else \
-                f"internal error: {type(error).__name__}: {error}"
-            return await self._finish(turn, RunStatus.FAILED, message, ctx)
+            return await self._finish(turn, RunStatus.FAILED, ended, ctx)
         return await self._finish(turn, RunStatus.COMPLETED, None, ctx)
 
-    async def _finish(self, turn: _Turn, status: RunStatus, error: str | None,
+    async def _finish(self, turn: _Turn, status: RunStatus, ended: RunFailure | None,
                       ctx: dict[str, Any]) -> bool:
         await turn.emitter.close()
         answer = turn.answer
@@ -157,9 +186,11 @@ class TurnRunner:
             # A failed turn's answer is its journal's text, taken by the terminal write itself.
             content=answer if (answer or complete) else None,
             message_status=MessageStatus.COMPLETE if complete else MessageStatus.PARTIAL,
-            hint=self._hint,
-            error=error, usage=turn.usage)
-        log.info("run finished", extra={**ctx, "status": str(status), "error": error,
+            hint=self._hint, error=ended.message if ended else None,
+            error_code=ended.code if ended else None, usage=turn.usage)
+        self._metrics.run_seconds.labels(status=str(status)).observe(turn.elapsed())
+        log.info("run finished", extra={**ctx, "status": str(status),
+                                        "error_code": ended.code if ended else None,
                                         "journal_rows": turn.emitter.rows_written})
         return True
 
@@ -172,21 +203,33 @@ class TurnRunner:
         messages = [_chat_message(r) for r in await transcript_for_run(
             self._pool, claim.conversation_id, claim.user_message_id)]
         specs = self._tools.specs()
+        call_timeout_s = self._settings.providers[ref.provider].call_timeout_s
         for step in range(self._settings.max_tool_steps + 1):
             calls: list[ToolCallRequest] = []
             # aclosing: a cancel landing while we journal a delta still closes the provider's
             # stream (and its upstream connection) at once, not when the generator is collected.
             stream = provider.stream(ref.model, messages, specs, params)
-            async with contextlib.aclosing(stream):
-                async for item in stream:
-                    if isinstance(item, TextDelta):
-                        turn.text.append(item.text)
-                        await turn.emitter.delta(item.text)
-                    elif isinstance(item, ToolCallRequest):
-                        calls.append(item)
-                    elif isinstance(item, Usage):
-                        turn.input_tokens += item.input_tokens
-                        turn.output_tokens += item.output_tokens
+            bound = asyncio.timeout(call_timeout_s)
+            try:
+                async with bound, contextlib.aclosing(stream):
+                    async for item in stream:
+                        if isinstance(item, TextDelta):
+                            if not turn.text:
+                                self._metrics.first_token.observe(turn.elapsed())
+                            turn.text.append(item.text)
+                            await turn.emitter.delta(item.text)
+                        elif isinstance(item, ToolCallRequest):
+                            calls.append(item)
+                        elif isinstance(item, Usage):
+                            turn.input_tokens += item.input_tokens
+                            turn.output_tokens += item.output_tokens
+            except TimeoutError:
+                if not bound.expired():
+                    raise
+                raise ProviderError(f"{ref}: one model call took longer than "
+                                    f"providers.{ref.provider}.call_timeout_s "
+                                    f"({call_timeout_s:g} s)",
+                                    RunErrorCode.PROVIDER_TIMEOUT) from None
             if not calls:
                 return
             if step == self._settings.max_tool_steps:

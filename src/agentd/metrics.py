@@ -16,6 +16,10 @@ from prometheus_client.registry import Collector
 # Event-loop lag and pool waits: a healthy daemon sits in the first buckets; a lease of 30 s is
 # in danger only far right.
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Turns: from milliseconds (a queue that keeps up) to the default max_run_s.
+TURN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                120.0, 300.0, 600.0)
+TOP_ACCOUNTS = 10  # per-account gauges: the busiest few, so the series count stays bounded
 
 
 class Metrics:
@@ -55,8 +59,41 @@ class Metrics:
             "agentd_leases_lost",
             "Runs whose lease this process found gone at a beat (reaped or otherwise ended).",
             registry=r)
-        # Claims.
+        # Claims and turns.
         self.claimed = Counter("agentd_claimed", "Runs this process has claimed.", registry=r)
+        self.claim_batch = Histogram(
+            "agentd_claim_batch_size", "Runs one claim statement took (0: nothing eligible).",
+            buckets=(0, 1, 2, 4, 8, 16, 32), registry=r)
+        self.enqueue_to_start = Histogram(
+            "agentd_enqueue_to_start_seconds",
+            "From a turn's enqueue to its claim (database clock): time spent queued.",
+            buckets=TURN_BUCKETS, registry=r)
+        self.first_token = Histogram(
+            "agentd_time_to_first_token_seconds",
+            "From a turn's start on this process to its first text delta.",
+            buckets=TURN_BUCKETS, registry=r)
+        self.run_seconds = Histogram(
+            "agentd_run_duration_seconds", "How long turns ran on this process, by ending.",
+            ["status"], buckets=TURN_BUCKETS, registry=r)
+        self.reaped = Counter("agentd_reaped", "Runs this process's reaper finalized failed "
+                              "(their worker stopped renewing the lease).", registry=r)
+        self.fenced_writes = Counter(
+            "agentd_fenced_writes",
+            "Turns whose write was refused by the fence: the run was no longer ours.",
+            registry=r)
+        self.cancels = Counter(
+            "agentd_cancels", "Turns stopped through this process (queued ones cancelled, "
+            "running ones flagged).", registry=r)
+        self.deadline_failures = Counter(
+            "agentd_deadline_failures", "Turns failed with deadline_exceeded (max_run_s).",
+            registry=r)
+        self.throttled = Counter(
+            "agentd_throttled", "Requests answered 429, by reason (the error code).",
+            ["reason"], registry=r)
+        self.delta_lag = Histogram(
+            "agentd_stream_delta_lag_seconds",
+            "From a text delta's journal write (database clock) to its send on a stream.",
+            buckets=LAG_BUCKETS, registry=r)
         # The whole fleet's queue, read from the database at each scrape.
         self.runs_queued = Gauge("agentd_runs_queued", "Runs waiting to be claimed "
                                  "(whole fleet).", registry=r)
@@ -64,6 +101,18 @@ class Metrics:
                                   registry=r)
         self.leases_expired = Gauge(
             "agentd_leases_expired", "Running runs past their lease, awaiting the reaper "
+            "(whole fleet).", registry=r)
+        self.queue_depth = Gauge("agentd_queue_depth", "Runs by state (whole fleet).",
+                                 ["state"], registry=r)
+        self.account_runs = Gauge(
+            "agentd_account_runs", f"Queued and running runs of the {TOP_ACCOUNTS} busiest "
+            "accounts (whole fleet).", ["account", "state"], registry=r)
+        self.account_limit = Gauge(
+            "agentd_account_limit", f"The limits of the {TOP_ACCOUNTS} busiest accounts (theirs "
+            "or the fleet's default): alert when runs approach them.", ["account", "limit"],
+            registry=r)
+        self.attached_devices = Gauge(
+            "agentd_attached_devices", "Devices attached to a conversation right now "
             "(whole fleet).", registry=r)
         # This process, read at each scrape.
         self.in_flight = Gauge("agentd_in_flight", "Turns this process is executing.",

@@ -48,6 +48,14 @@ class ConversationNotFound(LookupError):
     pass
 
 
+class QueueFull(Exception):
+    """The account already has as many turns queued as it may (nothing was written)."""
+
+    def __init__(self, max_queued: int) -> None:
+        super().__init__(f"the account already has {max_queued} turns queued")
+        self.max_queued = max_queued
+
+
 @dataclass(frozen=True, slots=True)
 class EnqueuedRun:
     run_id: UUID
@@ -72,6 +80,8 @@ class Claim:
     lease_expires_at: datetime
     cancel_requested: bool
     last_seq: int
+    created_at: datetime | None = None  # when it was enqueued (database clock)
+    started_at: datetime | None = None  # when this claim started it (database clock)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +187,26 @@ class Ending:
     status: RunStatus
     error: str | None
     draft_id: UUID | None = None  # a queued turn's text a stop handed back
+    error_code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reaped:
+    """A run the reaper finalized: enough for its log line and its metrics."""
+
+    run_id: UUID
+    worker_id: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunEnding:
+    """A run's status and, when it failed, its client-facing error and code."""
+
+    status: RunStatus
+    error: str | None
+    error_code: str | None
 
 
 def request_hash(conversation_id: UUID, content: str, request: dict[str, Any]) -> str:
@@ -187,23 +217,35 @@ def request_hash(conversation_id: UUID, content: str, request: dict[str, Any]) -
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+DEFAULT_MAX_QUEUED = 1000  # an account's queued turns, when neither it nor settings say
+DEFAULT_MAX_RUNNING = 16
+
+
 async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, content: str,
                       request: dict[str, Any], device_id: UUID | None = None,
-                      idempotency_key: str | None = None) -> EnqueuedRun:
-    """Write message + run + journal seq 1-2 + wake in one statement (rule 1)."""
+                      idempotency_key: str | None = None,
+                      default_max_queued: int = DEFAULT_MAX_QUEUED) -> EnqueuedRun:
+    """Write message + run + journal seq 1-2 + wake in one statement (rule 1). Raises
+    QueueFull (nothing written) when the account is at its queued limit, ConversationNotFound
+    when the conversation is not the account's."""
     digest = request_hash(conversation_id, content, request)
     row = await db.fetchrow(*Q.enqueue_run.bind(
         account_id=account_id, conversation_id=conversation_id, device_id=device_id,
         content=content, request=request, request_hash=digest,
-        idempotency_key=idempotency_key))
-    if row is not None:
+        idempotency_key=idempotency_key, default_max_queued=default_max_queued))
+    if row is None:
+        raise ConversationNotFound(str(conversation_id))
+    if row["id"] is not None:
         return EnqueuedRun(row["id"], RunStatus(row["status"]), row["conversation_id"], True)
     if idempotency_key is not None:
+        # A retried POST: its first run stands (even when the queue has filled up since).
         first = await find_run_by_idempotency_key(db, account_id, idempotency_key)
         if first is not None:
             if first.request_hash != digest:
                 raise IdempotencyConflict(first.run_id)
             return EnqueuedRun(first.run_id, first.status, first.conversation_id, False)
+    if not row["room"]:
+        raise QueueFull(row["max_queued"])
     raise ConversationNotFound(str(conversation_id))
 
 
@@ -223,7 +265,8 @@ def _claim_from_row(row: asyncpg.Record) -> Claim:
         user_message_id=row["user_message_id"], origin_device_id=row["origin_device_id"],
         request=row["request"] or {}, claim_token=row["claim_token"], fence=row["fence"],
         worker_id=row["worker_id"], lease_expires_at=row["lease_expires_at"],
-        cancel_requested=row["cancel_requested"], last_seq=row["last_seq"] or 0)
+        cancel_requested=row["cancel_requested"], last_seq=row["last_seq"] or 0,
+        created_at=row["created_at"], started_at=row["started_at"])
 
 
 class _Borrowed:
@@ -267,14 +310,17 @@ async def notify_conversation(db: Db, payload: str) -> None:
 
 
 async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int = 1,
+                     default_max_running: int = DEFAULT_MAX_RUNNING,
                      hint: Hint | None = None) -> list[Claim]:
-    """Claim up to `limit` runs in one statement (rule 2). Losing a race claims nothing."""
+    """Claim up to `limit` runs in one statement (rule 2), fairly across accounts and within
+    their running limits (at most one per account). Losing a race claims nothing."""
     try:
         # One statement commits whole or not at all. Losing the conversation raises a unique
         # violation: from one_running_per_conversation when a snapshot fooled the pre-filter,
         # or from require_conversation_lease when a live execution holds the lease.
         rows = await db.fetch(*Q.claim_runs.bind(worker_id=worker_id, lease_ttl_s=lease_ttl_s,
-                                                 limit=limit))
+                                                 limit=limit,
+                                                 default_max_running=default_max_running))
     except asyncpg.UniqueViolationError:
         # Another claimer won the conversation (DESIGN §5b); our runs stay queued.
         return []
@@ -412,7 +458,7 @@ async def answer_open_tool_calls(db: Db, claim: Claim) -> int:
 async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None,
                      content: str | None = None,
                      message_status: MessageStatus = MessageStatus.COMPLETE,
-                     error: str | None = None,
+                     error: str | None = None, error_code: str | None = None,
                      usage: dict[str, Any] | None = None,
                      hint: Hint | None = None) -> UUID | None:
     """The worker's terminal write, fenced; returns the answer's message id (None if no text).
@@ -426,7 +472,7 @@ async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None
         row = await db.fetchrow(*Q.finish_run_fenced.bind(
             run_id=claim.run_id, claim_token=claim.claim_token, status=str(status),
             error=error, usage=usage, content=content, message_status=str(message_status),
-            seq=seq))
+            seq=seq, error_code=error_code))
     except asyncpg.UniqueViolationError as exc:
         raise SeqConflict(claim.run_id, "terminal write") from exc
     if row is None:
@@ -448,21 +494,27 @@ async def journal_endings(conn: asyncpg.Connection, endings: Sequence[Ending]) -
         conversation_ids=[e.conversation_id for e in endings],
         claim_tokens=[e.claim_token for e in endings],
         statuses=[str(e.status) for e in endings], errors=[e.error for e in endings],
-        draft_ids=[e.draft_id for e in endings]))
+        draft_ids=[e.draft_id for e in endings], error_codes=[e.error_code for e in endings]))
 
 
 def _ending(row: asyncpg.Record) -> Ending:
     return Ending(row["id"], row["account_id"], row["conversation_id"], row["claim_token"],
-                  RunStatus(row["status"]), row["error"])
+                  RunStatus(row["status"]), row["error"], error_code=row["error_code"])
 
 
-async def reap_expired(pool: Db, *, grace_s: float = 0.0, limit: int = 100) -> list[UUID]:
+async def reap_expired_runs(pool: Db, *, grace_s: float = 0.0,
+                            limit: int = 100) -> list[Reaped]:
     """Finalize runs whose lease passed (re-checked in the write) as failed; never re-queue."""
     async with _acquire(pool) as conn, conn.transaction():
         rows = await conn.fetch(*Q.reap_expired_runs.bind(grace_s=grace_s, limit=limit))
-        endings = [_ending(row) for row in rows]
-        await journal_endings(conn, endings)
-    return [e.run_id for e in endings]
+        await journal_endings(conn, [_ending(row) for row in rows])
+    return [Reaped(row["id"], row["worker_id"], row["started_at"], row["finished_at"])
+            for row in rows]
+
+
+async def reap_expired(pool: Db, *, grace_s: float = 0.0, limit: int = 100) -> list[UUID]:
+    """reap_expired_runs, answering only the run ids."""
+    return [r.run_id for r in await reap_expired_runs(pool, grace_s=grace_s, limit=limit)]
 
 
 async def release_lease(db: Db, *, account_id: UUID, conversation_id: UUID,
@@ -514,15 +566,54 @@ async def read_events(db: Db, run_id: UUID, *, after_seq: int = 0,
     return [Event(r["seq"], EventType(r["type"]), r["payload"], r["created_at"]) for r in rows]
 
 
-async def run_status(db: Db, run_id: UUID) -> tuple[RunStatus, str | None] | None:
+async def run_status(db: Db, run_id: UUID) -> RunEnding | None:
     """A run's status and error, or None if there is no such run."""
     row = await db.fetchrow(*Q.run_status.bind(run_id=run_id))
-    return (RunStatus(row["status"]), row["error"]) if row is not None else None
+    if row is None:
+        return None
+    return RunEnding(RunStatus(row["status"]), row["error"], row["error_code"])
 
 
 async def queue_status(db: Db) -> QueueStatus:
     row = await db.fetchrow(Q.queue_status.sql)
     return QueueStatus(row["queued"], row["running"], row["expired"], list(row["workers"]))
+
+
+@dataclass(frozen=True, slots=True)
+class AccountQueue:
+    """One account's turns now, with its own limits (None: the fleet's default)."""
+
+    account: str
+    queued: int
+    running: int
+    max_running: int | None
+    max_queued: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunningTurn:
+    """A running conversation: who asked, which worker runs it, the lease left."""
+
+    run_id: UUID
+    conversation_id: UUID
+    title: str
+    account: str
+    device: str | None
+    worker_id: str
+    started_at: datetime
+    cancel_requested: bool
+    lease_left_s: float
+
+
+async def queue_by_account(db: Db, *, limit: int = 50) -> list[AccountQueue]:
+    """The busiest accounts' queued and running turns."""
+    return [AccountQueue(**dict(r)) for r in
+            await db.fetch(*Q.queue_by_account.bind(limit=limit))]
+
+
+async def running_turns(db: Db, *, limit: int = 200) -> list[RunningTurn]:
+    """Every running turn of the fleet (oldest first): owner device, worker, lease left."""
+    return [RunningTurn(**dict(r)) for r in await db.fetch(*Q.running_turns.bind(limit=limit))]
 
 
 async def trim_journal(db: Db, *, older_than_s: float) -> int:

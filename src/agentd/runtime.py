@@ -141,6 +141,7 @@ class Runtime:
     load: LoadMonitor | None = None
     keeper: LeaseKeeper | None = None
     draining: bool = False
+    clock_offset_s: float = 0.0  # database clock minus ours (for lag figures, never leases)
     started_at: float = field(default_factory=time.time)
     tool_names: set[str] = field(default_factory=set)  # what a run's params may name
     # Reaching us from other machines: the certificate served (None: plain HTTP) and the limits.
@@ -225,6 +226,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     worker_id = new_worker_id()
     tools = default_tools()
     runtime = Runtime(settings, pool, hub, worker_id, providers, tool_names=tools.names())
+    runtime.clock_offset_s = await dbmod.clock_offset(pool)
     runtime.certificate = certificate
     runtime.connection_guard = ConnectionGuard(max_connections=settings.max_connections,
                                                header_timeout_s=settings.header_timeout_s)
@@ -240,7 +242,8 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     runtime.keeper = keeper
     notifier = Notifier(pool)
     notifier.start()
-    runner = TurnRunner(pool, keeper, settings, providers, tools, hint=notifier.notify)
+    runner = TurnRunner(pool, keeper, settings, providers, tools, hint=notifier.notify,
+                        metrics=metrics)
     dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, load, metrics,
                             hint=notifier.notify)
     runtime.dispatcher = dispatcher
@@ -255,7 +258,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     await app_runner.setup()
     load.start()
     keeper.start()
-    reaping = asyncio.create_task(reap_forever(pool, settings), name="agentd-reaper")
+    reaping = asyncio.create_task(reap_forever(pool, settings, metrics), name="agentd-reaper")
     try:
         ssl_context = server_context(certificate) if certificate else None
         sites = [GuardedSite(app_runner, sock, guard=runtime.connection_guard,

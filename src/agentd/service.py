@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fnmatch
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -25,16 +26,22 @@ from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
+# A full queue drains as turns finish; a client that waits this long finds room more often than
+# not, and never hammers the daemon.
+QUEUE_FULL_RETRY_AFTER_S = 10
 
 
 class ServiceError(Exception):
-    """An answer for the client: HTTP status, a stable code and a human message."""
+    """An answer for the client: HTTP status, a stable code and a human message; a 429 or 503
+    also says when to retry (Retry-After)."""
 
-    def __init__(self, status: int, code: str, message: str, **details: Any) -> None:
+    def __init__(self, status: int, code: str, message: str, *,
+                 retry_after_s: int | None = None, **details: Any) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
         self.details = details
 
 
@@ -144,6 +151,11 @@ class Service:
         if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
             raise ServiceError(400, "invalid_idempotency_key",
                                "Idempotency-Key must be 1-200 printable ASCII characters")
+        if not model_allowed(str(req.model), who.models):
+            raise ServiceError(403, "model_not_allowed",
+                               f"model {str(req.model)!r} is not allowed for this account "
+                               f"(allowed: {', '.join(who.models or ())})",
+                               model=str(req.model))
         if req.on_busy == "enqueue":
             # One statement, one round trip: it locks the conversation row itself, checks the
             # account, and lets the unique index arbitrate the idempotency key.
@@ -180,9 +192,15 @@ class Service:
             run = await queue.enqueue_run(
                 db, account_id=who.account_id, conversation_id=conversation_id,
                 content=req.content, request=req.snapshot(), device_id=who.device_id,
-                idempotency_key=idempotency_key)
+                idempotency_key=idempotency_key,
+                default_max_queued=self.settings.account_max_queued)
         except queue.IdempotencyConflict as exc:
             raise _idempotency_conflict(exc.run_id) from None
+        except queue.QueueFull as exc:
+            raise ServiceError(429, "queue_full",
+                               f"this account already has {exc.max_queued} turns queued; post "
+                               "again once some have run", retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
+                               max_queued=exc.max_queued) from None
         except queue.ConversationNotFound:
             raise not_found("conversation") from None
         return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created)
@@ -239,6 +257,12 @@ class Service:
 
     async def detach(self, presence_id: UUID) -> None:
         await convs.detach_presence(self.pool, presence_id)
+
+
+def model_allowed(model: str, patterns: tuple[str, ...] | None) -> bool:
+    """Whether an account whose model patterns are `patterns` (None: every model) may run
+    `model` (`demo`, `openai:gpt-4o`); patterns are shell-style (`openai:*`, `local:smol*`)."""
+    return patterns is None or any(fnmatch.fnmatchcase(model, p) for p in patterns)
 
 
 def _idempotency_conflict(run_id: UUID) -> ServiceError:

@@ -18,6 +18,10 @@ from typing import Any
 import platformdirs
 
 ENV_PREFIX = "AGENTD_"
+# The largest limits an operator may set (a larger one is a typo, not a plan).
+MAX_ACCOUNT_RUNNING = 10_000
+MAX_ACCOUNT_QUEUED = 1_000_000
+MAX_RUN_S = 86_400
 
 
 class SettingsError(ValueError):
@@ -32,8 +36,10 @@ class ProviderConfig:
     kind: str  # demo | openai | anthropic | local
     base_url: str | None = None
     api_key_env: str | None = None
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0  # the longest silence (connect, first byte, between events)
     model_path: str | None = None
+    enabled: bool = True  # false: offered to nobody, refused at enqueue (e.g. the demo model)
+    call_timeout_s: float = 300.0  # one model call, from request to its last event
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +66,12 @@ class Settings:
     keepalive_s: float = 15.0
     default_model: str = "demo"
     max_tool_steps: int = 8
+    # Fair and bounded (docs/operations.md, "Per-account limits"): what an account that sets
+    # none of its own gets (`agentd account set` overrides them per account, in the database),
+    # and a turn's deadline from its claim.
+    account_max_running: int = 16
+    account_max_queued: int = 1000
+    max_run_s: float = 600.0
     max_content_chars: int = 100_000
     log_level: str = "info"
     # Reaching agentd from other machines (docs/operations.md, "Attach from another machine").
@@ -118,10 +130,18 @@ class Settings:
                                 f"or https://, got {self.public_url!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError("log_level (AGENTD_LOG_LEVEL) must be debug|info|warning|error")
+        for key, low, high in (("account_max_running", 1, MAX_ACCOUNT_RUNNING),
+                               ("account_max_queued", 1, MAX_ACCOUNT_QUEUED),
+                               ("max_run_s", 1, MAX_RUN_S)):
+            if not low <= getattr(self, key) <= high:
+                raise SettingsError(f"{key} ({_env(key)}) must be between {low} and {high:,}")
         for provider in self.providers.values():
             if provider.kind not in ("demo", "openai", "anthropic", "local"):
                 raise SettingsError(f"providers.{provider.name}.kind must be demo, openai, "
                                     f"anthropic or local, got {provider.kind!r}")
+            for key in ("timeout_s", "call_timeout_s"):
+                if not getattr(provider, key) > 0:
+                    raise SettingsError(f"providers.{provider.name}.{key} must be > 0")
         return self
 
     @property
@@ -234,19 +254,33 @@ def _providers(table: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Pr
         base = providers.get(name, ProviderConfig(name, str(spec.get("kind", name))))
         try:
             providers[name] = dataclasses.replace(base, **{
-                k: (float(v) if k == "timeout_s" else str(v)) for k, v in spec.items()})
+                k: _provider_value(k, v) for k, v in spec.items()})
         except (TypeError, ValueError):
             raise SettingsError(f"providers.{name}: invalid value") from None
-    # AGENTD_<PROVIDER>_BASE_URL, _API_KEY_ENV, _TIMEOUT_S, _MODEL_PATH override the file.
+    # AGENTD_<PROVIDER>_BASE_URL, _API_KEY_ENV, _TIMEOUT_S, _MODEL_PATH, _ENABLED,
+    # _CALL_TIMEOUT_S override the file.
     for name, provider in list(providers.items()):
         changes: dict[str, Any] = {}
-        for key in ("base_url", "api_key_env", "timeout_s", "model_path"):
-            value = env.get(f"{ENV_PREFIX}{name.upper()}_{key.upper()}")
+        for key in ("base_url", "api_key_env", "timeout_s", "model_path", "enabled",
+                    "call_timeout_s"):
+            variable = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
+            value = env.get(variable)
             if value is not None:
-                changes[key] = float(value) if key == "timeout_s" else value
+                try:
+                    changes[key] = _provider_value(key, value)
+                except ValueError:
+                    raise SettingsError(f"{variable}: {value!r} is not valid") from None
         if changes:
             providers[name] = dataclasses.replace(provider, **changes)
     return providers
+
+
+def _provider_value(key: str, value: Any) -> Any:
+    if key in ("timeout_s", "call_timeout_s"):
+        return float(value)
+    if key == "enabled":
+        return _boolean(value)
+    return str(value)
 
 
 def load_settings(config_file: Path | None = None, *, env: Mapping[str, str] | None = None,

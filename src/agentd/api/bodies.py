@@ -113,7 +113,8 @@ def validate_run_request(body: Any, settings: Settings, tool_names: set[str]) ->
     if not isinstance(params, dict):
         raise ServiceError(400, "invalid_params", "params must be a JSON object")
     try:
-        validate_params(settings.providers[model.provider], params, tool_names)
+        validate_params(settings.providers[model.provider], params, tool_names,
+                        max_run_s=settings.max_run_s)
     except ValueError as exc:
         raise ServiceError(422, "invalid_params", str(exc)) from None
     on_busy = body.get("on_busy", "enqueue")

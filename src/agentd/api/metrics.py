@@ -13,7 +13,9 @@ from prometheus_client.exposition import choose_encoder
 from agentd.api import RUNTIME
 from agentd.api.auth import trusted
 from agentd.api.errors import error_response
-from agentd.queue import queue_status
+from agentd.conversations import count_attached_devices
+from agentd.metrics import TOP_ACCOUNTS
+from agentd.queue import queue_by_account, queue_status
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -23,11 +25,30 @@ async def metrics(request: web.Request) -> web.Response:
                               headers={"WWW-Authenticate": 'Bearer realm="agentd"'})
     runtime = request.app[RUNTIME]
     series = runtime.metrics
+    settings = runtime.settings
     queue = await queue_status(runtime.pool)
     series.runs_queued.set(queue.queued)
     series.runs_running.set(queue.running)
     series.leases_expired.set(queue.expired)
+    for state, count in (("queued", queue.queued), ("running", queue.running)):
+        series.queue_depth.labels(state=state).set(count)
+    # The busiest accounts now; an account that dropped out of them loses its series.
+    series.account_runs.clear()
+    series.account_limit.clear()
+    for account in await queue_by_account(runtime.pool, limit=TOP_ACCOUNTS):
+        series.account_runs.labels(account=account.account, state="queued").set(account.queued)
+        series.account_runs.labels(account=account.account, state="running").set(
+            account.running)
+        series.account_limit.labels(account=account.account, limit="max_running").set(
+            _or_default(account.max_running, settings.account_max_running))
+        series.account_limit.labels(account=account.account, limit="max_queued").set(
+            _or_default(account.max_queued, settings.account_max_queued))
+    series.attached_devices.set(await count_attached_devices(runtime.pool))
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
     return web.Response(body=encode(series.registry),
                         headers={"Content-Type": content_type,
                                  "X-Content-Type-Options": "nosniff"})
+
+
+def _or_default(own: int | None, default: int) -> int:
+    return default if own is None else own

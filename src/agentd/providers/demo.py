@@ -36,8 +36,10 @@ DEMO_TOOL_ARGS = {"clock": {}, "calculator": {"expression": "6 * 7"},
                   "notes": {"action": "append", "text": "demo note"}}
 
 
-def validate_params(params: dict[str, Any], tool_names: set[str]) -> dict[str, Any]:
-    """Check demo params; raises ValueError naming the bad one."""
+def validate_params(params: dict[str, Any], tool_names: set[str],
+                    max_run_s: float | None = None) -> dict[str, Any]:
+    """Check demo params; raises ValueError naming the bad one. With `max_run_s`, the answer's
+    pacing (tokens × delay_ms) must fit the turn deadline: a demo turn never fails by design."""
     unknown = set(params) - {*PARAM_LIMITS, "tool"}
     if unknown:
         raise ValueError(f"unknown demo params: {sorted(unknown)}")
@@ -48,6 +50,11 @@ def validate_params(params: dict[str, Any], tool_names: set[str]) -> dict[str, A
                 raise ValueError(f"params.{key} must be an integer in [{low}, {high}]")
     if "tool" in params and params["tool"] not in tool_names:
         raise ValueError(f"params.tool must be one of {sorted(tool_names)}")
+    paced_s = params.get("tokens", DEFAULT_TOKENS) * params.get("delay_ms", DEFAULT_DELAY_MS) \
+        / 1000
+    if max_run_s is not None and paced_s > max_run_s:
+        raise ValueError(f"params.tokens × params.delay_ms is {paced_s:g} s of streaming, more "
+                         f"than a turn may run ({max_run_s:g} s)")
     return params
 
 
