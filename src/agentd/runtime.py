@@ -31,7 +31,8 @@ from agentd.providers import ProviderRegistry
 from agentd.reaper import reap_forever, sweep
 from agentd.settings import Settings
 from agentd.systemd import sd_notify
-from agentd.tools import default_tools
+from agentd.tools import ToolRegistry, default_tools
+from agentd.tools.mcp import McpTools
 
 log = logging.getLogger("agentd.runtime")
 
@@ -102,7 +103,7 @@ class Runtime:
     dispatcher: Dispatcher | None = None
     draining: bool = False
     started_at: float = field(default_factory=time.time)
-    tool_names: set[str] = field(default_factory=set)  # what a run's params may name
+    tools: ToolRegistry = field(default_factory=ToolRegistry)  # built-ins and MCP servers
 
 
 def build_app(runtime: Runtime) -> web.Application:
@@ -146,8 +147,9 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     await hub.start()
     providers = ProviderRegistry(settings)
     worker_id = new_worker_id()
-    tools = default_tools()
-    runtime = Runtime(settings, pool, hub, worker_id, providers, tool_names=tools.names())
+    mcp = McpTools(settings.mcp)  # each server starts when a run first needs it
+    tools = default_tools(settings.tool_policies, sources=[mcp])
+    runtime = Runtime(settings, pool, hub, worker_id, providers, tools=tools)
     notifier = Notifier(pool)
     notifier.start()
     runner = TurnRunner(pool, hub, settings, providers, tools, hint=notifier.notify)
@@ -184,3 +186,4 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
         await notifier.close()
         await hub.close()
         await providers.close()
+        await mcp.close()
