@@ -134,6 +134,7 @@ class McpServer:
         self._failures = 0  # attempts that never got ready, since the last success
         self._task: asyncio.Task[None] | None = None
         self._starting: anyio.CancelScope | None = None  # cancelled if it breaks while starting
+        self._was_ready = False  # the current connection got as far as serving
 
     # --- what runs use ------------------------------------------------------------------
 
@@ -226,6 +227,10 @@ class McpServer:
         if self._broken_reason is None:
             self._broken_reason = reason
         self._wake.set()
+        if self.state == "ready" and not self._closing:
+            # From now on callers wait for the restart instead of using the dead connection.
+            self._client = None
+            self._set_state("restarting", reason)
         if self._starting is not None:
             self._starting.cancel()  # a handshake request would otherwise wait for its timeout
 
@@ -241,9 +246,9 @@ class McpServer:
                 return
             self._set_state("starting")
             started = time.monotonic()
-            was_ready = False
+            self._was_ready = False
             try:
-                was_ready = await self._connect_and_serve()
+                await self._connect_and_serve()
                 reason = "stopped"
             except _Broken as exc:
                 reason = str(exc)
@@ -255,7 +260,7 @@ class McpServer:
             self.tools = {}
             if self._closing:
                 return
-            if was_ready or self.state == "ready":
+            if self._was_ready:
                 # It died after serving: restart on its own, after a pause.
                 if time.monotonic() - started >= STABLE_AFTER_S:
                     delay = BACKOFF_FIRST_S
@@ -276,8 +281,8 @@ class McpServer:
                 self._demand.clear()
             delay = min(delay * 2, BACKOFF_MAX_S)
 
-    async def _connect_and_serve(self) -> bool:
-        """Connect, list tools, then serve until broken or closed; True once it was ready."""
+    async def _connect_and_serve(self) -> None:
+        """Connect, list tools, then serve until broken or closed."""
         self._broken_reason = None
         self._wake.clear()
         self._relist = False
@@ -297,7 +302,7 @@ class McpServer:
                     timer.cancel()
                     self._starting = None
                     self._client = client
-                    ready = True
+                    ready = self._was_ready = True
                     self._failures = 0
                     log.info("mcp server ready", extra={
                         "server": self.config.name, "tools": len(self.tools),
@@ -313,7 +318,6 @@ class McpServer:
                           f"{self.config.start_timeout_s:g} s")
         if self._broken_reason is not None and not self._closing:
             raise _Broken(self._broken_reason)
-        return ready
 
     async def _serve(self, client: Client) -> None:
         listening = None

@@ -107,8 +107,12 @@ class Tool:
         error = best_match(self.validator.iter_errors(args))
         if error is not None:
             where = "/".join(str(p) for p in error.absolute_path)
+            message = error.message
+            quoted = repr(error.instance)
+            if len(quoted) > 60:  # the message quotes the value: keep the reason readable
+                message = message.replace(quoted, quoted[:40] + "…")
             raise ToolError(f"invalid arguments for {self.name}"
-                            f"{f' at {where}' if where else ''}: {_short(error.message)}")
+                            f"{f' at {where}' if where else ''}: {_short(message)}")
         return args
 
 
