@@ -790,7 +790,8 @@ FROM decided;
 -- params: run_id, call_id, account_id
 -- Why a decision did not land: the approval as it is now, and whether the execution that asked
 -- is still waiting for it. Read-only; scoped by account (rule 9).
-SELECT a.tool, a.decision, d.name AS decided_by_name, a.decided_by, a.timed_out, a.decided_at,
+SELECT a.tool, a.decision, d.name AS decided_by_name, a.decided_by, a.timed_out, a.note,
+       a.decided_at,
        a.expires_at <= clock_timestamp() AS expired,
        (r.status = 'running' AND r.claim_token = a.execution_id AND NOT r.cancel_requested
         AND r.lease_expires_at > clock_timestamp()) AS waiting
