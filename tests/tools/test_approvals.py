@@ -51,6 +51,13 @@ def decide(client: httpx.AsyncClient, run_id: str, call_id: str, decision: str,
                        json={"decision": decision, **extra})
 
 
+async def answer_at(gate: asyncio.Event, client: httpx.AsyncClient, run_id: str,
+                    call_id: str, decision: str) -> httpx.Response:
+    """One device's answer, sent the moment the gate opens (both racers wait at it)."""
+    await gate.wait()
+    return await decide(client, run_id, call_id, decision)
+
+
 async def second_device(api: Any, name: str = "desktop") -> httpx.AsyncClient:
     token, _ = await create_device_token(api.pool, account="alice", device=name)
     return api.client(token)
@@ -104,12 +111,8 @@ async def test_both_devices_answer_at_once_exactly_one_decision_lands(start_tool
             call_id = (await pending_call(api.a, run_id))["call_id"]
             gate = asyncio.Event()
 
-            async def answer(client: httpx.AsyncClient, decision: str) -> httpx.Response:
-                await gate.wait()
-                return await decide(client, run_id, call_id, decision)
-
-            racing = [asyncio.create_task(answer(api.a, "approve")),
-                      asyncio.create_task(answer(desktop, "deny"))]
+            racing = [asyncio.create_task(answer_at(gate, api.a, run_id, call_id, "approve")),
+                      asyncio.create_task(answer_at(gate, desktop, run_id, call_id, "deny"))]
             await asyncio.sleep(0)  # both are parked at the gate
             gate.set()
             laptop, other = await asyncio.gather(*racing)

@@ -21,9 +21,9 @@ from tests.api.helpers import assert_error, create_conversation, start_run, wait
 from tests.tools.conftest import (
     MCP_SERVER_TIME,
     journaled,
+    mcp_test_server,
     read_journal,
     run_events,
-    mcp_test_server,
 )
 
 AUTO = {"approval": "auto"}

@@ -138,11 +138,15 @@ class McpServer:
 
     # --- what runs use ------------------------------------------------------------------
 
-    async def ensure_ready(self) -> None:
+    async def ensure_ready(self, *, wait_for_restart: bool = True) -> None:
         """Start the server if needed and wait until it is ready, at most start_timeout_s;
-        raises McpUnavailable (naming the reason) when it is not."""
+        raises McpUnavailable (naming the reason) when it is not. Without wait_for_restart,
+        a server between a crash and its restart is unavailable at once (listing tools for a
+        turn must not wait out a backoff)."""
         if self.state == "ready":
             return
+        if self.state == "restarting" and not wait_for_restart:
+            raise McpUnavailable(self._unavailable())
         if self._closing:
             raise McpUnavailable(f"MCP server {self.config.name!r} is stopped")
         if self._task is None:
@@ -476,8 +480,9 @@ class McpTools:
     async def tools(self) -> list[Tool]:
         """Every ready server's tools; servers start here on first use, concurrently. A server
         that cannot start is left out (logged, and shown by doctor)."""
-        results = await asyncio.gather(*(s.ensure_ready() for s in self.servers.values()),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(s.ensure_ready(wait_for_restart=False) for s in self.servers.values()),
+            return_exceptions=True)
         found: list[Tool] = []
         for server, outcome in zip(self.servers.values(), results, strict=True):
             if isinstance(outcome, asyncio.CancelledError):
