@@ -466,11 +466,24 @@ FROM device d JOIN account a ON a.id = d.account_id
 ORDER BY a.name, d.created_at;
 
 -- revoke_device --
--- params: device_id
+-- params: device_id, account_id
 -- Revocation is a timestamp, so audit keeps the row; a revoked token authenticates nothing.
-UPDATE device SET revoked_at = clock_timestamp()
-WHERE id = $1::uuid AND revoked_at IS NULL
-RETURNING id;
+-- Its presence goes in the same commit and every feed hears it; the agentd_device hint tells
+-- each process to end the device's open streams now (they also poll, so a lost hint only
+-- delays that to the poll). account_id NULL: the operator, who may revoke any device.
+WITH revoked AS (
+    UPDATE device SET revoked_at = clock_timestamp()
+    WHERE id = $1::uuid AND revoked_at IS NULL
+      AND ($2::uuid IS NULL OR account_id = $2::uuid)
+    RETURNING id
+), gone AS (
+    DELETE FROM presence p USING revoked WHERE p.device_id = revoked.id
+    RETURNING p.conversation_id
+)
+SELECT revoked.id, pg_notify('agentd_device', revoked.id::text),
+       (SELECT count(pg_notify('agentd_conversation', c.conversation_id::text))
+        FROM (SELECT DISTINCT conversation_id FROM gone) c) AS feeds_told
+FROM revoked;
 
 -- create_conversation --
 -- params: account_id, title
@@ -602,10 +615,11 @@ SELECT pg_notify('agentd_conversation', gone.conversation_id::text) FROM gone;
 -- list_attached --
 -- params: conversation_id
 -- Attached devices of a conversation, by the database clock; a device with two streams counts
--- once, attached since its earliest.
+-- once, attached since its earliest. A revoked device is never shown, whatever rows remain.
 SELECT d.id AS device_id, d.name AS device, min(p.since) AS since
 FROM presence p JOIN device d ON d.id = p.device_id
 WHERE p.conversation_id = $1::uuid AND p.expires_at > clock_timestamp()
+  AND d.revoked_at IS NULL
 GROUP BY d.id, d.name
 ORDER BY min(p.since), d.name;
 
@@ -706,6 +720,73 @@ ORDER BY id;
 -- without a WAL flush.
 SELECT count(pg_notify(t.channel, t.payload))
 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS t (channel, payload, n);
+
+-- create_pairing --
+-- params: code_hash, account_id, device_name, created_by, ttl_s
+-- A one-time code, stored only as its hash, valid until a deadline on the database clock.
+INSERT INTO pairing (code_hash, account_id, device_name, created_by, expires_at)
+VALUES ($1::bytea, $2::uuid, $3::text, $4::uuid,
+        clock_timestamp() + make_interval(secs => $5::float8))
+RETURNING expires_at;
+
+-- redeem_pairing --
+-- params: code_hash, device_name, token_hash
+-- Spends a code and creates its device in ONE statement: the row lock makes a concurrent
+-- redeemer re-check used_at and find it set, so exactly one wins. Expired, spent, unknown, or
+-- minted by a device revoked since: no row, nothing created.
+WITH spent AS (
+    UPDATE pairing p
+    SET used_at = clock_timestamp(), device_id = gen_random_uuid()
+    WHERE p.code_hash = $1::bytea AND p.used_at IS NULL AND p.expires_at > clock_timestamp()
+      AND (p.created_by IS NULL OR EXISTS (
+          SELECT 1 FROM device maker WHERE maker.id = p.created_by AND maker.revoked_at IS NULL))
+    RETURNING p.device_id, p.account_id, coalesce(p.device_name, $2::text) AS name
+), created AS (
+    INSERT INTO device (id, account_id, name, token_hash)
+    SELECT device_id, account_id, name, $3::bytea FROM spent
+    RETURNING id, account_id, name
+)
+SELECT created.id AS device_id, created.name AS device_name, a.id AS account_id,
+       a.name AS account_name
+FROM created JOIN account a ON a.id = created.account_id;
+
+-- purge_pairings --
+-- params: older_than_s
+-- Spent and expired codes are kept a while for the audit trail, then dropped.
+DELETE FROM pairing
+WHERE expires_at < clock_timestamp() - make_interval(secs => $1::float8);
+
+-- revoked_devices_among --
+-- params: device_ids
+-- Which of these devices may no longer stream: revoked, or gone with their account. One cheap
+-- query per poll for every device with an open stream in this process.
+SELECT wanted.id
+FROM unnest($1::uuid[]) AS wanted (id)
+WHERE NOT EXISTS (SELECT 1 FROM device d WHERE d.id = wanted.id AND d.revoked_at IS NULL);
+
+-- list_account_devices --
+-- params: account_id
+-- An account's devices, for its own devices to see (never a token or its hash).
+SELECT id, name, created_at, last_seen_at, revoked_at
+FROM device
+WHERE account_id = $1::uuid
+ORDER BY created_at, id;
+
+-- stage_own_password --
+-- params: password
+-- The embedded server's new password, as a transaction-local setting for set_own_password to
+-- read: ALTER ROLE takes no bound parameters, and no SQL is ever built from the password.
+SELECT set_config('agentd.new_password', $1::text, true);
+
+-- set_own_password --
+-- The embedded server requires a password (scram-sha-256, never trust): give its superuser the
+-- one staged above, quoted by the server itself (format %L).
+DO $$
+BEGIN
+    EXECUTE format('ALTER ROLE %I PASSWORD %L', current_user,
+                   current_setting('agentd.new_password'));
+END
+$$;
 
 -- request_tool_approval_fenced --
 -- params: run_id, claim_token, call_id, tool, arguments, timeout_s

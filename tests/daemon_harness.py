@@ -248,7 +248,8 @@ class Daemon:
             if "before it was ready" in str(exc):
                 raise
             raise AssertionError(f"{exc}\n{self.log_tail()}") from None
-        self.worker_id = (await self.healthz())["worker_id"]
+        # Only a loopback client is told the worker id (a daemon on another address keeps it).
+        self.worker_id = (await self.healthz()).get("worker_id")
         return body
 
     # -- log ------------------------------------------------------------------------------

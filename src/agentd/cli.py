@@ -1,4 +1,4 @@
-"""`agentd`: serve, migrate, token create|list|revoke, status, doctor, install-service.
+"""`agentd`: serve, pair, migrate, token create|list|revoke, status, doctor, install-service.
 
 A stable contract: scripts and tests drive these commands and parse their output.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -42,7 +43,23 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Run agentd until SIGTERM/SIGINT (then drain).")
     db_options(serve)
     serve.add_argument("--listen", metavar="HOST:PORT", help="HTTP address "
-                       "(default 127.0.0.1:8740)")
+                       "(default 127.0.0.1:8740; any other than loopback serves HTTPS)")
+    serve.add_argument("--insecure-http", action="store_true", default=None,
+                       help="serve plain HTTP on a non-loopback address (tokens cross the "
+                            "network in clear text; warned at every start)")
+
+    pair = commands.add_parser(
+        "pair", help="a one-time code for another device to attach with agenttui",
+        description="Mint a one-time pairing code (valid pairing_ttl_s, 10 minutes by "
+                    "default; single use) and print the `agenttui login` line to run on the "
+                    "other machine, with this server's certificate fingerprint to pin. Use "
+                    "the same settings (config, --listen, --data-dir) as `agentd serve`.")
+    db_options(pair)
+    pair.add_argument("--account", required=True, help="account the new device joins "
+                      "(created if missing)")
+    pair.add_argument("--device", required=True, help="name of the new device")
+    pair.add_argument("--listen", metavar="HOST:PORT", help="the address `agentd serve` "
+                      "listens on, if not in the config")
 
     mig = commands.add_parser("migrate", help="apply pending database migrations")
     db_options(mig)
@@ -76,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
 def _settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {"dsn": getattr(args, "dsn", None),
                                  "data_dir": getattr(args, "data_dir", None),
-                                 "listen": getattr(args, "listen", None)}
+                                 "listen": getattr(args, "listen", None),
+                                 "insecure_http": getattr(args, "insecure_http", None)}
     return load_settings(getattr(args, "config", None), overrides=overrides)
 
 
@@ -111,15 +129,18 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"invalid setting: {exc}")
     from agentd.embedded_pg import EmbeddedPgError
     from agentd.logs import configure_logging
+    from agentd.tls import TLSError
 
     configure_logging(settings.log_level if args.command == "serve" else "warning")
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
-        "serve": _serve, "migrate": _migrate, "token": _token, "status": _status,
-        "doctor": _doctor}
+        "serve": _serve, "pair": _pair, "migrate": _migrate, "token": _token,
+        "status": _status, "doctor": _doctor}
     try:
         code = asyncio.run(handlers[args.command](settings, args))
     except EmbeddedPgError as exc:
         _fail(f"{exc}\nPass --dsn (or AGENTD_DSN) to use an existing PostgreSQL server.")
+    except TLSError as exc:
+        _fail(f"{exc}\nFix tls_cert/tls_key, or remove them to use a self-signed certificate.")
     except (OSError, ConnectionError) as exc:
         _fail(f"cannot reach the database: {exc}", 1)
     except KeyboardInterrupt:
@@ -131,6 +152,40 @@ async def _serve(settings: Settings, _args: argparse.Namespace) -> int:
     from agentd.runtime import serve
 
     return await serve(settings)
+
+
+async def _pair(settings: Settings, args: argparse.Namespace) -> int:
+    from agentd import accounts, pairing
+    from agentd.api.devices import login_command
+    from agentd.tls import public_url, server_certificate
+
+    certificate = await asyncio.to_thread(server_certificate, settings) \
+        if settings.serves_tls else None
+
+    async def work(pool: Any) -> int:
+        account_id = await accounts.ensure_account(pool, args.account)
+        made = await pairing.create_pairing(pool, account_id=account_id,
+                                            device_name=args.device, created_by=None,
+                                            ttl_s=settings.pairing_ttl_s)
+        url = public_url(settings)
+        minutes = settings.pairing_ttl_s / 60
+        print(f"Pairing code for device {args.device!r} of account {args.account!r}: "
+              f"{made.code}")
+        print(f"Valid once, for {minutes:g} minutes. On the other machine run:\n")
+        print("  " + login_command(url, made.code,
+                                   certificate.fingerprint if certificate else None) + "\n")
+        if certificate is not None:
+            print(f"The fingerprint pins this server's certificate ({certificate.cert_path}).")
+        if settings.listen_is_loopback:
+            print(f"agentd listens on {settings.listen}, which other machines cannot reach: "
+                  "serve on a reachable address (e.g. --listen 0.0.0.0:8740, or `listen` in "
+                  "the config) and pass the same --listen here.", file=sys.stderr)
+        elif certificate is None:
+            print("warning: plain HTTP (insecure_http): the token travels in clear text.",
+                  file=sys.stderr)
+        return 0
+
+    return await _with_pool(settings, work)
 
 
 async def _migrate(settings: Settings, _args: argparse.Namespace) -> int:
@@ -197,13 +252,27 @@ async def _doctor(settings: Settings, _args: argparse.Namespace) -> int:
 
 
 def _install_service(args: argparse.Namespace) -> int:
-    from agentd.systemd import unit_text, user_unit_path
+    """Write the unit (no secret in it) and its 0600 environment file, then enable it."""
+    from agentd import systemd
 
-    extra = [a for a in args.serve_args if a != "--"]
-    path = user_unit_path()
+    extra, moved = systemd.split_secrets([a for a in args.serve_args if a != "--"])
+    variables = {k: v for k, v in os.environ.items() if k.startswith("AGENTD_")}
+    variables.update(moved)
+    variables.update(_provider_keys(extra))
+    data_root = _data_root(extra, variables)
+    data_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    env_path = systemd.environment_file_path()
+    env_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _write_private(env_path, systemd.environment_file_text(variables))
+    from agenttui.locations import config_dir as client_config_dir
+
+    path = systemd.user_unit_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(unit_text(["serve", *extra]), "utf-8")
+    path.write_text(systemd.unit_text(["serve", *extra], env_file=env_path,
+                                      writable=[data_root],
+                                      optional_writable=[client_config_dir()]), "utf-8")
     print(f"wrote {path}")
+    print(f"wrote {env_path} (mode 0600: {', '.join(sorted(variables)) or 'no variables'})")
     if args.no_enable:
         return 0
     if shutil.which("systemctl") is None:
@@ -217,3 +286,36 @@ def _install_service(args: argparse.Namespace) -> int:
             return 1
     print("agentd.service enabled and started (journalctl --user -u agentd -f)")
     return 0
+
+
+def _provider_keys(serve_args: list[str]) -> dict[str, str]:
+    """The provider API keys set in this environment, by the names the config gives them."""
+    config = None
+    if "--config" in serve_args[:-1]:
+        config = Path(serve_args[serve_args.index("--config") + 1])
+    try:
+        names = {p.api_key_env for p in load_settings(config).providers.values()
+                 if p.api_key_env}
+    except SettingsError:  # `serve` will say what is wrong; take the built-in providers' keys
+        names = {"OPENAI_API_KEY", "ANTHROPIC_API_KEY"}
+    return {name: os.environ[name] for name in sorted(names) if os.environ.get(name)}
+
+
+def _data_root(serve_args: list[str], variables: dict[str, str]) -> Path:
+    if "--data-dir" in serve_args[:-1]:
+        return Path(serve_args[serve_args.index("--data-dir") + 1]).expanduser().resolve()
+    if variables.get("AGENTD_DATA_DIR"):
+        return Path(variables["AGENTD_DATA_DIR"]).expanduser().resolve()
+    from agentd.embedded_pg import default_data_root
+
+    return default_data_root()
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Created 0600 before a byte is written, replaced whole."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)

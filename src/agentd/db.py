@@ -93,3 +93,14 @@ async def ensure_agentd_database(admin: asyncpg.Connection) -> None:
     """On the embedded server: create the `agentd` database once, on first start."""
     if not await admin.fetchval(*Q.database_exists.bind(name=EMBEDDED_DATABASE)):
         await admin.execute(Q.create_agentd_database.sql)
+
+
+async def set_own_password(conn: asyncpg.Connection, password: str) -> None:
+    """Give the connected role a new password without building SQL from it.
+
+    ALTER ROLE takes no bound parameters: the password travels as a transaction-local setting
+    and the server quotes it itself (format %L).
+    """
+    async with conn.transaction():
+        await conn.execute(*Q.stage_own_password.bind(password=password))
+        await conn.execute(Q.set_own_password.sql)

@@ -69,6 +69,7 @@ async def run_checks(settings: Settings) -> list[Check]:
     finally:
         await asyncio.to_thread(database.close)
     checks.append(_port_check(settings))
+    checks.append(await asyncio.to_thread(_tls_check, settings))
     checks.extend(await mcp_checks(settings))
     return checks
 
@@ -107,3 +108,20 @@ def _port_check(settings: Settings) -> Check:
             return Check("listen address", False, f"{settings.listen}: {exc.strerror} "
                          "(another agentd running? choose --listen)")
     return Check("listen address", True, f"{settings.listen} is free")
+
+
+def _tls_check(settings: Settings) -> Check:
+    from agentd.tls import TLSError, server_certificate
+
+    if not settings.serves_tls:
+        if settings.listen_is_loopback:
+            return Check("tls", True, "plain HTTP on loopback (any other address serves HTTPS)")
+        return Check("tls", True, f"warning: PLAIN HTTP on {settings.listen} (insecure_http): "
+                     "tokens cross the network in clear text")
+    try:
+        cert = server_certificate(settings)
+    except TLSError as exc:
+        return Check("tls", False, str(exc))
+    kind = "self-signed" if cert.self_signed else "configured"
+    return Check("tls", True, f"{kind} certificate {cert.fingerprint}, valid until "
+                 f"{cert.not_after:%Y-%m-%d} ({cert.cert_path})")

@@ -1,30 +1,37 @@
 """Run agentd's own PostgreSQL cluster (initdb/pg_ctl) when no DSN is configured.
 
 Invariant: a data directory gets at most one server, started under an exclusive lock; a stale
-``postmaster.pid`` is removed, never reused, and the server never runs as root.
+``postmaster.pid`` is removed, never reused, and the server never runs as root (nor as a shared
+account such as ``nobody``). It authenticates with scram-sha-256 and a generated password kept
+in a 0600 file beside the data; a cluster made by an older agentd with ``trust`` is switched over
+on its next start.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
 import importlib.util
+import logging
 import os
 import pwd
 import re
+import secrets
 import shlex
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import quote
 
 import platformdirs
@@ -38,7 +45,15 @@ __all__ = [
     "find_binaries",
 ]
 
+log = logging.getLogger("agentd.embedded_pg")
+
 SUPERUSER = "agentd"
+# As root, the server runs as AGENTD_PG_USER, else `postgres`, else this account, which agentd
+# creates (locked, no shell). Never `nobody`: every daemon that runs as nobody could read the data.
+CREATED_ACCOUNT = "agentd-pg"
+DEFAULT_ACCOUNTS: tuple[str, ...] = ("postgres",)
+SHARED_ACCOUNTS = frozenset({"nobody"})
+AUTH_METHOD = "scram-sha-256"
 # Removing a stale postmaster.pid is only safe from 12 on: the check that refuses to start
 # while a crashed server's children still hold shared memory keys it by the data directory's
 # inode, not by the pid file's contents.
@@ -50,7 +65,8 @@ DEFAULT_SETTINGS: Mapping[str, str] = {
     "max_connections": "200",
     "shared_buffers": "128MB",
     "cluster_name": "agentd",
-    # Root bypasses this; any other local user must not reach a trust-authenticated socket.
+    # Only the server's own account (and root) may even reach the socket; the password is the
+    # second lock, for them.
     "unix_socket_permissions": "0700",
 }
 # For throwaway clusters (tests, benchmarks): a crash may lose or corrupt data.
@@ -62,6 +78,7 @@ FAST_SETTINGS: Mapping[str, str] = {
 _MANAGED_SETTINGS = frozenset({"listen_addresses", "unix_socket_directories", "port"})
 
 _LOCK_NAME = ".agentd-pg.lock"
+_HBA_NAME = "pg_hba.conf"
 _LOG_NAME = "server.log"
 _LOG_ROTATE_BYTES = 16 * 1024 * 1024
 # sun_path holds 108 bytes on Linux, 104 on the BSDs and macOS, including the final NUL.
@@ -239,6 +256,9 @@ class EmbeddedPostgres:
         self.data_root = Path(data_root).expanduser().resolve()
         self.data_dir = self.data_root / f"pg{self.binaries.major}"
         self.log_file = self.data_dir / _LOG_NAME
+        # Beside the data, not in it: the data directory belongs to the server's account, the
+        # password only to ours (libpq's passfile format, so a DSN can name the file).
+        self.password_file = self.data_root / f"{self.data_dir.name}.pgpass"
         self.listen_tcp = listen_tcp
         self.fast = fast
         self._run_as = run_as
@@ -304,9 +324,14 @@ class EmbeddedPostgres:
             if account is not None and not self._can_run_binaries(account):
                 self.binaries = self._mirror_binaries()
             self._prepare_socket_dir(account)
+            password, made = self._ensure_password()
             if not (self.data_dir / "PG_VERSION").exists():
-                self._initdb(account)
+                self._initdb(account, password)
+                made = False
             self._check_reach(account, [self.data_dir, self._socket_dir])
+            trusting = self._hba_trusts()
+            if made or trusting:
+                self._reset_password(account, password, was_trust=trusting)
             self._launch(account)
             self._owns_server = True
 
@@ -340,12 +365,19 @@ class EmbeddedPostgres:
             "port": self._port,
             "user": SUPERUSER,
             "database": database,
+            "passfile": str(self.password_file),
         }
 
     def dsn(self, database: str = "postgres") -> str:
-        """Return a libpq/asyncpg URL for the unix socket (the directory is percent-encoded)."""
+        """Return a libpq/asyncpg URL for the unix socket (the directory is percent-encoded).
+
+        It names the password file rather than holding the password: a DSN ends up in logs,
+        process titles and error messages; the file stays 0600.
+        """
         host = quote(str(self._socket_dir), safe="")
-        return f"postgresql://{SUPERUSER}@/{quote(database, safe='')}?host={host}&port={self._port}"
+        passfile = quote(str(self.password_file), safe="")
+        return (f"postgresql://{SUPERUSER}@/{quote(database, safe='')}?host={host}"
+                f"&port={self._port}&passfile={passfile}")
 
     def __enter__(self) -> EmbeddedPostgres:
         self.start()
@@ -401,8 +433,14 @@ class EmbeddedPostgres:
         return self._account_cache
 
     def _resolve_account(self) -> _Account:
-        """Pick the server account: run_as, AGENTD_PG_USER, postgres, nobody (root only)."""
+        """Pick the server account: run_as, AGENTD_PG_USER, postgres, else one we create (root)."""
         explicit = self._run_as or os.environ.get("AGENTD_PG_USER") or None
+        if explicit in SHARED_ACCOUNTS:
+            raise EmbeddedPgError(
+                f"the embedded PostgreSQL will not run as {explicit!r}: a shared account "
+                "could read its data. Set AGENTD_PG_USER to an account of its own, or unset it "
+                "and agentd uses 'postgres' or creates one"
+            )
         try:
             owner = self.data_dir.stat()
         except FileNotFoundError:
@@ -413,12 +451,20 @@ class EmbeddedPostgres:
                 name = pwd.getpwuid(owner.st_uid).pw_name
             except KeyError:
                 name = str(owner.st_uid)
+            if name in SHARED_ACCOUNTS:
+                # Made by an older agentd: give the cluster an account of its own.
+                account = self._pick_account(explicit)
+                self._hand_over(owner.st_uid, account)
+                return account
             if explicit is not None and explicit != name:
                 raise EmbeddedPgError(
                     f"{self.data_dir} belongs to {name!r}, not to the requested server account "
                     f"{explicit!r}; choose another data directory or pass --dsn"
                 )
             return _Account(name, owner.st_uid, owner.st_gid)
+        return self._pick_account(explicit)
+
+    def _pick_account(self, explicit: str | None) -> _Account:
         if explicit is not None:
             # A misspelt account must not silently fall through to another one.
             try:
@@ -429,23 +475,33 @@ class EmbeddedPostgres:
                     "existing unprivileged account or pass --dsn"
                 ) from None
         else:
-            for candidate in ("postgres", "nobody"):
+            for candidate in (*DEFAULT_ACCOUNTS, CREATED_ACCOUNT):
                 try:
                     entry = pwd.getpwnam(candidate)
                     break
                 except KeyError:
                     continue
             else:
-                raise EmbeddedPgError(
-                    "PostgreSQL refuses to run as root and neither a 'postgres' nor a 'nobody' "
-                    "account exists; set AGENTD_PG_USER or pass --dsn"
-                )
+                entry = _create_account(CREATED_ACCOUNT)
         if entry.pw_uid == 0:
             raise EmbeddedPgError(
                 f"server account {entry.pw_name!r} is root, which PostgreSQL refuses; "
                 "set AGENTD_PG_USER to an unprivileged account or pass --dsn"
             )
         return _Account(entry.pw_name, entry.pw_uid, entry.pw_gid)
+
+    def _hand_over(self, old_uid: int, account: _Account) -> None:
+        """Give a cluster that runs as a shared account to its own account (files and socket)."""
+        for path in [self.data_dir, *self.data_dir.rglob("*"), self._socket_dir]:
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if info.st_uid == old_uid:
+                os.lchown(path, account.uid, account.gid)
+        log.warning("the embedded PostgreSQL ran as a shared account; its data now belongs to "
+                    "its own account", extra={"data_dir": str(self.data_dir),
+                                              "account": account.name})
 
     def _can_run_binaries(self, account: _Account) -> bool:
         try:
@@ -607,7 +663,7 @@ class EmbeddedPostgres:
 
     # -- initdb and pg_ctl --------------------------------------------------------------------
 
-    def _initdb(self, account: _Account | None) -> None:
+    def _initdb(self, account: _Account | None, password: str) -> None:
         """Initialise the cluster in a scratch directory, then rename it into place atomically."""
         if self.data_dir.exists() and any(self.data_dir.iterdir()):
             raise EmbeddedPgError(
@@ -622,24 +678,122 @@ class EmbeddedPostgres:
             if account is not None:
                 os.chown(scratch, account.uid, account.gid)
             self._check_reach(account, [scratch])
-            argv = [
-                self._tool("initdb"), "-D", str(scratch), "-U", SUPERUSER, "--auth=trust",
-                "-E", "UTF8", "--locale=C",
-            ]
-            if self.binaries.major >= 17:
-                # Unicode-aware upper()/lower() and regexes while keeping bytewise sorting.
-                argv += ["--locale-provider=builtin", "--builtin-locale=C.UTF-8"]
-            if self.fast:
-                argv.append("--no-sync")
-            result = self._run(argv, account, timeout=300)
+            with self._password_for_initdb(account, password) as pwfile:
+                argv = [
+                    self._tool("initdb"), "-D", str(scratch), "-U", SUPERUSER,
+                    f"--auth-local={AUTH_METHOD}", f"--auth-host={AUTH_METHOD}",
+                    f"--pwfile={pwfile}", "-E", "UTF8", "--locale=C",
+                ]
+                if self.binaries.major >= 17:
+                    # Unicode-aware upper()/lower() and regexes while keeping bytewise sorting.
+                    argv += ["--locale-provider=builtin", "--builtin-locale=C.UTF-8"]
+                if self.fast:
+                    argv.append("--no-sync")
+                result = self._run(argv, account, timeout=300)
             if result.returncode != 0:
                 raise self._error("initdb failed", result, log=False)
+            _write_hba(scratch / _HBA_NAME, AUTH_METHOD, account)
             if self.data_dir.exists():
                 self.data_dir.rmdir()  # empty, checked above
             os.rename(scratch, self.data_dir)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
+
+    # -- the password -------------------------------------------------------------------------
+
+    def _ensure_password(self) -> tuple[str, bool]:
+        """The cluster's password from its file, or a new one (then True: the server lacks it)."""
+        try:
+            text = self.password_file.read_text()
+        except FileNotFoundError:
+            text = ""
+        except OSError as exc:
+            raise EmbeddedPgError(f"cannot read the password file {self.password_file}: {exc}") \
+                from exc
+        fields = text.strip().split(":")
+        if len(fields) == 5 and fields[3] == SUPERUSER and fields[4]:
+            if stat.S_IMODE(self.password_file.stat().st_mode) & 0o077:
+                os.chmod(self.password_file, 0o600)  # libpq and asyncpg ignore a readable one
+            return fields[4], False
+        password = secrets.token_urlsafe(32)  # no ':' or '\\', which pgpass would escape
+        tmp = self.password_file.with_name(f".{self.password_file.name}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(f"*:*:*:{SUPERUSER}:{password}\n")
+            os.replace(tmp, self.password_file)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return password, True
+
+    @contextmanager
+    def _password_for_initdb(self, account: _Account | None, password: str) -> Iterator[Path]:
+        """The password in a file initdb (running as the server account) can read, briefly."""
+        holder = Path(tempfile.mkdtemp(prefix="pwfile.", dir=self.data_root))
+        try:
+            path = holder / "password"
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(password + "\n")
+            if account is not None:
+                for item in (holder, path):
+                    os.chown(item, account.uid, account.gid)
+            yield path
+        finally:
+            shutil.rmtree(holder, ignore_errors=True)
+
+    def _hba_trusts(self) -> bool:
+        """Whether the cluster lets anyone in without a password (made by an older agentd)."""
+        try:
+            lines = (self.data_dir / _HBA_NAME).read_text().splitlines()
+        except FileNotFoundError:
+            return False
+        return any("trust" in line.split("#", 1)[0].split() for line in lines)
+
+    def _reset_password(self, account: _Account | None, password: str, *,
+                        was_trust: bool) -> None:
+        """Give the server our password and require it: from trust, or after a lost file.
+
+        The server runs on a socket only its own account and root can reach while it trusts
+        them; it is stopped again before scram-sha-256 is switched on, so that no connection
+        ever sees the change half-done.
+        """
+        _write_hba(self.data_dir / _HBA_NAME, "trust", account)
+        self._launch(account)
+        try:
+            _in_own_loop(lambda: self._set_password(password))
+        finally:
+            self._stop_launched(account)
+        _write_hba(self.data_dir / _HBA_NAME, AUTH_METHOD, account)
+        if was_trust:
+            log.warning("the embedded PostgreSQL trusted every local connection; it now "
+                        "requires the password kept in its password file (scram-sha-256)",
+                        extra={"data_dir": str(self.data_dir),
+                               "password_file": str(self.password_file)})
+        else:
+            log.warning("the embedded PostgreSQL's password file was missing: set a new "
+                        "password", extra={"password_file": str(self.password_file)})
+
+    async def _set_password(self, password: str) -> None:
+        import asyncpg
+
+        from agentd.db import set_own_password
+
+        kwargs = {k: v for k, v in self.connect_kwargs().items() if k != "passfile"}
+        conn = await asyncpg.connect(timeout=30, **kwargs)  # type: ignore[arg-type]
+        try:
+            await set_own_password(conn, password)
+        finally:
+            await conn.close()
+
+    def _stop_launched(self, account: _Account | None) -> None:
+        result = self._run(
+            [self._tool("pg_ctl"), "stop", "-D", str(self.data_dir), "-m", "fast", "-w",
+             "-t", str(_START_TIMEOUT_S), "-s"], account, timeout=_START_TIMEOUT_S + 30)
+        if result.returncode != 0:
+            raise self._error("pg_ctl stop failed", result)
 
     def _launch(self, account: _Account | None) -> None:
         """Start the server with pg_ctl and wait until it accepts connections."""
@@ -704,6 +858,73 @@ class EmbeddedPostgres:
 
 # ---------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _write_hba(path: Path, method: str, account: _Account | None) -> None:
+    """Our own pg_hba.conf: every connection authenticates by `method`; TCP on loopback only."""
+    text = (
+        "# Written by agentd. The password is in the .pgpass file beside the data directory.\n"
+        "# TYPE  DATABASE     USER  ADDRESS       METHOD\n"
+        f"local   all          all                 {method}\n"
+        f"local   replication  all                 {method}\n"
+    )
+    if method != "trust":  # the temporary trust of a password reset is for the socket only
+        text += (f"host    all          all   127.0.0.1/32  {method}\n"
+                 f"host    all          all   ::1/128       {method}\n")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        if account is not None:
+            os.chown(tmp, account.uid, account.gid)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _create_account(name: str) -> pwd.struct_passwd:
+    """Create a locked system account without a shell or home for the server (root only)."""
+    useradd = shutil.which("useradd")
+    if useradd is None:
+        raise EmbeddedPgError(
+            "PostgreSQL refuses to run as root, no 'postgres' account exists and useradd is "
+            "not available to create one; set AGENTD_PG_USER to an unprivileged account of its "
+            "own or pass --dsn"
+        )
+    shell = next((s for s in ("/usr/sbin/nologin", "/sbin/nologin") if os.path.exists(s)),
+                 "/bin/false")
+    result = subprocess.run(
+        [useradd, "--system", "--user-group", "--shell", shell, "--home-dir", "/nonexistent",
+         "--no-create-home", "--comment", "agentd embedded PostgreSQL", name],
+        capture_output=True, text=True, timeout=60, check=False)
+    if result.returncode not in (0, 9):  # 9: it exists (created meanwhile by another start)
+        raise EmbeddedPgError(f"could not create the server account {name!r} with useradd "
+                              f"(exit {result.returncode}): {result.stderr.strip()}; set "
+                              "AGENTD_PG_USER or pass --dsn")
+    entry = pwd.getpwnam(name)
+    log.warning("created a locked system account for the embedded PostgreSQL server",
+                extra={"account": name, "uid": entry.pw_uid})
+    return entry
+
+
+def _in_own_loop(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run a coroutine to its end from sync code, even when the caller's thread runs a loop."""
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            asyncio.run(make())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name="agentd-embedded-pg-password")
+    thread.start()
+    thread.join()
+    if failure:
+        raise EmbeddedPgError(f"could not set the embedded server's password: {failure[0]}") \
+            from failure[0]
 
 
 def _socket_dir_for(data_dir: Path, port: int) -> Path:

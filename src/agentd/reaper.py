@@ -11,6 +11,7 @@ import logging
 
 import asyncpg
 
+from agentd.pairing import purge_pairings
 from agentd.queue import reap_expired, trim_journal
 from agentd.settings import Settings
 
@@ -18,6 +19,7 @@ log = logging.getLogger("agentd.reaper")
 
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 TRIM_EVERY_N_SWEEPS = 120
+PAIRING_AUDIT_S = 7 * 86_400.0  # spent and expired pairing codes are kept this long
 
 
 async def sweep(pool: asyncpg.Pool, settings: Settings) -> int:
@@ -43,5 +45,6 @@ async def reap_forever(pool: asyncpg.Pool, settings: Settings) -> None:
                 trimmed = await trim_journal(pool, older_than_s=settings.journal_retention_s)
                 if trimmed:
                     log.info("trimmed journal", extra={"rows": trimmed})
+                await purge_pairings(pool, older_than_s=PAIRING_AUDIT_S)
         except _DB_ERRORS as exc:
             log.warning("reaper sweep failed; will retry", extra={"error": str(exc)})

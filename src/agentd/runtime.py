@@ -10,11 +10,13 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import secrets
 import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import asyncpg
 from aiohttp import web
@@ -25,12 +27,15 @@ from agentd.dispatcher import Dispatcher
 from agentd.embedded_pg import EmbeddedPostgres, default_data_root
 from agentd.executor import TurnRunner
 from agentd.hub import Hub
+from agentd.limits import AddressRateLimiter, ConnectionGuard, GuardedSite, StreamSlots
 from agentd.migrate import migrate
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
 from agentd.reaper import reap_forever, sweep
-from agentd.settings import Settings
+from agentd.revocation import RevocationWatch
+from agentd.settings import Settings, is_loopback_host
 from agentd.systemd import sd_notify
+from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
 from agentd.tools import ToolRegistry, default_tools
 from agentd.tools.mcp import McpTools
 
@@ -79,15 +84,37 @@ async def migrate_database(dsn: str) -> list[str]:
         await conn.close()
 
 
-async def ensure_local_client(pool: asyncpg.Pool, url: str) -> None:
-    """First embedded start: give the TUI on this machine a token so it just works."""
-    from agenttui.locations import config_file, write_client_config
+async def ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | None = None,
+                              *, create: bool = True) -> None:
+    """Keep the TUI on this machine attached: give it a token on the first embedded start.
+
+    Over TLS it also pins this daemon's certificate, as `agenttui login` would; a config that
+    already points at this port on loopback follows a switch to or from TLS, or a new
+    certificate (this daemon is the authority on its own certificate, on its own machine).
+    """
+    from agenttui.locations import config_file, read_config, write_client_config
 
     if config_file().exists():
+        config = read_config()
+        old, token = config.get("url"), config.get("token")
+        if not isinstance(old, str) or not isinstance(token, str):
+            return
+        before, now = urlsplit(old), urlsplit(url)
+        if before.port != now.port or not is_loopback_host(before.hostname or ""):
+            return
+        if (old, config.get("fingerprint")) != (url, fingerprint):
+            device = config.get("device")
+            path = write_client_config(url, token, device=device if isinstance(device, str)
+                                       else None, fingerprint=fingerprint)
+            log.info("updated the local client's address and pin", extra={
+                "path": str(path), "url": url, "fingerprint": fingerprint})
+        return
+    if not create:
         return
     token, _ = await create_device_token(pool, account=LOCAL_ACCOUNT,
                                          device=socket.gethostname() or "local")
-    path = write_client_config(url, token, device=socket.gethostname())
+    path = write_client_config(url, token, device=socket.gethostname(),
+                               fingerprint=fingerprint)
     log.info("wrote a device token for the local client", extra={"path": str(path)})
 
 
@@ -104,14 +131,27 @@ class Runtime:
     draining: bool = False
     started_at: float = field(default_factory=time.time)
     tools: ToolRegistry = field(default_factory=ToolRegistry)  # built-ins and MCP servers
+    # Reaching us from other machines: the certificate served (None: plain HTTP) and the limits.
+    certificate: ServerCertificate | None = None
+    connection_guard: ConnectionGuard | None = None
+    revocations: RevocationWatch | None = None
+    stream_slots: StreamSlots = field(init=False)
+    pair_limiter: AddressRateLimiter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream_slots = StreamSlots(self.settings.streams_per_device)
+        self.pair_limiter = AddressRateLimiter(self.settings.pair_attempts_per_min)
 
 
 def build_app(runtime: Runtime) -> web.Application:
-    from agentd.api import RUNTIME, health, metrics, openapi, routes
+    from agentd.api import RUNTIME, devices, health, metrics, openapi, routes
 
     app = web.Application(client_max_size=1 << 20)
     app[RUNTIME] = runtime
     routes.add_routes(app)
+    devices.add_routes(app)
+    if runtime.connection_guard is not None:
+        app.middlewares.insert(0, runtime.connection_guard.middleware)
     health.add_routes(app)
     app.router.add_get("/metrics", metrics.metrics)
     app.router.add_get("/openapi.json", openapi.serve_spec)
@@ -124,6 +164,10 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    # The certificate first: a bad one fails the start before anything else is touched.
+    certificate = await asyncio.to_thread(server_certificate, settings) \
+        if settings.serves_tls else None
+    _raise_open_files_limit(settings.max_connections + 256)
     database = await open_database(settings)
     try:
         applied = await migrate_database(database.dsn)
@@ -131,15 +175,27 @@ async def serve(settings: Settings) -> int:
             log.info("migrations applied", extra={"applied": ",".join(applied)})
         pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max)
         try:
-            return await _serve_with_pool(settings, database, pool, stop)
+            return await _serve_with_pool(settings, database, pool, stop, certificate)
         finally:
             await pool.close()
     finally:
         await asyncio.to_thread(database.close)
 
 
+def _raise_open_files_limit(wanted: int) -> None:
+    """Every connection is a file descriptor: let max_connections fit under RLIMIT_NOFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        log.warning("the open-files limit is below max_connections; lower max_connections "
+                    "or raise LimitNOFILE", extra={"hard_limit": hard, "wanted": wanted})
+
+
 async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg.Pool,
-                           stop: asyncio.Event) -> int:
+                           stop: asyncio.Event, certificate: ServerCertificate | None) -> int:
     reconciled = await sweep(pool, settings)
     if reconciled:
         log.warning("boot reconciler failed orphaned runs", extra={"runs": reconciled})
@@ -150,24 +206,41 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     mcp = McpTools(settings.mcp)  # each server starts when a run first needs it
     tools = default_tools(settings.tool_policies, sources=[mcp])
     runtime = Runtime(settings, pool, hub, worker_id, providers, tools=tools)
+    runtime.certificate = certificate
+    runtime.connection_guard = ConnectionGuard(max_connections=settings.max_connections,
+                                               header_timeout_s=settings.header_timeout_s)
+    # Half a keepalive: a revocation whose hint was lost still ends streams within one.
+    runtime.revocations = RevocationWatch(pool, hub, poll_s=settings.keepalive_s / 2)
+    runtime.revocations.start()
     notifier = Notifier(pool)
     notifier.start()
     runner = TurnRunner(pool, hub, settings, providers, tools, hint=notifier.notify)
     dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, hint=notifier.notify)
     runtime.dispatcher = dispatcher
     app_runner = web.AppRunner(build_app(runtime), access_log=None, shutdown_timeout=1.0,
-                               handler_cancellation=True)
+                               handler_cancellation=True,
+                               keepalive_timeout=settings.idle_timeout_s,
+                               # Unread request bytes after an answer (a 413, a body timeout)
+                               # are drained this long at most, not aiohttp's 10 s.
+                               lingering_time=2.0)
     await app_runner.setup()
     reaping = asyncio.create_task(reap_forever(pool, settings), name="agentd-reaper")
     try:
-        site = web.TCPSite(app_runner, settings.listen_host, settings.listen_port)
+        site = GuardedSite(app_runner, settings.listen_host, settings.listen_port,
+                           guard=runtime.connection_guard,
+                           ssl_context=server_context(certificate) if certificate else None)
         await site.start()
-        url = f"http://{settings.listen}"
-        if database.embedded is not None:
-            await ensure_local_client(pool, url)
+        await ensure_local_client(pool, local_url(settings),
+                                  certificate.fingerprint if certificate else None,
+                                  create=database.embedded is not None)
         dispatcher.start()
-        log.info("agentd serving", extra={"listen": settings.listen, "worker_id": worker_id,
-                                          "embedded": database.embedded is not None})
+        if not settings.serves_tls and not settings.listen_is_loopback:
+            log.warning("serving PLAIN HTTP on a non-loopback address (insecure_http): tokens "
+                        "and pairing codes cross the network in clear text",
+                        extra={"listen": settings.listen})
+        log.info("agentd serving", extra={
+            "url": site.name, "worker_id": worker_id, "embedded": database.embedded is not None,
+            "fingerprint": certificate.fingerprint if certificate else None})
         sd_notify("READY=1")
         await stop.wait()
         sd_notify("STOPPING=1")
@@ -183,6 +256,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
         with contextlib.suppress(asyncio.CancelledError):
             await reaping
         await app_runner.cleanup()
+        await runtime.revocations.close()
         await notifier.close()
         await hub.close()
         await providers.close()

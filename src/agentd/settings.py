@@ -6,7 +6,9 @@ Every setting has all four spellings; an invalid value fails at start with the k
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import socket
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -65,17 +67,33 @@ class Settings:
     approval_timeout_s: float = 600.0  # an undecided `ask` tool call is denied after this
     max_content_chars: int = 100_000
     log_level: str = "info"
+    # Reaching agentd from other machines (docs/operations.md, "Attach from another machine").
+    tls: str = "auto"  # auto: HTTPS on a non-loopback listen address | on | off
+    tls_cert: Path | None = None  # a real certificate (PEM); None: self-signed in the data dir
+    tls_key: Path | None = None
+    tls_names: str = ""  # extra host names/addresses for the self-signed certificate, commas
+    insecure_http: bool = False  # plain HTTP on a non-loopback address (warned at every start)
+    public_url: str | None = None  # how other machines reach us (pairing lines); None: derived
+    pairing_ttl_s: float = 600.0
+    pair_attempts_per_min: int = 10  # POST /v1/pair per client address
+    streams_per_device: int = 16
+    max_connections: int = 1000
+    header_timeout_s: float = 10.0  # a request head must arrive whole within this
+    body_timeout_s: float = 30.0  # and its body within this
+    idle_timeout_s: float = 60.0  # an idle keep-alive connection is closed after this
     providers: Mapping[str, ProviderConfig] = field(default_factory=dict)
     mcp: Mapping[str, McpServerConfig] = field(default_factory=dict)  # [mcp.<name>]
     tool_policies: Mapping[str, ApprovalPolicy] = field(default_factory=dict)  # [tools]
 
     def validate(self) -> Settings:
         positive = ("lease_ttl_s", "heartbeat_s", "reap_interval_s", "tick_s", "flush_ms",
-                    "keepalive_s", "approval_timeout_s")
+                    "keepalive_s", "pairing_ttl_s", "header_timeout_s", "body_timeout_s",
+                    "idle_timeout_s", "approval_timeout_s")
         for key in positive:
             if getattr(self, key) <= 0:
                 raise SettingsError(f"{key} ({_env(key)}) must be > 0")
-        for key in ("max_runs", "pool_max", "max_tool_steps", "max_content_chars"):
+        for key in ("max_runs", "pool_max", "max_tool_steps", "max_content_chars",
+                    "pair_attempts_per_min", "streams_per_device", "max_connections"):
             if getattr(self, key) < 1:
                 raise SettingsError(f"{key} ({_env(key)}) must be >= 1")
         for key in ("drain_s", "reap_grace_s", "journal_retention_s"):
@@ -89,6 +107,22 @@ class Settings:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise SettingsError(f"listen ({_env('listen')}) must be HOST:PORT, got "
                                 f"{self.listen!r}")
+        if self.tls not in ("auto", "on", "off"):
+            raise SettingsError(f"tls ({_env('tls')}) must be auto, on or off, got {self.tls!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SettingsError("tls_cert and tls_key (AGENTD_TLS_CERT, AGENTD_TLS_KEY) go "
+                                "together: give both or neither")
+        if self.tls == "on" and self.insecure_http:
+            raise SettingsError("tls = on and insecure_http contradict each other")
+        if self.tls == "off" and not self.insecure_http and not self.listen_is_loopback:
+            raise SettingsError(
+                f"tls = off on the non-loopback address {self.listen} would send tokens in "
+                "clear text: also set insecure_http (--insecure-http) if you mean it, or put "
+                "a TLS reverse proxy in front and listen on 127.0.0.1")
+        if self.public_url is not None and not self.public_url.startswith(
+                ("http://", "https://")):
+            raise SettingsError(f"public_url ({_env('public_url')}) must start with http:// "
+                                f"or https://, got {self.public_url!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError("log_level (AGENTD_LOG_LEVEL) must be debug|info|warning|error")
         for provider in self.providers.values():
@@ -104,6 +138,37 @@ class Settings:
     @property
     def listen_port(self) -> int:
         return int(self.listen.rpartition(":")[2])
+
+    @property
+    def listen_is_loopback(self) -> bool:
+        return is_loopback_host(self.listen_host)
+
+    @property
+    def serves_tls(self) -> bool:
+        """HTTPS on this listen address? Loopback stays plain HTTP unless tls = on."""
+        if self.tls == "on":
+            return True
+        if self.tls == "off" or self.insecure_http:
+            return False
+        return not self.listen_is_loopback
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` names this machine's loopback only (a name must resolve to nothing else)."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    addresses = {info[4][0] for info in infos}
+    return bool(addresses) and all(
+        ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
 def _env(key: str) -> str:
@@ -127,6 +192,8 @@ def _coerce(key: str, value: Any, source: str) -> Any:
             return Path(os.path.expanduser(str(value)))
         if kind.startswith("float"):
             return float(value)
+        if kind.startswith("bool"):
+            return _boolean(value)
         if kind.startswith("int"):
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError(value)
@@ -138,6 +205,17 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     except (TypeError, ValueError):
         raise SettingsError(f"{key} (from {source}): {value!r} is not a valid "
                             f"{kind.split(' |')[0]}") from None
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(value)
 
 
 def _default_providers() -> dict[str, ProviderConfig]:

@@ -25,8 +25,18 @@ def sd_notify(state: str) -> bool:
     return True
 
 
-def unit_text(args: list[str]) -> str:
-    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "agentd", *args])
+def unit_text(args: list[str], *, env_file: Path, writable: list[Path],
+              optional_writable: list[Path]) -> str:
+    """The user unit: `agentd serve` with `args`, secrets from `env_file`, a read-only system.
+
+    `args` must hold no secret (see split_secrets): ExecStart is readable by every local user
+    through `systemctl show`, the environment file only by its owner.
+    """
+    # systemd expands %specifiers and $VARIABLES in ExecStart: both are doubled to stay literal.
+    command = " ".join(shlex.quote(a).replace("%", "%%").replace("$", "$$")
+                       for a in [sys.executable, "-m", "agentd", *args])
+    paths = " ".join([*(_unit_path(p) for p in writable),
+                      *(_unit_path(p, prefix="-") for p in optional_writable)])
     return f"""[Unit]
 Description=agentd: durable AI-agent turns on PostgreSQL
 After=network-online.target
@@ -34,18 +44,69 @@ After=network-online.target
 [Service]
 Type=notify
 NotifyAccess=main
+# Secrets (DSN, provider API keys) and AGENTD_* settings: mode 0600, never on the command line.
+EnvironmentFile={str(env_file).replace("%", "%%")}
 ExecStart={command}
 Restart=on-failure
 RestartSec=2
 # SIGTERM starts the two-phase drain; give it the drain budget plus a margin.
 TimeoutStopSec=60
 KillSignal=SIGTERM
+# Hardening: no privilege gain, a private /tmp, and a read-only system except our own data.
+NoNewPrivileges=yes
+PrivateTmp=yes
+ProtectSystem=strict
+ReadWritePaths={paths}
+LimitNOFILE=65536
 
 [Install]
 WantedBy=default.target
 """
 
 
+SECRET_FLAGS = {"--dsn": "AGENTD_DSN"}
+
+
+def split_secrets(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Move secret-bearing `serve` flags (a DSN holds a password) into environment variables."""
+    kept: list[str] = []
+    moved: dict[str, str] = {}
+    items = iter(args)
+    for arg in items:
+        flag, eq, value = arg.partition("=")
+        if flag in SECRET_FLAGS:
+            if not eq:
+                value = next(items, "")
+            moved[SECRET_FLAGS[flag]] = value
+        else:
+            kept.append(arg)
+    return kept, moved
+
+
+def environment_file_text(variables: dict[str, str]) -> str:
+    """KEY="value" lines as systemd's EnvironmentFile reads them (no expansion of $ or %)."""
+    lines = ["# Written by `agentd install-service`: secrets and settings for agentd.service."]
+    for key in sorted(variables):
+        value = variables[key].replace("\\", "\\\\").replace('"', '\\"')
+        if "\n" in value:
+            raise ValueError(f"{key} holds a newline, which an environment file cannot carry")
+        lines.append(f'{key}="{value}"')
+    return "\n".join(lines) + "\n"
+
+
+def _unit_path(path: Path, *, prefix: str = "") -> str:
+    """One word of a path list (ReadWritePaths=): % doubled, quoted if it holds spaces."""
+    text = prefix + str(path).replace("%", "%%")
+    if any(c.isspace() for c in text) or '"' in text or "\\" in text:
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return text
+
+
 def user_unit_path() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "systemd" / "user" / "agentd.service"
+
+
+def environment_file_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "agentd" / "agentd.env"

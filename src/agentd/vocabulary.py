@@ -63,7 +63,13 @@ class Channel(StrEnum):
     RUN_EVENT = "agentd_run_event"  # payload: run id; wakes tails of that run
     RUN_CANCEL = "agentd_run_cancel"  # payload: run id; wakes that run's cancel watcher
     CONVERSATION = "agentd_conversation"  # payload: conversation id; ownership/presence changed
+    DEVICE = "agentd_device"  # payload: device id; it was revoked (its streams end)
     APPROVAL = "agentd_approval"  # payload: run id; a tool approval of that run was decided
+
+
+# The SSE event that ends a stream the server will not continue (e.g. its device was revoked):
+# data {"type": "error", "error": {"code", "message"}}. Not a journal event: it has no seq.
+STREAM_ERROR_EVENT = "error"
 
 
 class ApprovalPolicy(StrEnum):

@@ -15,10 +15,11 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.screen import Screen
 from textual.theme import Theme
 
-from agenttui.client import AgentClient
+from agenttui.client import AgentClient, ApiError, describe
 from agenttui.drafts import DraftLedger
 from agenttui.screens.help import HelpScreen
 from agenttui.screens.main import MainScreen
+from agenttui.screens.pairing import PairingScreen
 from agenttui.settings import DEFAULT_THEME, Settings
 from agenttui.widgets.composer import Composer
 from agenttui.widgets.conversation_list import conversation_label
@@ -136,6 +137,20 @@ class AgentTUI(App[None]):
                             main.action_toggle_sidebar)
         yield SystemCommand("Help", "Keys and how devices share a conversation",
                             self.action_help)
+        yield SystemCommand("Pair another device",
+                            "A one-time code and the line to run on the other machine",
+                            self.action_pair_device)
+
+    def action_pair_device(self) -> None:
+        self.run_worker(self._pair_device(), group="pairing", exit_on_error=False)
+
+    async def _pair_device(self) -> None:
+        try:
+            pairing = await self.client.create_pairing()
+        except ApiError as exc:
+            self.notify(f"Could not get a pairing code: {describe(exc)}", severity="error")
+            return
+        await self.push_screen(PairingScreen(pairing))
 
 
 def make_app(settings: Settings, client: AgentClient, *, close_client: bool = False,

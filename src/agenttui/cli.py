@@ -14,7 +14,7 @@ from typing import Any
 from agenttui import __version__
 from agenttui.ask import EXIT_UNREACHABLE, EXIT_USAGE, Approver, ask, report
 from agenttui.client import AgentClient, ApiError, Unauthorized, describe
-from agenttui.locations import config_file, write_client_config
+from agenttui.locations import config_file
 from agenttui.settings import Settings, SettingsError, load_settings
 
 DESCRIPTION = """\
@@ -30,7 +30,9 @@ examples:
   agenttui --conversation 0b6e…              open one conversation
   agenttui ask "summarize the last deploy"   stream one answer to stdout
   echo "hello" | agenttui ask --conversation last
-  agenttui login --url http://desk:8740 --token agd_…
+  agenttui login https://desk:8740 --code 7K3QX-M9V2D --fingerprint SHA256:…
+                                             pair with the line `agentd pair` prints
+  agentd token create --account me --device ci | agenttui login http://127.0.0.1:8740 --token -
 
 exit codes of ask: 0 completed · 1 failed · 2 usage · 3 cancelled · 4 daemon unreachable or
 token refused · 130 stopped with Ctrl-C
@@ -81,14 +83,32 @@ def build_parser() -> argparse.ArgumentParser:
     ask_parser.add_argument("text", nargs="*", help="the message (default: read stdin)")
 
     login = commands.add_parser(
-        "login", help="store a daemon's URL and a device token",
-        description=f"Check the token against the daemon (/v1/me) and store URL and token in "
-                    f"{config_file()} (mode 0600). Mint a token on the daemon's host with "
-                    f"`agentd token create --account A --device D`.")
-    login.add_argument("--url", required=True, help="the daemon, e.g. http://desk:8740")
-    login.add_argument("--token", required=True, help="the device token (agd_…)")
+        "login", help="pair with a daemon (or store a token) and pin its certificate",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"""\
+Attach this machine to an agentd and save url, token and pinned certificate in
+{config_file()} (mode 0600).
+
+  agenttui login URL --code CODE [--fingerprint SHA256:…]   pair with a one-time code
+  agenttui login URL --token - [--fingerprint SHA256:…]     a token read from stdin
+  agenttui login URL --fingerprint SHA256:…                 re-pin the stored server
+
+Get a code and the exact line on the daemon's host with
+`agentd pair --account A --device D`, or from a logged-in TUI ("Pair another device").
+Over https the certificate is pinned: without --fingerprint you are shown it and asked
+(trust on first use); without a terminal, --fingerprint is required.""")
+    login.add_argument("url", nargs="?", metavar="URL", help="the daemon, e.g. "
+                       "https://desk.lan:8740")
+    login.add_argument("--url", dest="url_option", metavar="URL", help="the same, as an option")
+    login.add_argument("--code", help="a one-time pairing code, e.g. 7K3QX-M9V2D")
+    login.add_argument("--token", metavar="-", help="`-`: read a device token from stdin "
+                       "(a token is never taken from the command line)")
+    login.add_argument("--fingerprint", metavar="SHA256:…",
+                       help="the server certificate's fingerprint to pin (`ca`: no pin, trust "
+                            "a CA-signed certificate and the host name instead)")
+    login.add_argument("--device", help="this device's name (default: the host name)")
     login.add_argument("--no-verify", action="store_true",
-                       help="store without asking the daemon first")
+                       help="with --token: store without asking the daemon first")
     return parser
 
 
@@ -116,15 +136,16 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def _client(settings: Settings) -> AgentClient:
     return AgentClient(settings.url, settings.token, timeout=settings.timeout_s,
-                       stream_timeout=settings.stream_timeout_s)
+                       stream_timeout=settings.stream_timeout_s,
+                       fingerprint=settings.fingerprint)
 
 
 def _need_token(settings: Settings) -> bool:
     if settings.token:
         return True
     print(f"agenttui: no device token for {settings.url}.\n"
-          f"  Run `agenttui login --url URL --token TOKEN` (mint one on the daemon's host with "
-          f"`agentd token create --account A --device D`),\n"
+          f"  Run the `agenttui login URL --code CODE --fingerprint SHA256:…` line that "
+          f"`agentd pair --account A --device D` prints on the daemon's host,\n"
           f"  or start agentd on this machine once: it writes {config_file()} for you.",
           file=sys.stderr)
     return False
@@ -177,27 +198,22 @@ def _ask(args: argparse.Namespace) -> int:
 
 
 def _login(args: argparse.Namespace) -> int:
-    url = args.url.rstrip("/")
-    device = None
-    if not args.no_verify:
-        async def verify() -> Any:
-            async with AgentClient(url, args.token) as client:
-                return await client.me()
+    from agenttui.login import LoginRequest, run_login
 
-        try:
-            me = asyncio.run(verify())
-        except Unauthorized as exc:
-            print(f"agenttui: login failed: {url} refused the token ({exc.message})",
-                  file=sys.stderr)
-            return EXIT_UNREACHABLE
-        except ApiError as exc:
-            print(f"agenttui: login failed: {describe(exc)}", file=sys.stderr)
-            return EXIT_UNREACHABLE
-        device = me.device
-    path = write_client_config(url, args.token, device=device)
-    who = f" as device {device!r} of account {me.account!r}" if device else ""
-    print(f"agenttui: logged in to {url}{who}; saved to {path}")
-    return 0
+    if args.url and args.url_option and args.url != args.url_option:
+        print("agenttui: give the URL once (URL or --url)", file=sys.stderr)
+        return EXIT_USAGE
+    url = args.url or args.url_option
+    if not url:
+        print("agenttui: login needs the daemon's URL", file=sys.stderr)
+        return EXIT_USAGE
+    if args.token is not None and args.token != "-":
+        print("agenttui: a token on the command line would be visible to every local user "
+              "and kept in shell history: use --token - and pipe it in", file=sys.stderr)
+        return EXIT_USAGE
+    return run_login(LoginRequest(url=url, code=args.code, token_from_stdin=args.token == "-",
+                                  fingerprint=args.fingerprint, device=args.device,
+                                  verify=not args.no_verify))
 
 
 def _tui(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ from urllib.parse import quote
 import httpx
 from httpx_sse import EventSource, ServerSentEvent, SSEError
 
-from agentd.vocabulary import EventType
+from agentd.vocabulary import STREAM_ERROR_EVENT, EventType
 from agenttui import __version__
 from agenttui.models import (
     Attached,
@@ -38,6 +38,7 @@ from agenttui.models import (
     SearchHit,
     StopResult,
 )
+from agenttui.pinning import certificate_changed, pinned_context
 
 DEFAULT_URL = "http://127.0.0.1:8740"
 RETRYABLE_STATUS = frozenset({502, 503, 504})
@@ -72,6 +73,26 @@ class Conflict(ApiError):
 
 class Unavailable(ApiError):
     """The daemon could not be reached, or answered 502/503/504: worth retrying."""
+
+
+class CertificateMismatch(ApiError):
+    """The server's certificate is not the pinned one: refused, and never retried."""
+
+    def __init__(self, url: str, pinned: str, presented: str) -> None:
+        super().__init__(0, "certificate_changed", (
+            f"{url} presented certificate {presented}, but this device pinned {pinned}: "
+            "refusing to connect. If the server's certificate was replaced on purpose "
+            "(`agentd pair` on the server shows the current one), re-pin with: "
+            f"agenttui login {url} --fingerprint {presented}"))
+        self.pinned = pinned
+        self.presented = presented
+
+
+def _transport_error(url: str, exc: Exception, what: str) -> ApiError:
+    changed = certificate_changed(exc)
+    if changed is not None:
+        return CertificateMismatch(url, changed.pinned, changed.presented)
+    return Unavailable(0, "unreachable", what)
 
 
 def _error_from(response: httpx.Response) -> ApiError:
@@ -177,6 +198,17 @@ class _ProtocolError(Exception):
     pass
 
 
+def _stream_error(sse: ServerSentEvent) -> ApiError:
+    """The server ended the stream on purpose (e.g. this device was revoked): never resumed."""
+    try:
+        error = json.loads(sse.data)["error"]
+        code, message = str(error["code"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        code, message = "stream_error", "the server ended the stream"
+    kind = Unauthorized if code == "device_revoked" else ApiError
+    return kind(401 if code == "device_revoked" else 400, code, message)
+
+
 # -- the client -----------------------------------------------------------------------------
 
 
@@ -186,20 +218,28 @@ class AgentClient:
     def __init__(self, url: str = DEFAULT_URL, token: str | None = None, *,
                  timeout: float = 15.0, stream_timeout: float = 45.0,
                  backoff: Backoff | None = None, transport: httpx.AsyncBaseTransport | None = None,
-                 trust_env: bool = True) -> None:
+                 trust_env: bool = True, fingerprint: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.stream_timeout = stream_timeout
         self.backoff = backoff or Backoff()
+        # An https:// server with a pin is trusted by that pin alone, on every connection.
+        self.pinned = fingerprint if fingerprint and self.url.startswith("https://") else None
         headers = {"User-Agent": f"agenttui/{__version__}"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.AsyncClient(
             base_url=self.url, headers=headers, transport=transport, trust_env=trust_env,
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)))
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+            verify=pinned_context(self.pinned) if self.pinned else True,
+            follow_redirects=False)
         self._clock_offset = timedelta(0)
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    @property
+    def encrypted(self) -> bool:
+        return self.url.startswith("https://")
 
     async def __aenter__(self) -> AgentClient:
         return self
@@ -231,11 +271,16 @@ class AgentClient:
             try:
                 response = await self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
-                if attempt >= retries:
-                    raise Unavailable(0, "unreachable",
-                                      f"cannot reach {self.url}: {describe(exc)}") from exc
+                error = _transport_error(self.url, exc, f"cannot reach {self.url}: "
+                                                        f"{describe(exc)}")
+                if attempt >= retries or isinstance(error, CertificateMismatch):
+                    raise error from exc
             else:
                 self._note_date(response)
+                if 300 <= response.status_code < 400:
+                    # Never followed: a redirect must not lead a pinned client anywhere else.
+                    raise ApiError(response.status_code, "unexpected_redirect",
+                                   f"{self.url} answered with a redirect (not followed)")
                 if response.status_code < 400:
                     return response
                 error = _error_from(response)
@@ -267,7 +312,7 @@ class AgentClient:
                     raise error
                 yield EventSource(response)
         except httpx.TransportError as exc:
-            raise Unavailable(0, "unreachable", describe(exc)) from exc
+            raise _transport_error(self.url, exc, describe(exc)) from exc
 
     # -- account and conversations --------------------------------------------------------
 
@@ -353,6 +398,26 @@ class AgentClient:
     def conversation_events(self, conversation_id: str, *,
                             cursor: str | None = None) -> ConversationStream:
         return ConversationStream(self, conversation_id, cursor=cursor)
+
+    # -- devices and pairing ------------------------------------------------------------------
+
+    async def create_pairing(self, device: str | None = None) -> dict[str, Any]:
+        """A one-time code for another device of this account: {code, expires_at, command…}."""
+        body = {"device": device} if device else {}
+        return await self._json("POST", "/v1/pairings", json=body)
+
+    async def pair(self, code: str, device: str) -> dict[str, Any]:
+        """Redeem a pairing code (no token needed): {token, account, device, device_id}.
+
+        Never retried: a code is spent by the first request that reaches the server.
+        """
+        return await self._json("POST", "/v1/pair", json={"code": code, "device": device})
+
+    async def list_devices(self) -> list[dict[str, Any]]:
+        return (await self._json("GET", "/v1/devices", retries=2))["devices"]
+
+    async def revoke_device(self, device_id: str) -> None:
+        await self._send("DELETE", f"/v1/devices/{_id(device_id)}", retries=2)
 
     # -- service ----------------------------------------------------------------------------
 
@@ -472,6 +537,8 @@ class ConversationStream(_ResumableStream):
     async def _handle(self, sse: ServerSentEvent, resumed: bool) -> AsyncIterator[FeedItem]:
         if not sse.data:
             return  # an event with no data is no event (SSE spec); keepalives look like this
+        if sse.event == STREAM_ERROR_EVENT:
+            raise _stream_error(sse)
         try:
             data = json.loads(sse.data)
         except ValueError as exc:
@@ -527,6 +594,8 @@ class ConversationStream(_ResumableStream):
             async for sse in source.aiter_sse():
                 if not sse.data:
                     continue
+                if sse.event == STREAM_ERROR_EVENT:
+                    raise _stream_error(sse)
                 event = RunEvent.from_wire(json.loads(sse.data), run_id)
                 if event.seq > upto:
                     break
@@ -560,6 +629,8 @@ class RunStream(_ResumableStream):
     async def _handle(self, sse: ServerSentEvent, resumed: bool) -> AsyncIterator[FeedItem]:
         if not sse.data:
             return
+        if sse.event == STREAM_ERROR_EVENT:
+            raise _stream_error(sse)
         try:
             event = RunEvent.from_wire(json.loads(sse.data), self.run_id)
         except (ValueError, KeyError) as exc:

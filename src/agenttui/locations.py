@@ -51,14 +51,18 @@ def read_config() -> dict[str, object]:
     return tomllib.loads(path.read_text("utf-8"))
 
 
-def write_client_config(url: str, token: str, *, device: str | None = None) -> Path:
-    """Store URL and token with mode 0600 (created that way: never briefly world-readable)."""
+def write_client_config(url: str, token: str, *, device: str | None = None,
+                        fingerprint: str | None = None) -> Path:
+    """Store URL, token and pinned fingerprint with mode 0600 (never briefly world-readable)."""
     path = config_file()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    existing = {k: v for k, v in read_config().items() if k not in ("url", "token", "device")}
+    existing = {k: v for k, v in read_config().items()
+                if k not in ("url", "token", "device", "fingerprint")}
     lines = [f"url = {_toml_string(url)}", f"token = {_toml_string(token)}"]
     if device:
         lines.append(f"device = {_toml_string(device)}")
+    if fingerprint:
+        lines.append(f"fingerprint = {_toml_string(fingerprint)}")
     # Keep the user's other settings, tables ([keys], [params]) included.
     tables = {k: v for k, v in existing.items() if isinstance(v, dict)}
     for key, value in existing.items():

@@ -29,6 +29,7 @@ class Settings:
     url: str = DEFAULT_URL
     token: str | None = None
     device: str | None = None  # the name this device's token was minted for (informational)
+    fingerprint: str | None = None  # the pinned certificate of an https:// daemon (login)
     conversation: str | None = None  # open this conversation at start
     theme: str = DEFAULT_THEME
     model: str | None = None  # model for new turns (`provider:model`); the daemon's default
@@ -43,7 +44,7 @@ class Settings:
         return replace(self, **{k: v for k, v in flags.items() if v is not None})
 
 
-_STRINGS = ("url", "token", "device", "conversation", "theme", "model")
+_STRINGS = ("url", "token", "device", "fingerprint", "conversation", "theme", "model")
 _FLOATS = ("timeout_s", "stream_timeout_s")
 
 

@@ -179,6 +179,8 @@ async def db_state(pool: asyncpg.Pool) -> dict[str, Any]:
         "messages": sorted(map(tuple, await pool.fetch(
             "SELECT id, run_id, role, status, content FROM message"))),
         "presence": await pool.fetchval("SELECT count(*) FROM presence"),
+        "devices": sorted(map(tuple, await pool.fetch("SELECT id, revoked_at FROM device"))),
+        "pairings": sorted(map(tuple, await pool.fetch("SELECT code_hash, used_at FROM pairing"))),
     }
 
 

@@ -50,9 +50,14 @@ SUCCESS_TESTED = {
     ("GET", "/v1/runs/{id}/wait"), ("POST", "/v1/runs/{id}/cancel"),
     ("GET", "/v1/runs/{id}/events"), ("GET", "/healthz"), ("GET", "/readyz"),
     ("GET", "/metrics"), ("GET", "/openapi.json"),
+    # tests/api/test_devices.py
+    ("POST", "/v1/pairings"), ("POST", "/v1/pair"), ("GET", "/v1/devices"),
+    ("DELETE", "/v1/devices/{id}"),
     # Their success needs a tool call waiting for approval: tests/tools/test_approvals.py.
     ("GET", "/v1/runs/{id}/approvals"), ("POST", "/v1/runs/{id}/approvals/{call_id}"),
 }
+# The one /v1 call a pairing code authorizes instead of a bearer token.
+UNAUTHENTICATED = {("POST", "/v1/pair")}
 NEEDS_PENDING_APPROVAL = {("POST", "/v1/runs/{id}/approvals/{call_id}")}
 
 
@@ -80,7 +85,9 @@ def valid_request(method: str, path: str) -> dict[str, Any]:
     return {}
 
 
-def fill(path: str, conversation_id: str, run_id: str) -> str:
+def fill(path: str, conversation_id: str, run_id: str, device_id: str | None = None) -> str:
+    if path.startswith("/v1/devices/"):
+        return path.replace("{id}", device_id or conversation_id)
     path = path.replace("{call_id}", "call_from_the_table")
     return path.replace("{id}", run_id if path.startswith("/v1/runs/") else conversation_id)
 
@@ -108,6 +115,8 @@ async def test_openapi_is_valid_3_1_and_documents_exactly_the_routes_served(api:
                 continue
             if path.startswith("/v1/"):
                 assert "401" in operation["responses"], f"{method} {path} lacks its 401"
+            if (method.upper(), path) in UNAUTHENTICATED:
+                assert operation["security"] == [], f"{method} {path} needs no bearer"
             if "{id}" in path:
                 assert "404" in operation["responses"], f"{method} {path} lacks its 404"
 
@@ -373,7 +382,8 @@ async def test_every_v1_endpoint_answers_401_without_a_valid_token(api: Api):
     assert await revoke_device(api.pool, device)
     before = await db_state(api.pool)
 
-    operations = sorted(op for op in await spec_operations(api.a) if op[1].startswith("/v1/"))
+    operations = sorted(op for op in await spec_operations(api.a)
+                        if op[1].startswith("/v1/") and op not in UNAUTHENTICATED)
     assert len(operations) >= 10, operations
     credentials: dict[str, str | bytes | None] = {
         "no header": None, "empty bearer": "Bearer", "basic": "Basic YTpi",
@@ -403,6 +413,9 @@ async def test_other_accounts_ids_are_404_on_every_endpoint_and_change_nothing(a
     queued = await start_run(api.a, conversation_id, "secret queued turn")
     targets = {"running": running["run_id"], "queued": queued["run_id"],
                "missing": str(uuid.uuid4()), "not a uuid": "not-a-uuid"}
+    _, spare = await create_device_token(api.pool, account="alice", device="spare")
+    devices = {"running": str(spare), "queued": str(api.device_a),
+               "missing": targets["missing"], "not a uuid": "not-a-uuid"}
 
     operations = sorted(await spec_operations(api.a))
     with_id = [op for op in operations if "{id}" in op[1]]
@@ -417,7 +430,7 @@ async def test_other_accounts_ids_are_404_on_every_endpoint_and_change_nothing(a
         for label, run_id in targets.items():
             other_conversation = {"running": conversation_id, "queued": conversation_id,
                                   "missing": targets["missing"], "not a uuid": "not-a-uuid"}
-            path = fill(template, other_conversation[label], run_id)
+            path = fill(template, other_conversation[label], run_id, devices[label])
             response = await fetch(api.b, method, path, **valid_request(method, template))
             assert_error(response, 404, "not_found")
             tried += 1
@@ -429,7 +442,7 @@ async def test_other_accounts_ids_are_404_on_every_endpoint_and_change_nothing(a
 
     # The same requests with the owner's token succeed: the 404s were about ownership alone.
     for method, template in with_id:
-        path = fill(template, conversation_id, queued["run_id"])
+        path = fill(template, conversation_id, queued["run_id"], str(spare))
         response = await fetch(api.a, method, path, **valid_request(method, template))
         if (method, template) in NEEDS_PENDING_APPROVAL:
             assert_error(response, 404, "approval_not_found")  # the run is the owner's

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import asyncpg
+import pytest
 
 from agentd.accounts import authenticate
 from tests.daemon_harness import free_port
@@ -75,13 +78,45 @@ def test_unreachable_database_is_a_clear_error() -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_install_service_writes_a_notify_unit(tmp_path: Path) -> None:
-    result = agentd("install-service", "--no-enable", "--", "--dsn", "postgresql://db/agentd",
-                    home=tmp_path)
+def test_install_service_writes_a_hardened_unit_without_secrets(tmp_path: Path) -> None:
+    secret_dsn = "postgresql://agentd:s3cret-pw@db.internal/agentd"
+    data = tmp_path / "data dir"
+    result = agentd("install-service", "--no-enable", "--", "--dsn", secret_dsn,
+                    "--data-dir", str(data), "--listen", "0.0.0.0:8740", home=tmp_path,
+                    env={"OPENAI_API_KEY": "sk-test-key-123", "AGENTD_MAX_RUNS": "4"})
     assert result.returncode == 0, result.stderr
-    unit = (tmp_path / "systemd" / "user" / "agentd.service").read_text()
+    unit_path = tmp_path / "systemd" / "user" / "agentd.service"
+    unit = unit_path.read_text()
+    for secret in ("s3cret-pw", "sk-test-key-123", secret_dsn):
+        assert secret not in unit and secret not in result.stdout + result.stderr
     assert "Type=notify" in unit
-    assert "-m agentd serve --dsn postgresql://db/agentd" in unit
+    command = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert command.endswith(f"-m agentd serve --data-dir '{data}' --listen 0.0.0.0:8740")
+    for line in ("NoNewPrivileges=yes", "PrivateTmp=yes", "ProtectSystem=strict"):
+        assert line in unit.splitlines(), line
+    writable = next(line for line in unit.splitlines() if line.startswith("ReadWritePaths="))
+    assert f'"{data}"' in writable  # the data directory (quoted: it holds a space)
+    assert data.is_dir()
+
+    env_path = tmp_path / "agentd" / "agentd.env"
+    assert f"EnvironmentFile={env_path}" in unit
+    assert stat.S_IMODE(env_path.stat().st_mode) == 0o600
+    variables = dict(line.split("=", 1) for line in env_path.read_text().splitlines()
+                     if line and not line.startswith("#"))
+    assert variables.items() >= {"AGENTD_DSN": f'"{secret_dsn}"',
+                                 "OPENAI_API_KEY": '"sk-test-key-123"',
+                                 "AGENTD_MAX_RUNS": '"4"'}.items()
+    # Nothing else but settings and the providers' keys (this machine may have some set).
+    assert {k for k in variables if not k.startswith("AGENTD_")} <= {"OPENAI_API_KEY",
+                                                                    "ANTHROPIC_API_KEY"}
+
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed: the unit was not verified by systemd")
+    verified = subprocess.run([analyze, "verify", str(unit_path)], capture_output=True,
+                              text=True, timeout=120, check=False)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "agentd.service" not in verified.stderr, verified.stderr  # no warning about it
 
 
 def test_help_names_every_command() -> None:

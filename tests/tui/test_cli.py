@@ -118,23 +118,33 @@ async def test_login_verifies_then_stores_the_token_0600_keeping_other_settings(
         daemon: Daemon, desk: Device) -> None:
     path = config_file()
     path.write_text('theme = "nord"\n\n[keys]\nstop = "f8"\n')
-    proc = agenttui("login", "--url", "http://127.0.0.1:9/", "--token", desk.token)
-    _, stderr = proc.communicate(timeout=RUN_S)
-    assert proc.returncode == 4 and "login failed" in stderr.decode()
+
+    def login(url: str, token: str) -> tuple[int, str, str]:
+        proc = agenttui("login", "--url", url, "--token", "-", stdin=subprocess.PIPE)
+        stdout, stderr = proc.communicate(token.encode() + b"\n", timeout=RUN_S)
+        return proc.returncode, stdout.decode(), stderr.decode()
+
+    code, _, stderr = login("http://127.0.0.1:9/", desk.token)
+    assert code == 4 and "login failed" in stderr
     assert "token" not in tomllib.loads(path.read_text())  # nothing stored when unverified
 
+    # A token on the command line is refused outright (ps and shell history would keep it).
     proc = agenttui("login", "--url", daemon.url, "--token", desk.token)
-    stdout, stderr = proc.communicate(timeout=RUN_S)
-    assert proc.returncode == 0, stderr.decode()
-    assert "as device 'desk'" in stdout.decode()
+    _, stderr_bytes = proc.communicate(timeout=RUN_S)
+    assert proc.returncode == 2 and "--token -" in stderr_bytes.decode()
+    assert desk.token not in stderr_bytes.decode()
+    assert "token" not in tomllib.loads(path.read_text())
+
+    code, stdout, stderr = login(daemon.url, desk.token)
+    assert code == 0, stderr
+    assert "as device 'desk'" in stdout
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     config = tomllib.loads(path.read_text())
     assert config == {"url": daemon.url, "token": desk.token, "device": "desk",
                       "theme": "nord", "keys": {"stop": "f8"}}
 
-    proc = agenttui("login", "--url", daemon.url, "--token", "agd_wrong")
-    _, stderr = proc.communicate(timeout=RUN_S)
-    assert proc.returncode == 4 and "refused the token" in stderr.decode()
+    code, _, stderr = login(daemon.url, "agd_wrong")
+    assert code == 4 and "refused the token" in stderr
     assert tomllib.loads(path.read_text())["token"] == desk.token
 
 
@@ -181,4 +191,4 @@ def test_help_and_a_missing_token_say_what_to_do() -> None:
         proc = agenttui(*args, url="http://127.0.0.1:9")
         _, stderr = proc.communicate(timeout=RUN_S)
         assert proc.returncode == 2
-        assert "agenttui login --url URL --token TOKEN" in stderr.decode()
+        assert "agentd pair --account A --device D" in stderr.decode()

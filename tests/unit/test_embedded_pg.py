@@ -320,7 +320,8 @@ async def test_listen_tcp_serves_loopback_on_the_given_port(make_pg: MakePg) -> 
     pg = make_pg(port=port, listen_tcp="127.0.0.1")
     pg.start()
     got = await fetchval(
-        "SELECT 1", host="127.0.0.1", port=port, user=SUPERUSER, database="postgres"
+        "SELECT 1", host="127.0.0.1", port=port, user=SUPERUSER, database="postgres",
+        passfile=str(pg.password_file),
     )
     assert got == 1
 
@@ -340,16 +341,11 @@ def test_context_manager_starts_and_stops(make_pg: MakePg) -> None:
 
 
 @needs_root
-@pytest.mark.parametrize("run_as", [None, "nobody"])
-def test_as_root_the_data_dir_belongs_to_the_server_account(
-    make_pg: MakePg, run_as: str | None
-) -> None:
-    pg = make_pg(run_as=run_as)
+def test_as_root_the_data_dir_belongs_to_the_server_account(make_pg: MakePg) -> None:
+    pg = make_pg()
     pg.start()
     account = pwd.getpwnam(pg.server_user)
-    assert account.pw_uid != 0
-    if run_as is not None:
-        assert account.pw_name == run_as
+    assert account.pw_uid != 0 and account.pw_name != "nobody"
     assert pg.data_dir.stat().st_uid == account.pw_uid
     assert pg.data_root.stat().st_uid == 0  # not ours to give away
     assert Path(f"/proc/{postmaster_pid(pg)}").stat().st_uid == account.pw_uid
@@ -390,3 +386,138 @@ async def test_as_root_binaries_in_a_private_folder_run_from_our_own_copy(
     assert pg.binaries.bindir.is_relative_to(pg.data_root)
     assert stat.S_IMODE(private.stat().st_mode) == 0o700  # never widened for the server
     assert await fetchval("SELECT 1", **pg.connect_kwargs()) == 1
+
+
+# -- authentication: scram-sha-256 with a password beside the data, never trust -------------
+
+
+def without_password(pg: EmbeddedPostgres) -> dict[str, Any]:
+    """Connection arguments for the socket with no password from anywhere (file, env, home)."""
+    kwargs = {k: v for k, v in pg.connect_kwargs().items() if k != "passfile"}
+    return {**kwargs, "passfile": "/nonexistent/agentd-test-pgpass"}
+
+
+def psql_without_password(pg: EmbeddedPostgres) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env["PGPASSFILE"] = "/nonexistent/agentd-test-pgpass"
+    return subprocess.run(
+        [str(pg.binaries.tool("psql")), "-X", "-w", "-h", str(pg.socket_dir), "-p",
+         str(pg.port), "-U", SUPERUSER, "-d", "postgres", "-c", "SELECT 1"],
+        capture_output=True, text=True, timeout=60, env=env, check=False)
+
+
+def assert_requires_the_password(pg: EmbeddedPostgres) -> None:
+    """The real client over the real socket: without the password it is turned away."""
+    refused = psql_without_password(pg)
+    assert refused.returncode != 0
+    assert "password" in refused.stderr, refused.stderr
+
+
+def hba_methods(pg: EmbeddedPostgres) -> set[str]:
+    lines = (pg.data_dir / "pg_hba.conf").read_text().splitlines()
+    return {line.split()[-1] for line in lines if line.strip() and not line.startswith("#")}
+
+
+async def test_the_socket_refuses_a_connection_without_the_password(make_pg: MakePg) -> None:
+    pg = make_pg()
+    pg.start()
+    with pytest.raises(asyncpg.InvalidPasswordError):
+        await fetchval("SELECT 1", **without_password(pg))
+    assert_requires_the_password(pg)
+    assert await fetchval("SHOW password_encryption", dsn=pg.dsn()) == "scram-sha-256"
+    assert hba_methods(pg) == {"scram-sha-256"}
+    # The password lives beside the data, 0600, owned by us (never by the server account).
+    info = pg.password_file.stat()
+    assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+    assert pg.password_file.parent == pg.data_root
+    # And a DSN names the file, never the password itself.
+    password = pg.password_file.read_text().strip().rsplit(":", 1)[1]
+    assert password not in pg.dsn() and "passfile=" in pg.dsn()
+    assert password not in str(pg.connect_kwargs())
+
+
+async def test_a_trust_cluster_of_an_older_agentd_is_switched_to_scram(make_pg: MakePg) -> None:
+    old = make_pg(settings={"synchronous_commit": "on"})
+    old.start()
+    conn = await asyncpg.connect(**old.connect_kwargs())
+    await conn.execute("CREATE TABLE kept (v text); INSERT INTO kept VALUES ('from before')")
+    await conn.close()
+    old.stop()
+    # What an older agentd left: initdb --auth=trust's rules and no password file.
+    hba = old.data_dir / "pg_hba.conf"
+    hba.write_text("local all all trust\nhost all all 127.0.0.1/32 trust\n"
+                   "host all all ::1/128 trust\nlocal replication all trust\n")
+    old.password_file.unlink()
+
+    pg = make_pg(settings={"synchronous_commit": "on"})
+    pg.start()
+    assert await fetchval("SELECT v FROM kept", dsn=pg.dsn()) == "from before"
+    assert hba_methods(pg) == {"scram-sha-256"}
+    assert pg.data_dir.joinpath("pg_hba.conf").stat().st_uid == pg.data_dir.stat().st_uid
+    with pytest.raises(asyncpg.InvalidPasswordError):
+        await fetchval("SELECT 1", **without_password(pg))
+    assert_requires_the_password(pg)
+
+    # A lost password file is recovered the same way: a new password, still no trust.
+    pg.stop()
+    before = old.password_file.read_text()
+    pg.password_file.unlink()
+    pg.start()
+    assert pg.password_file.read_text() != before
+    assert await fetchval("SELECT v FROM kept", dsn=pg.dsn()) == "from before"
+    assert_requires_the_password(pg)
+
+
+@needs_root
+def test_as_root_nobody_is_refused_as_the_server_account(make_pg: MakePg) -> None:
+    pg = make_pg(run_as="nobody")
+    with pytest.raises(EmbeddedPgError, match="shared account"):
+        pg.start()
+    assert not pg.data_dir.exists()
+
+
+@needs_root
+async def test_as_root_a_cluster_owned_by_nobody_gets_its_own_account(make_pg: MakePg) -> None:
+    pg = make_pg()
+    pg.start()
+    pg.stop()
+    nobody = pwd.getpwnam("nobody")
+    for path in [pg.data_dir, *pg.data_dir.rglob("*")]:
+        os.lchown(path, nobody.pw_uid, nobody.pw_gid)
+
+    again = make_pg()
+    again.start()
+    owner = pg.data_dir.stat().st_uid
+    assert owner != nobody.pw_uid and pwd.getpwuid(owner).pw_name == again.server_user
+    assert not [p for p in pg.data_dir.rglob("*") if p.lstat().st_uid == nobody.pw_uid]
+    assert os.stat(f"/proc/{postmaster_pid(again)}").st_uid == owner
+    assert await fetchval("SELECT 1", dsn=again.dsn()) == 1
+
+
+@needs_root
+def test_as_root_without_a_postgres_account_one_is_created_locked(
+    make_pg: MakePg, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from agentd import embedded_pg
+
+    name = f"agentd-t{os.getpid() % 100000}"
+    monkeypatch.setattr(embedded_pg, "DEFAULT_ACCOUNTS", ("agentd-no-such-account",))
+    monkeypatch.setattr(embedded_pg, "CREATED_ACCOUNT", name)
+    with suppress(KeyError):
+        pwd.getpwnam(name)
+        subprocess.run(["userdel", name], check=True)
+    pg = make_pg()
+    try:
+        with caplog.at_level("WARNING", logger="agentd.embedded_pg"):
+            pg.start()
+        entry = pwd.getpwnam(name)
+        assert pg.server_user == name and entry.pw_uid != 0
+        assert entry.pw_shell.endswith(("nologin", "false"))
+        shadow = next(line for line in Path("/etc/shadow").read_text().splitlines()
+                      if line.startswith(f"{name}:"))
+        assert shadow.split(":")[1].startswith(("!", "*"))  # locked: no password logs in
+        assert pg.data_dir.stat().st_uid == entry.pw_uid
+        assert any("created a locked system account" in r.getMessage() for r in caplog.records)
+    finally:
+        pg.stop(force=True)
+        subprocess.run(["userdel", name], check=False)

@@ -1,10 +1,12 @@
 """Bearer-token authentication for /v1: a token resolves to (account, device) or the call is 401.
 
-Runs before any handler, so no lease or run is ever touched on behalf of an unknown caller.
+Runs before any handler, so no lease or run is ever touched on behalf of an unknown caller. The
+one exception is POST /v1/pair, where a pairing code stands in for the token (rate-limited).
 """
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 from aiohttp import web
@@ -12,6 +14,9 @@ from aiohttp import web
 from agentd.accounts import Principal, authenticate
 from agentd.api import RUNTIME
 from agentd.api.errors import error_response
+from agentd.limits import peer_address
+
+UNAUTHENTICATED = frozenset({("POST", "/v1/pair")})
 
 PRINCIPAL = web.AppKey("principal", Principal)
 
@@ -22,21 +27,55 @@ def principal(request: web.Request) -> Principal:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    if not request.path.startswith("/v1/"):
+    if not request.path.startswith("/v1/") or (request.method, request.path) in UNAUTHENTICATED:
         return await handler(request)
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token or len(token) > 512:
+    token = _bearer(request)
+    if not token:
         return _unauthorized("missing bearer token")
-    if not (token.isascii() and token.isprintable()):
-        # Tokens are printable ASCII; anything else (a header's undecodable bytes) names no one.
-        return _unauthorized("unknown or revoked token")
-    who = await authenticate(request.app[RUNTIME].pool, token)
+    who = await _principal_of(request, token)
     if who is None:
         return _unauthorized("unknown or revoked token")
     request[PRINCIPAL] = who
     return await handler(request)
+
+
+def _bearer(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or len(token) > 512:
+        return None
+    return token
+
+
+async def _principal_of(request: web.Request, token: str) -> Principal | None:
+    if not (token.isascii() and token.isprintable()):
+        # Tokens are printable ASCII; anything else (a header's undecodable bytes) names no one.
+        return None
+    return await authenticate(request.app[RUNTIME].pool, token)
+
+
+def loopback_peer(request: web.Request) -> bool:
+    """Whether the request came over this machine's loopback (not from another host)."""
+    try:
+        address = ipaddress.ip_address(peer_address(request).split("%")[0])
+    except ValueError:
+        return False  # a unix socket or no peer at all: not a TCP client of this machine
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped  # an IPv4 client of a dual-stack socket
+    return address.is_loopback
+
+
+async def trusted(request: web.Request) -> bool:
+    """May this caller see operational detail (metrics, readiness detail)?
+
+    A loopback peer, or any valid device token. A reverse proxy on this host makes every
+    client look local: docs/operations.md says to keep /metrics off such a proxy.
+    """
+    if loopback_peer(request):
+        return True
+    token = _bearer(request)
+    return token is not None and await _principal_of(request, token) is not None
 
 
 def _unauthorized(message: str) -> web.Response:

@@ -4,12 +4,14 @@ and title bodies. Bad input is a 4xx ServiceError with a stable code, never a 50
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
 
 from aiohttp import web
 
+from agentd.api import RUNTIME
 from agentd.providers import parse_model, validate_params
 from agentd.providers.base import UnknownModel
 from agentd.service import RunRequest, ServiceError
@@ -25,7 +27,13 @@ MAX_CALL_ID = 200
 
 async def json_body(request: web.Request, *, optional: bool = False) -> Any:
     """The request's JSON, strictly: no NaN/Infinity, finite numbers, storable strings."""
-    raw = await request.read()
+    try:
+        # A body trickled in byte by byte must not hold a connection for ever.
+        async with asyncio.timeout(request.app[RUNTIME].settings.body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise ServiceError(408, "body_timeout", "the request body did not arrive in time") \
+            from None
     if not raw.strip():
         if optional:
             return {}

@@ -13,6 +13,7 @@ import asyncpg
 from aiohttp import web
 
 from agentd.api.sse import OPEN_STREAM
+from agentd.limits import Throttled
 from agentd.service import ServiceError
 
 log = logging.getLogger("agentd.api")
@@ -55,6 +56,9 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
 def _answer(request: web.Request, exc: Exception) -> web.StreamResponse:
     if isinstance(exc, ServiceError):
         return error_response(exc.status, exc.code, exc.message, **exc.details)
+    if isinstance(exc, Throttled):
+        return error_response(429, exc.code, exc.message,
+                              headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, web.HTTPException):
         if exc.status < 400:
             raise exc

@@ -1,15 +1,25 @@
-"""GET /metrics: Prometheus text exposition of this process and of the shared queue."""
+"""GET /metrics: Prometheus text exposition of this process and of the shared queue.
+
+Only for a loopback peer or a device token: the queue figures are the whole fleet's.
+"""
 
 from __future__ import annotations
 
 from aiohttp import web
 
 from agentd.api import RUNTIME
+from agentd.api.auth import trusted
+from agentd.api.errors import error_response
 from agentd.queue import queue_status
 
 
 async def metrics(request: web.Request) -> web.Response:
+    if not await trusted(request):
+        return error_response(401, "unauthorized",
+                              "metrics answer only loopback clients or a device token",
+                              headers={"WWW-Authenticate": 'Bearer realm="agentd"'})
     runtime = request.app[RUNTIME]
+    guard = runtime.connection_guard
     dispatcher = runtime.dispatcher
     queue = await queue_status(runtime.pool)
     lines = [
@@ -43,6 +53,18 @@ async def metrics(request: web.Request) -> web.Response:
         "# HELP agentd_pool_size Database connections open in this process's pool.",
         "# TYPE agentd_pool_size gauge",
         f"agentd_pool_size {runtime.pool.get_size()}",
+        "# HELP agentd_connections_open HTTP connections open to this process.",
+        "# TYPE agentd_connections_open gauge",
+        f"agentd_connections_open {guard.open if guard else 0}",
+        "# HELP agentd_connections_refused_total Connections refused at max_connections.",
+        "# TYPE agentd_connections_refused_total counter",
+        f"agentd_connections_refused_total {guard.refused if guard else 0}",
+        "# HELP agentd_header_timeouts_total Connections closed for a slow request head.",
+        "# TYPE agentd_header_timeouts_total counter",
+        f"agentd_header_timeouts_total {guard.head_timeouts if guard else 0}",
+        "# HELP agentd_streams_open SSE streams open on this process.",
+        "# TYPE agentd_streams_open gauge",
+        f"agentd_streams_open {runtime.stream_slots.total}",
     ]
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain",
                         charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})

@@ -28,6 +28,12 @@ def _error(description: str) -> dict[str, Any]:
 
 _ERRORS = {"401": _error("missing, unknown or revoked token"),
            "503": _error("the database is unavailable; retry")}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {
+    "type": "integer", "minimum": 1}}}
+_TOO_MANY = {"description": "over a limit (stable code); retry after Retry-After",
+             "headers": _RETRY_AFTER,
+             "content": {"application/json": {"schema": _ref("Error")}}}
+_STREAM_ERRORS = {**_ERRORS, "429": _TOO_MANY}
 _ID = {"name": "id", "in": "path", "required": True, "schema": UUID}
 
 SCHEMAS: dict[str, Any] = {
@@ -120,6 +126,31 @@ SCHEMAS: dict[str, Any] = {
                                "device": {"type": ["string", "null"]},
                                "device_id": {"type": ["string", "null"], "format": "uuid"},
                                "note": {"type": ["string", "null"]}, "decided_at": TIME}},
+    "Pairing": {"type": "object",
+                "required": ["code", "expires_at", "url", "fingerprint", "command"],
+                "properties": {
+                    "code": {"type": "string", "description": "one-time code, 10 Crockford "
+                             "base32 characters as XXXXX-XXXXX (case, dashes, O/I/L forgiven)"},
+                    "expires_at": TIME,
+                    "url": {"type": "string", "description": "how other machines reach this "
+                            "server (public_url, else derived from listen)"},
+                    "fingerprint": {"type": ["string", "null"], "description": "SHA256:<base64> "
+                                    "of the served certificate; null over plain HTTP"},
+                    "command": {"type": "string",
+                                "description": "the `agenttui login` line to run"}}},
+    "Paired": {"type": "object",
+               "required": ["token", "account", "account_id", "device", "device_id"],
+               "properties": {"token": {"type": "string", "description": "the new device's "
+                                        "bearer token, answered this once"},
+                              "account": {"type": "string"}, "account_id": UUID,
+                              "device": {"type": "string"}, "device_id": UUID}},
+    "Device": {"type": "object",
+               "required": ["id", "name", "created_at", "last_seen_at", "revoked_at",
+                            "current"],
+               "properties": {"id": UUID, "name": {"type": "string"}, "created_at": TIME,
+                              "last_seen_at": NULLABLE_TIME, "revoked_at": NULLABLE_TIME,
+                              "current": {"type": "boolean",
+                                          "description": "the device asking"}}},
     "StopResult": {"type": "object", "required": ["cancelled", "flagged", "drafts"],
                    "properties": {"cancelled": {"type": "array", "items": UUID},
                                   "flagged": {"type": "array", "items": UUID},
@@ -135,8 +166,10 @@ def build_spec() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "agentd API", "version": __version__,
-                 "description": "Durable AI-agent turns. Every /v1 call needs "
-                                "`Authorization: Bearer <device token>`."},
+                 "description": "Durable AI-agent turns. Every /v1 call but POST /v1/pair "
+                                "needs `Authorization: Bearer <device token>`. Streams end with "
+                                "an `error` event `{type, error: {code, message}}` when the "
+                                "server will not continue them (code device_revoked)."},
         "components": {"schemas": SCHEMAS, "securitySchemes": {
             "bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
@@ -220,7 +253,7 @@ def build_spec() -> dict[str, Any]:
                 "parameters": [_ID, {"name": "cursor", "in": "query",
                                      "schema": {"type": "string"}}],
                 "responses": {"200": SSE, "400": _error("bad cursor"),
-                              "404": _error("no such conversation"), **_ERRORS}}},
+                              "404": _error("no such conversation"), **_STREAM_ERRORS}}},
             "/v1/runs/{id}": {"get": {"summary": "the run", "parameters": [_ID], "responses": {
                 "200": _json(_ref("Run"), "the run"), "404": _error("no such run"),
                 **_ERRORS}}},
@@ -269,17 +302,59 @@ def build_spec() -> dict[str, Any]:
                 "parameters": [_ID, {"name": "from", "in": "query", "schema": {
                     "type": "integer", "minimum": 0}}],
                 "responses": {"200": SSE, "400": _error("bad cursor"),
-                              "404": _error("no such run"), **_ERRORS}}},
-            "/healthz": {"get": {"summary": "liveness", "security": [], "responses": {
+                              "404": _error("no such run"), **_STREAM_ERRORS}}},
+            "/v1/pairings": {"post": {
+                "summary": "mint a one-time pairing code for another device of this account",
+                "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                    "type": "object", "additionalProperties": False, "properties": {
+                        "device": {"type": "string", "minLength": 1, "maxLength": 200,
+                                   "description": "the new device's name (default: the "
+                                                  "name it gives when pairing)"}}}}}},
+                "responses": {"201": _json(_ref("Pairing"), "the code and the login line"),
+                              "400": _error("bad input"), **_ERRORS}}},
+            "/v1/pair": {"post": {
+                "summary": "redeem a pairing code for a new device token (no bearer token; "
+                           "rate-limited per client address)",
+                "security": [],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "additionalProperties": False, "required": ["code"],
+                    "properties": {"code": {"type": "string", "minLength": 1, "maxLength": 64},
+                                   "device": {"type": "string", "minLength": 1,
+                                              "maxLength": 200}}}}}},
+                "responses": {"201": _json(_ref("Paired"), "the new device and its token"),
+                              "400": _error("bad input"),
+                              "401": _error("invalid_pairing_code: unknown, used or expired; "
+                                            "nothing was created"),
+                              "429": _TOO_MANY,
+                              "503": _error("the database is unavailable; retry")}}},
+            "/v1/devices": {"get": {
+                "summary": "this account's devices (never their tokens)",
+                "responses": {"200": _json({"type": "object", "required": ["devices"],
+                                            "properties": {"devices": {
+                                                "type": "array", "items": _ref("Device")}}},
+                                           "the devices"), **_ERRORS}}},
+            "/v1/devices/{id}": {"delete": {
+                "summary": "revoke a device of this account: its token stops working and its "
+                           "open streams end with an `error` event (device_revoked)",
+                "parameters": [_ID],
+                "responses": {"200": _json({"type": "object", "required": ["revoked"],
+                                            "properties": {"revoked": UUID}}, "revoked"),
+                              "404": _error("no such active device"), **_ERRORS}}},
+            "/healthz": {"get": {"summary": "liveness (open to all; the worker id only to "
+                                            "loopback clients)", "security": [], "responses": {
                 "200": _json({"type": "object"}, "alive")}}},
-            "/readyz": {"get": {"summary": "readiness: database, hub, not draining",
+            "/readyz": {"get": {"summary": "readiness: database, hub, not draining (the detail "
+                                           "only to loopback clients or a device token)",
                                 "security": [], "responses": {
                                     "200": _json({"type": "object"}, "ready"),
                                     "503": _json({"type": "object"}, "not ready")}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "security": [],
+            "/metrics": {"get": {"summary": "Prometheus metrics (loopback clients or a device "
+                                            "token)", "security": [],
                                  "responses": {"200": {"description": "text exposition",
                                                        "content": {"text/plain": {
-                                                           "schema": {"type": "string"}}}}}}},
+                                                           "schema": {"type": "string"}}}},
+                                               "401": _error("not loopback and no valid "
+                                                             "token")}}},
             "/openapi.json": {"get": {"summary": "this document", "security": [],
                                       "responses": {"200": _json({"type": "object"},
                                                                  "the spec")}}},

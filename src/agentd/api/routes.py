@@ -21,6 +21,7 @@ from agentd.api.bodies import (
     validate_title,
 )
 from agentd.api.errors import error_middleware
+from agentd.api.stream_guard import open_device_stream
 from agentd.export import conversation_markdown
 from agentd.service import Service, ServiceError, parse_uuid
 from agentd.tail import EPOCH, NIL_UUID, BadCursor, FeedCursor, conversation_feed, run_tail
@@ -223,14 +224,18 @@ async def run_events(request: web.Request) -> web.StreamResponse:
             raise ServiceError(400, "invalid_last_event_id",
                                f"Last-Event-ID must be in [0, {MAX_SEQ}]")
     await service.get_run(principal(request), run_id)  # 404 before the stream opens
-    response = await sse.open_stream(request)
-    with contextlib.suppress(ConnectionResetError):
-        async for event in run_tail(service.pool, service.hub, run_id, after,
-                                    keepalive_s=service.settings.keepalive_s):
-            if event is None:
-                await sse.keepalive(response)
-            else:
-                await sse.send(response, event.seq, str(event.type), wire.event(event))
+    with open_device_stream(request, principal(request)) as stream:  # 429 over the limit
+        response = await sse.open_stream(request)
+
+        async def pump() -> None:
+            async for event in run_tail(service.pool, service.hub, run_id, after,
+                                        keepalive_s=service.settings.keepalive_s):
+                if event is None:
+                    await sse.keepalive(response)
+                else:
+                    await sse.send(response, event.seq, str(event.type), wire.event(event))
+
+        await stream.serve(response, pump())
     return response
 
 
@@ -248,7 +253,12 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     if cursor is None:
         cursor = FeedCursor(start.watermark or (EPOCH, NIL_UUID),
                             {run.id: 0 for run in state.runs})
-    presence_id = await service.attach(who, conversation_id, PRESENCE_TTL_S)
+    stream = open_device_stream(request, who)  # 429 over the limit
+    try:
+        presence_id = await service.attach(who, conversation_id, PRESENCE_TTL_S)
+    except BaseException:
+        stream.release()
+        raise
     loop = asyncio.get_running_loop()
     renewed = loop.time()
 
@@ -268,7 +278,8 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     try:
         response = await sse.open_stream(request)
         snapshot = wire.conversation_state(state, attached)
-        with contextlib.suppress(ConnectionResetError):
+
+        async def pump() -> None:
             await sse.send(response, cursor.encode(), "snapshot",
                            {"type": "snapshot", "conversation": snapshot})
             async for item in conversation_feed(
@@ -291,8 +302,11 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
                     await sse.keepalive(response)
                 if loop.time() - renewed >= PRESENCE_TTL_S / 4:
                     await renew()
+
+        await stream.serve(response, pump())
         return response
     finally:
+        stream.release()
         with contextlib.suppress(Exception):
             await asyncio.shield(service.detach(presence_id))
 

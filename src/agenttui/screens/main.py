@@ -25,6 +25,7 @@ from agentd.vocabulary import EventType
 from agenttui.client import (
     AgentClient,
     ApiError,
+    CertificateMismatch,
     Conflict,
     ConnectionState,
     ConnectionStatus,
@@ -163,7 +164,10 @@ class MainScreen(Screen[None]):
                 self.me = await self.client.me()
             except Unauthorized as exc:
                 self.bar.show(None, f"✗ {self.client.url} refused the token ({exc.message}). "
-                                    f"Run `agenttui login --url URL --token TOKEN`.")
+                                    f"Pair again: `agentd pair` prints the line to run.")
+                return
+            except CertificateMismatch as exc:
+                self.bar.show(None, f"✗ {exc.message}")  # never retried: it will not change
                 return
             except ApiError as exc:
                 attempt += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from datetime import datetime
+from urllib.parse import urlsplit
 
 from rich.text import Text
 from textual.widgets import Static
@@ -71,7 +72,19 @@ def ownership_line(model: ConversationModel, now: datetime) -> Text:
     return line
 
 
-def presence_line(model: ConversationModel) -> Text:
+def link_text(url: str, pinned: str | None) -> tuple[str, str] | None:
+    """How the link to the daemon is protected; None for plain HTTP on loopback (nothing to say)."""
+    if url.startswith("https://"):
+        if pinned:
+            return f"🔒 encrypted · pinned {pinned[:15]}…", "green"
+        return "🔒 encrypted", "green"
+    host = urlsplit(url).hostname or ""
+    if host in ("127.0.0.1", "::1", "localhost"):
+        return None
+    return "⚠ not encrypted", "bold red"
+
+
+def presence_line(model: ConversationModel, link: tuple[str, str] | None = None) -> Text:
     line = Text()
     names = [a.device for a in model.attached]
     line.append("attached: ", style="dim")
@@ -79,6 +92,9 @@ def presence_line(model: ConversationModel) -> Text:
     text, style = connection_text(model.connection)
     line.append("  ·  ", style="dim")
     line.append(text, style=style)
+    if link is not None:
+        line.append("  ·  ", style="dim")
+        line.append(link[0], style=link[1])
     return line
 
 
@@ -93,8 +109,12 @@ class OwnershipBar(Static):
         self.model: ConversationModel | None = None
         self.message: str = ""
         self.plain = ""
+        self.link: tuple[str, str] | None = None
 
     def on_mount(self) -> None:
+        client = getattr(self.app, "client", None)
+        if client is not None:
+            self.link = link_text(client.url, client.pinned)
         self.set_interval(1.0, self.redraw)  # the lease countdown
 
     def show(self, model: ConversationModel | None, message: str = "") -> None:
@@ -108,7 +128,7 @@ class OwnershipBar(Static):
         else:
             text = ownership_line(self.model, self.clock())
             text.append("\n")
-            text.append_text(presence_line(self.model))
+            text.append_text(presence_line(self.model, self.link))
             if self.message:
                 text.append(f"\n{self.message}", style="dim")
         if text.plain != self.plain:

@@ -1,0 +1,250 @@
+"""Limits an exposed daemon needs: connections, slow clients, streams per device, guess rates.
+
+All of them are per process (a fleet of N processes admits N times as much; docs/operations.md
+says so). The connection guard sits between asyncio and aiohttp's protocol because aiohttp
+counts no connections and times no request heads: its keep-alive timer is the only clock it
+runs before a request, and that one only notices a head that never completes after
+`idle_timeout_s` — a client trickling one byte a second would hold a connection for that long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+from uuid import UUID
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+log = logging.getLogger("agentd.limits")
+
+MAX_TRACKED_ADDRESSES = 10_000
+STREAM_RETRY_AFTER_S = 5
+
+
+class Throttled(Exception):
+    """Over a limit: answered 429 with a stable code and Retry-After (whole seconds)."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+
+
+class AddressRateLimiter:
+    """A token bucket per client address: `per_minute` attempts, refilled continuously.
+
+    Memory is bounded: past MAX_TRACKED_ADDRESSES the least recently seen address is forgotten
+    (it starts again with a full bucket, which a spread-out attacker gains nothing from: the
+    codes it guesses at still expire in minutes).
+    """
+
+    def __init__(self, per_minute: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self._clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def take(self, address: str) -> float | None:
+        """Spend one attempt: None if allowed, else the seconds until the next one is."""
+        now = self._clock()
+        tokens, stamp = self._buckets.pop(address, (self.capacity, now))
+        tokens = min(self.capacity, tokens + (now - stamp) * self.rate)
+        allowed = tokens >= 1.0
+        if allowed:
+            tokens -= 1.0
+        self._buckets[address] = (tokens, now)
+        while len(self._buckets) > MAX_TRACKED_ADDRESSES:
+            self._buckets.popitem(last=False)
+        return None if allowed else (1.0 - tokens) / self.rate
+
+
+class StreamSlots:
+    """At most `per_device` open SSE streams per device in this process."""
+
+    def __init__(self, per_device: int) -> None:
+        self.per_device = per_device
+        self._open: dict[UUID, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self._open.values())
+
+    def acquire(self, device_id: UUID) -> None:
+        held = self._open.get(device_id, 0)
+        if held >= self.per_device:
+            raise Throttled("too_many_streams", f"this device already holds {held} open "
+                            "streams on this server; close one first", STREAM_RETRY_AFTER_S)
+        self._open[device_id] = held + 1
+
+    def release(self, device_id: UUID) -> None:
+        left = self._open.get(device_id, 0) - 1
+        if left > 0:
+            self._open[device_id] = left
+        else:
+            self._open.pop(device_id, None)
+
+
+def peer_address(request: web.Request) -> str:
+    """The address of the socket's other end (never a forwarded header: those can be forged)."""
+    transport = request.transport
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return ""
+
+
+# -- connections ------------------------------------------------------------------------------
+
+
+def _refusal() -> bytes:
+    # Written by hand because the connection is never given to aiohttp: that is the point.
+    body = json.dumps({"error": {"code": "too_many_connections",
+                                 "message": "the server is at its connection limit; retry"}})
+    head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n")
+    return head.encode() + body.encode()
+
+
+class ConnectionGuard:
+    """Counts this process's connections and times request heads; see the module docstring."""
+
+    def __init__(self, *, max_connections: int, header_timeout_s: float) -> None:
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.open = 0
+        self.refused = 0
+        self.head_timeouts = 0
+        self._by_handler: dict[RequestHandler, _GuardedProtocol] = {}
+
+    def protocol_factory(self, make_handler: Callable[[], RequestHandler],
+                         ) -> Callable[[], asyncio.Protocol]:
+        return lambda: _GuardedProtocol(self, make_handler())
+
+    @web.middleware
+    async def middleware(self, request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                         ) -> web.StreamResponse:
+        """Marks the connection busy while a request runs: its head has arrived whole."""
+        guarded = self._by_handler.get(request.protocol)  # type: ignore[call-overload]
+        if guarded is None:
+            return await handler(request)
+        guarded.request_started()
+        try:
+            return await handler(request)
+        finally:
+            guarded.request_finished()
+
+
+class _GuardedProtocol(asyncio.Protocol):
+    """Forwards everything to aiohttp's protocol, after the connection cap and the head timer."""
+
+    def __init__(self, guard: ConnectionGuard, inner: RequestHandler) -> None:
+        self._guard = guard
+        self._inner = inner
+        self._transport: asyncio.Transport | None = None
+        self._admitted = False
+        self._busy = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        guard = self._guard
+        if guard.open >= guard.max_connections:
+            guard.refused += 1
+            transport.write(_refusal())
+            transport.close()
+            return
+        self._admitted = True
+        guard.open += 1
+        guard._by_handler[self._inner] = self
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._admitted:
+            return
+        if not self._busy and self._timer is None:
+            # The first byte of a request head: all of it must follow within the timeout.
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(self._guard.header_timeout_s, self._head_timed_out)
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._admitted else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._guard.open -= 1
+        self._guard._by_handler.pop(self._inner, None)
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._admitted:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._admitted:
+            self._inner.resume_writing()
+
+    def request_started(self) -> None:
+        self._busy = True
+        self._cancel_timer()
+
+    def request_finished(self) -> None:
+        self._busy = False
+
+    def _head_timed_out(self) -> None:
+        self._timer = None
+        if self._busy or self._transport is None:
+            return
+        self._guard.head_timeouts += 1
+        log.info("closed a connection whose request head did not arrive in time",
+                 extra={"peer": str(self._transport.get_extra_info("peername")),
+                        "timeout_s": self._guard.header_timeout_s})
+        self._transport.abort()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class GuardedSite(web.BaseSite):
+    """aiohttp's TCPSite, with every connection passed through a ConnectionGuard first."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, *,
+                 guard: ConnectionGuard, ssl_context: Any = None, backlog: int = 128) -> None:
+        super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        self._host = host
+        self._port = port
+        self._guard = guard
+
+    @property
+    def name(self) -> str:
+        scheme = "https" if self._ssl_context else "http"
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"{scheme}://{host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+        extra: dict[str, Any] = {}
+        if self._ssl_context is not None:
+            # A client that connects and never finishes its handshake is a slow head too.
+            extra["ssl_handshake_timeout"] = max(1.0, math.ceil(self._guard.header_timeout_s))
+        self._server = await loop.create_server(
+            self._guard.protocol_factory(server), self._host or None, self._port,
+            ssl=self._ssl_context, backlog=self._backlog, reuse_address=True, **extra)

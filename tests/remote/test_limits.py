@@ -1,0 +1,231 @@
+"""Limits an exposed daemon needs, over real sockets: streams per device, slow request heads and
+bodies, idle keep-alive connections, the connection cap, and what /metrics, /readyz and /healthz
+tell a client that is neither local nor authenticated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import ssl
+import time
+
+import asyncpg
+import httpx
+import pytest
+
+from agentd.settings import Settings
+from tests.daemon_harness import poll_until
+from tests.remote.helpers import RemoteDaemon, SpawnRemote, non_loopback_address, socket_closed
+from tests.streams.helpers import create_conversation, new_device, post_run
+
+HEAD = b"GET /healthz HTTP/1.1\r\nHost: agentd\r\nUser-Agent: slowloris\r\n\r\n"
+
+
+async def test_a_device_gets_at_most_its_streams_and_another_device_is_unaffected(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    daemon = spawn_remote()
+    await daemon.wait_ready()
+    per_device = Settings().streams_per_device
+    assert per_device == 16
+    phone = await new_device(pool, "alice", "phone")
+    laptop = await new_device(pool, "alice", "laptop")
+    async with phone.client(daemon) as on_phone, laptop.client(daemon) as on_laptop, \
+            contextlib.AsyncExitStack() as streams, asyncio.timeout(120):
+        conversation = await create_conversation(on_phone)
+        turn = await post_run(on_phone, conversation, "streamed", tokens=1000, delay_ms=500)
+        feed = f"/v1/conversations/{conversation}/events"
+        run_stream = f"/v1/runs/{turn['run_id']}/events"
+        opened = []
+        for n in range(per_device):  # both kinds of stream count
+            path = run_stream if n % 2 else feed
+            response = await streams.enter_async_context(on_phone.stream("GET", path))
+            assert response.status_code == 200, n
+            opened.append(response)
+
+        for path in (feed, run_stream):
+            over = await on_phone.get(path)
+            assert over.status_code == 429, over.text
+            assert over.json()["error"]["code"] == "too_many_streams"
+            assert int(over.headers["Retry-After"]) >= 1
+        async with on_laptop.stream("GET", feed) as other:
+            assert other.status_code == 200  # the limit is the phone's, not the account's
+
+        await opened[0].aclose()  # hang up one stream: its slot comes back
+
+        async def reopened() -> bool:
+            async with on_phone.stream("GET", feed) as again:
+                return again.status_code == 200
+
+        await poll_until(reopened, 10, interval=0.1, what="a slot freed by the hang-up")
+        await on_phone.post(f"/v1/runs/{turn['run_id']}/cancel")
+
+
+async def trickle_head(host: str, port: int, *, context: ssl.SSLContext | None = None,
+                       within: float) -> tuple[float, int]:
+    """Send a request head one byte a second; (seconds until the server hung up, bytes sent)."""
+    reader, writer = await asyncio.open_connection(host, port, ssl=context,
+                                                   server_hostname=host if context else None)
+    sent = 0
+    started = time.monotonic()
+
+    async def send_slowly() -> None:
+        nonlocal sent
+        with contextlib.suppress(ConnectionError, OSError):
+            for byte in HEAD:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                sent += 1
+                await asyncio.sleep(1.0)  # the client's pace, not a wait for a state
+
+    sender = asyncio.create_task(send_slowly())
+    try:
+        received = await socket_closed(reader, within)
+    finally:
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender
+        writer.close()
+    assert received == b"", f"the server answered a head it never got whole: {received!r}"
+    return time.monotonic() - started, sent
+
+
+async def test_a_head_trickled_byte_by_byte_is_cut_off_within_the_timeout(
+        spawn_remote: SpawnRemote) -> None:
+    daemon = spawn_remote()  # the default header_timeout_s
+    await daemon.wait_ready()
+    timeout = Settings().header_timeout_s
+    assert timeout == 10.0
+    elapsed, sent = await trickle_head("127.0.0.1", daemon.port, within=timeout + 5)
+    assert timeout - 1.5 <= elapsed <= timeout + 2, elapsed
+    assert sent < len(HEAD)
+    assert "did not arrive in time" in daemon.log_text()
+
+
+async def test_over_tls_too_and_after_the_handshake(spawn_remote: SpawnRemote) -> None:
+    daemon = spawn_remote(tls=True, header_timeout_s=3)
+    await daemon.wait_ready()
+    elapsed, sent = await trickle_head("127.0.0.1", daemon.port, context=daemon.ssl_context(),
+                                       within=10)
+    assert 2 <= elapsed <= 5, elapsed
+    assert sent < len(HEAD)
+
+
+async def test_an_idle_keepalive_connection_and_a_trickled_body_are_closed(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    daemon = spawn_remote(idle_timeout_s=2, body_timeout_s=2)
+    await daemon.wait_ready()
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(HEAD)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    assert head.startswith(b"HTTP/1.1 200")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    await reader.readexactly(length)
+    idle_from = time.monotonic()
+    assert await socket_closed(reader, 10) == b""  # idle: closed by the server
+    assert 1 <= time.monotonic() - idle_from <= 5
+    writer.close()
+
+    device = await new_device(pool, "alice", "slow")
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    writer.write(b"POST /v1/conversations HTTP/1.1\r\nHost: agentd\r\n"
+                 b"Authorization: Bearer " + device.token.encode() + b"\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    await writer.drain()
+    answer = await socket_closed(reader, 10)  # the rest of the body never comes
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_timeout"
+    assert await pool.fetchval("SELECT count(*) FROM conversation") == 0
+
+
+async def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up(
+        spawn_remote: SpawnRemote) -> None:
+    cap = 4
+    daemon = spawn_remote(max_connections=cap)
+    await daemon.wait_ready()
+    held: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(cap):
+            _, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+            held.append(writer)
+
+        async def refused() -> bytes | None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+            try:
+                answer = await socket_closed(reader, 10)
+            finally:
+                writer.close()
+            return answer or None
+
+        answer = await poll_until(refused, 10, interval=0.1, what="a refused connection")
+        assert answer.startswith(b"HTTP/1.1 503"), answer
+        assert b"Retry-After: 1" in answer
+        body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == "too_many_connections"
+    finally:
+        for writer in held:
+            writer.close()
+
+    async def served() -> bool:
+        try:
+            return (await daemon.request("GET", "/metrics")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    await poll_until(served, 10, interval=0.1, what="room again under the cap")
+    metrics = (await daemon.request("GET", "/metrics")).text
+    refusals = next(line for line in metrics.splitlines()
+                    if line.startswith("agentd_connections_refused_total "))
+    assert int(refusals.split()[1]) >= 1
+
+
+async def test_operational_detail_only_for_loopback_or_a_token(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to listen on")
+    daemon: RemoteDaemon = spawn_remote(tls=True, host=address, env={"AGENTD_TLS": "auto"})
+    await daemon.wait_ready()
+    device = await new_device(pool, "alice", "monitor")
+    token = {"Authorization": f"Bearer {device.token}"}
+    # This test's connections come from `address`: another host, as far as agentd can tell.
+    metrics = await daemon.request("GET", "/metrics")
+    assert metrics.status_code == 401 and metrics.json()["error"]["code"] == "unauthorized"
+    assert "agentd_" not in metrics.text
+    wrong = await daemon.request("GET", "/metrics", headers={"Authorization": "Bearer agd_x"})
+    assert wrong.status_code == 401
+    allowed = await daemon.request("GET", "/metrics", headers=token)
+    assert allowed.status_code == 200 and "agentd_runs_queued" in allowed.text
+
+    assert (await daemon.request("GET", "/readyz")).json() == {"status": "ready"}
+    detail = (await daemon.request("GET", "/readyz", headers=token)).json()
+    assert detail["status"] == "ready" and detail["database"] is True and "worker_id" in detail
+    assert (await daemon.request("GET", "/healthz")).json() == {"status": "ok"}
+
+
+async def test_the_head_timer_never_cuts_a_request_in_progress_or_a_reused_connection(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    daemon = spawn_remote(header_timeout_s=1, keepalive_s=1)
+    await daemon.wait_ready()
+    device = await new_device(pool, "alice", "patient")
+    async with device.client(daemon) as client, asyncio.timeout(60):
+        conversation = await create_conversation(client)
+        async with client.stream("GET", f"/v1/conversations/{conversation}/events") as feed:
+            assert feed.status_code == 200
+            started = time.monotonic()
+            keepalives = 0
+            async for chunk in feed.aiter_text():  # a stream lasting many head timeouts
+                keepalives += chunk.count(": keepalive")
+                if keepalives >= 4:
+                    break
+            assert time.monotonic() - started >= 3
+        # The same pooled connection, quiet for several head timeouts, still serves.
+        first = await client.get("/v1/me")
+        await asyncio.sleep(2.5)  # idle on purpose: longer than the head timeout
+        second = await client.get("/v1/me")
+        assert first.status_code == second.status_code == 200
+    assert "did not arrive in time" not in daemon.log_text()

@@ -1,0 +1,115 @@
+"""Pairing codes under pressure: spent once, dead when expired, guessing throttled per address,
+and one code raced from many independent connections on two daemons mints exactly one device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import httpx
+
+from agentd import pairing
+from agentd.accounts import ensure_account
+from tests.remote.helpers import RemoteDaemon, SpawnRemote
+
+RACERS = 8
+ROUNDS = 25
+
+
+async def mint(pool: asyncpg.Pool, device: str | None = None) -> str:
+    account_id = await ensure_account(pool, "alice")
+    made = await pairing.create_pairing(pool, account_id=account_id, device_name=device,
+                                        created_by=None, ttl_s=600)
+    return made.code
+
+
+async def redeem(daemon: RemoteDaemon, code: str, device: str = "new",
+                 source: str | None = None) -> httpx.Response:
+    """POST /v1/pair on a connection of its own (from `source`, when given)."""
+    transport = httpx.AsyncHTTPTransport(local_address=source) if source else None
+    async with daemon.client(transport=transport) as client:
+        return await client.post("/v1/pair", json={"code": code, "device": device})
+
+
+async def devices(pool: asyncpg.Pool) -> int:
+    return await pool.fetchval("SELECT count(*) FROM device")
+
+
+async def test_a_code_works_once_and_not_after_it_expired(spawn_remote: SpawnRemote,
+                                                          pool: asyncpg.Pool) -> None:
+    daemon = spawn_remote()
+    await daemon.wait_ready()
+    code = await mint(pool)
+    first = await redeem(daemon, code, "first")
+    assert first.status_code == 201, first.text
+    again = await redeem(daemon, code, "second")
+    assert again.status_code == 401 and again.json()["error"]["code"] == "invalid_pairing_code"
+    assert await devices(pool) == 1
+
+    late = await mint(pool)
+    # Ten minutes pass, on the database clock that decides expiry.
+    await pool.execute("UPDATE pairing SET created_at = created_at - interval '11 minutes', "
+                       "expires_at = expires_at - interval '11 minutes' WHERE used_at IS NULL")
+    expired = await redeem(daemon, late, "too late")
+    assert expired.status_code == 401
+    assert expired.json()["error"]["code"] == "invalid_pairing_code"
+    assert await devices(pool) == 1
+    assert await pool.fetchval("SELECT count(*) FROM pairing WHERE used_at IS NULL") == 1
+
+
+async def test_guessing_from_one_address_is_throttled_and_creates_nothing(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    daemon = spawn_remote(pair_attempts_per_min=5)
+    await daemon.wait_ready()
+    code = await mint(pool)
+    statuses = []
+    for guess in range(5):
+        response = await redeem(daemon, f"{guess:05d}-00000")
+        statuses.append(response.status_code)
+        assert response.json()["error"]["code"] == "invalid_pairing_code"
+    assert statuses == [401] * 5
+    throttled = await redeem(daemon, "99999-00000")
+    assert throttled.status_code == 429
+    assert throttled.json()["error"]["code"] == "too_many_attempts"
+    assert int(throttled.headers["Retry-After"]) >= 1
+    # Even the right code waits: the limit comes before the code is looked at.
+    assert (await redeem(daemon, code)).status_code == 429
+    assert await devices(pool) == 0
+    # Another address has its own allowance (127.0.0.2 is loopback too, but another peer).
+    other = await redeem(daemon, code, "from elsewhere", source="127.0.0.2")
+    assert other.status_code == 201, other.text
+    assert await devices(pool) == 1
+
+
+async def test_one_code_raced_from_many_connections_mints_exactly_one_device(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    # Two daemons, so the race is between processes and database connections, not one loop.
+    daemons = [spawn_remote(name=f"agentd-{i}", pair_attempts_per_min=10_000) for i in (1, 2)]
+    for daemon in daemons:
+        await daemon.wait_ready()
+    clients = [daemons[i % 2].client(timeout=30.0) for i in range(RACERS)]
+    try:
+        for client in clients:  # connections open before the race, so they start together
+            assert (await client.get("/healthz")).status_code == 200
+        for round_ in range(ROUNDS):
+            code = await mint(pool)
+            gate = asyncio.Event()
+
+            async def racer(client: httpx.AsyncClient, n: int, code: str = code,
+                            gate: asyncio.Event = gate) -> Any:
+                await gate.wait()
+                return await client.post("/v1/pair", json={"code": code, "device": f"r{n}"})
+
+            tasks = [asyncio.create_task(racer(c, n)) for n, c in enumerate(clients)]
+            gate.set()  # all released in the same turn of the loop
+            answers = await asyncio.gather(*tasks)
+            statuses = sorted(a.status_code for a in answers)
+            assert statuses == [201] + [401] * (RACERS - 1), (round_, statuses)
+            assert await devices(pool) == round_ + 1
+    finally:
+        for client in clients:
+            await client.aclose()
+    assert await pool.fetchval("SELECT count(*) FROM pairing WHERE device_id IS NOT NULL") \
+        == ROUNDS

@@ -1,0 +1,58 @@
+"""The per-process limiters on their own clock: guessing rates and stream slots."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from agentd.limits import MAX_TRACKED_ADDRESSES, AddressRateLimiter, StreamSlots, Throttled
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_address_gets_its_burst_then_one_attempt_per_refill() -> None:
+    clock = Clock()
+    limiter = AddressRateLimiter(6, clock=clock)  # 6 a minute: one every 10 s
+    assert [limiter.take("198.51.100.7") for _ in range(6)] == [None] * 6
+    wait = limiter.take("198.51.100.7")
+    assert wait is not None and 9.9 <= wait <= 10.0
+    assert limiter.take("203.0.113.9") is None  # another address has its own bucket
+    clock.now += 5
+    assert limiter.take("198.51.100.7") is not None  # refused attempts do not buy time
+    clock.now += 10
+    assert limiter.take("198.51.100.7") is None
+    assert limiter.take("198.51.100.7") is not None
+    clock.now += 3600
+    assert [limiter.take("198.51.100.7") for _ in range(7)].count(None) == 6  # burst capped
+
+
+def test_memory_stays_bounded_under_many_addresses() -> None:
+    limiter = AddressRateLimiter(5, clock=Clock())
+    for n in range(MAX_TRACKED_ADDRESSES + 500):
+        limiter.take(f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}")
+    assert len(limiter._buckets) == MAX_TRACKED_ADDRESSES
+
+
+def test_stream_slots_per_device() -> None:
+    slots = StreamSlots(2)
+    phone, laptop = uuid.uuid4(), uuid.uuid4()
+    slots.acquire(phone)
+    slots.acquire(phone)
+    with pytest.raises(Throttled) as caught:
+        slots.acquire(phone)
+    assert caught.value.code == "too_many_streams" and caught.value.retry_after_s >= 1
+    slots.acquire(laptop)
+    assert slots.total == 3
+    slots.release(phone)
+    slots.acquire(phone)
+    for _ in range(3):
+        slots.release(phone)  # an extra release never goes negative
+    slots.release(laptop)
+    assert slots.total == 0
