@@ -38,7 +38,8 @@ from agentd.revocation import RevocationWatch
 from agentd.settings import Settings, is_loopback_host
 from agentd.systemd import sd_notify
 from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
-from agentd.tools import default_tools
+from agentd.tools import ToolRegistry, default_tools
+from agentd.tools.mcp import McpTools
 
 log = logging.getLogger("agentd.runtime")
 
@@ -131,7 +132,7 @@ class Runtime:
     dispatcher: Dispatcher | None = None
     draining: bool = False
     started_at: float = field(default_factory=time.time)
-    tool_names: set[str] = field(default_factory=set)  # what a run's params may name
+    tools: ToolRegistry = field(default_factory=ToolRegistry)  # built-ins and MCP servers
     # Reaching us from other machines: the certificate served (None: plain HTTP) and the limits.
     certificate: ServerCertificate | None = None
     connection_guard: ConnectionGuard | None = None
@@ -212,8 +213,9 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     await hub.start()
     providers = ProviderRegistry(settings)
     worker_id = new_worker_id()
-    tools = default_tools()
-    runtime = Runtime(settings, pool, hub, worker_id, providers, tool_names=tools.names())
+    mcp = McpTools(settings.mcp)  # each server starts when a run first needs it
+    tools = default_tools(settings.tool_policies, sources=[mcp])
+    runtime = Runtime(settings, pool, hub, worker_id, providers, tools=tools)
     runtime.certificate = certificate
     runtime.connection_guard = ConnectionGuard(max_connections=settings.max_connections,
                                                header_timeout_s=settings.header_timeout_s)
@@ -269,3 +271,4 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
         await notifier.close()
         await hub.close()
         await providers.close()
+        await mcp.close()

@@ -123,7 +123,8 @@ async def test_bad_tool_arguments_become_a_tool_error_result_and_the_turn_goes_o
     row, journal = await run_turn(dsn, pool, settings, "openai:fake")
     assert row["status"] == RunStatus.COMPLETED, row["error"]
     [result] = of_type(journal, EventType.TOOL_RESULT)
-    assert "missing required argument 'expression'" in result["error"]
+    assert result["error"] == \
+        "invalid arguments for calculator: 'expression' is a required property"
     assert json.loads(fake.received[1].body["messages"][-1]["content"])["error"] == \
         result["error"]
 

@@ -36,11 +36,10 @@ def parse_model(name: str | None, settings: Settings) -> ModelRef:
     return ModelRef(provider, model)
 
 
-def validate_params(config: ProviderConfig, params: dict[str, Any],
-                    tool_names: set[str]) -> dict[str, Any]:
+def validate_params(config: ProviderConfig, params: dict[str, Any]) -> dict[str, Any]:
     """A run's params for the provider it names; raises ValueError naming the bad one."""
     if config.kind == "demo":
-        return validate_demo_params(params, tool_names)
+        return validate_demo_params(params)
     return validate_sampling_params(config.kind, params)
 
 
