@@ -995,3 +995,106 @@ BEGIN
                    current_setting('agentd.new_password'));
 END
 $$;
+
+-- request_tool_approval_fenced --
+-- params: run_id, claim_token, call_id, tool, arguments, timeout_s
+-- An `ask` tool call is recorded as pending only while this execution owns the run (FOR SHARE
+-- serializes with finalizers, as every fenced write does); zero rows = LeaseLost, or a call id
+-- the run already used. The deadline is set on the database clock. Returns who asked the turn,
+-- which every device's prompt shows.
+WITH owner AS (
+    SELECT id, account_id, claim_token, fence, origin_device_id FROM agent_run
+    WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
+      AND lease_expires_at > clock_timestamp()
+    FOR SHARE
+), asked AS (
+    INSERT INTO tool_approval (run_id, call_id, account_id, execution_id, fence, tool,
+                               arguments, expires_at)
+    SELECT owner.id, $3::text, owner.account_id, owner.claim_token, owner.fence, $4::text,
+           $5::jsonb, clock_timestamp() + make_interval(secs => $6::float8)
+    FROM owner
+    ON CONFLICT (run_id, call_id) DO NOTHING
+    RETURNING run_id, expires_at
+)
+SELECT asked.expires_at, owner.origin_device_id AS device_id, d.name AS device
+FROM asked
+JOIN owner ON owner.id = asked.run_id
+LEFT JOIN device d ON d.id = owner.origin_device_id;
+
+-- read_tool_approval --
+-- params: run_id, call_id
+-- The waiting worker's re-read (signals are hints, rows are truth): the decision if there is
+-- one, who made it, and how long is left by the database clock.
+SELECT a.decision, a.decided_by, d.name AS decided_by_name, a.timed_out, a.note,
+       a.decided_at, a.expires_at,
+       extract(epoch FROM a.expires_at - clock_timestamp())::float8 AS seconds_left
+FROM tool_approval a
+LEFT JOIN device d ON d.id = a.decided_by
+WHERE a.run_id = $1::uuid AND a.call_id = $2::text;
+
+-- expire_tool_approval_fenced --
+-- params: run_id, claim_token, call_id, note
+-- Undecided past its deadline (database clock): the worker that asked denies it as timed out,
+-- with the same "decision still empty" guard a device's decision has, so exactly one of the
+-- two lands. Fenced by the run's owner. Zero rows: decided first, or the lease is gone.
+WITH owner AS (
+    SELECT id FROM agent_run
+    WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
+      AND lease_expires_at > clock_timestamp()
+    FOR SHARE
+)
+UPDATE tool_approval a
+SET decision = 'deny', timed_out = true, note = $4::text, decided_at = clock_timestamp()
+FROM owner
+WHERE a.run_id = owner.id AND a.execution_id = $2::uuid AND a.call_id = $3::text
+  AND a.decision IS NULL AND a.expires_at <= clock_timestamp()
+RETURNING a.decision;
+
+-- decide_tool_approval --
+-- params: run_id, call_id, account_id, device_id, decision, note
+-- A device answers a pending approval: first decision wins, in ONE statement. It lands only
+-- while the decision is empty, before the deadline, and while the execution that asked still
+-- owns the run and was not asked to stop (FOR SHARE on the run: a finalizer cannot slip in
+-- between). A concurrent second decision waits on the approval row's lock, re-checks
+-- `decision IS NULL` and updates nothing. Scoped by account (rule 9). Wakes the waiting worker.
+WITH owner AS (
+    SELECT id, claim_token FROM agent_run
+    WHERE id = $1::uuid AND account_id = $3::uuid AND status = 'running'
+      AND NOT cancel_requested AND lease_expires_at > clock_timestamp()
+    FOR SHARE
+), decided AS (
+    UPDATE tool_approval a
+    SET decision = $5::text, decided_by = $4::uuid, note = $6::text,
+        decided_at = clock_timestamp()
+    FROM owner
+    WHERE a.run_id = owner.id AND a.execution_id = owner.claim_token AND a.call_id = $2::text
+      AND a.decision IS NULL AND a.expires_at > clock_timestamp()
+    RETURNING a.run_id, a.call_id, a.tool, a.decision, a.note, a.decided_at
+)
+SELECT decided.*, (SELECT name FROM device WHERE id = $4::uuid) AS decided_by_name,
+       pg_notify('agentd_approval', decided.run_id::text)
+FROM decided;
+
+-- explain_tool_approval --
+-- params: run_id, call_id, account_id
+-- Why a decision did not land: the approval as it is now, and whether the execution that asked
+-- is still waiting for it. Read-only; scoped by account (rule 9).
+SELECT a.tool, a.decision, d.name AS decided_by_name, a.decided_by, a.timed_out, a.note,
+       a.decided_at,
+       a.expires_at <= clock_timestamp() AS expired,
+       (r.status = 'running' AND r.claim_token = a.execution_id AND NOT r.cancel_requested
+        AND r.lease_expires_at > clock_timestamp()) AS waiting
+FROM tool_approval a
+JOIN agent_run r ON r.id = a.run_id
+LEFT JOIN device d ON d.id = a.decided_by
+WHERE a.run_id = $1::uuid AND a.call_id = $2::text AND a.account_id = $3::uuid;
+
+-- list_tool_approvals --
+-- params: run_id, account_id
+-- A run's approvals in the order asked, with who decided each (rule 9: scoped by account).
+SELECT a.call_id, a.tool, a.arguments, a.requested_at, a.expires_at, a.decision,
+       a.decided_by, d.name AS decided_by_name, a.timed_out, a.note, a.decided_at
+FROM tool_approval a
+LEFT JOIN device d ON d.id = a.decided_by
+WHERE a.run_id = $1::uuid AND a.account_id = $2::uuid
+ORDER BY a.requested_at, a.call_id;

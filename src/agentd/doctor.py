@@ -69,7 +69,34 @@ async def run_checks(settings: Settings) -> list[Check]:
         await asyncio.to_thread(database.close)
     checks.append(_port_check(settings))
     checks.append(await asyncio.to_thread(_tls_check, settings))
+    checks.extend(await mcp_checks(settings))
     return checks
+
+
+async def mcp_checks(settings: Settings) -> list[Check]:
+    """Start each configured MCP server as the daemon would, and report its state and tools."""
+    if not settings.mcp:
+        return []
+    from agentd.tools.mcp import McpTools
+
+    servers = McpTools(settings.mcp)
+    try:
+        await servers.tools()
+        checks = []
+        for status in servers.status():
+            if status.state == "ready":
+                detail = f"ready ({status.transport}): {len(status.tools)} tools"
+                if status.tools:
+                    detail += ": " + ", ".join(status.tools)
+            else:
+                detail = f"{status.state} ({status.transport}): {status.error}"
+            for tool, reason in sorted(status.disabled.items()):
+                detail += f"; tool {tool!r} disabled: {reason}"
+            checks.append(Check(f"mcp {status.name}",
+                                status.state == "ready" and not status.disabled, detail))
+        return checks
+    finally:
+        await servers.close()
 
 
 def _port_check(settings: Settings) -> Check:

@@ -16,13 +16,23 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from datetime import UTC
 from typing import Any
 
 import asyncpg
 
+from agentd.approvals import (
+    Decision,
+    DuplicateCall,
+    Waiting,
+    expire_approval,
+    read_approval,
+    request_approval,
+)
 from agentd.conversations import transcript_for_run
 from agentd.failures import RunFailure, classify, failure, log_failure
 from agentd.heartbeat import HeldRun, LeaseKeeper
+from agentd.hub import Hub, Subscription
 from agentd.journal import Emitter
 from agentd.metrics import Metrics
 from agentd.providers import ModelRef, ProviderRegistry, parse_model
@@ -42,13 +52,24 @@ from agentd.queue import (
     insert_message,
 )
 from agentd.settings import Settings
-from agentd.tools import ToolContext, ToolError, ToolRegistry
+from agentd.tools import Tool, ToolContext, ToolError, ToolRegistry
 from agentd.tools.store import DatabaseToolStore
-from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunErrorCode, RunStatus
+from agentd.vocabulary import (
+    ApprovalDecision,
+    ApprovalPolicy,
+    Channel,
+    EventType,
+    MessageRole,
+    MessageStatus,
+    RunErrorCode,
+    RunStatus,
+)
 
 log = logging.getLogger("agentd.executor")
 
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+# What the model reads for a call a stop caught while it waited for a device's approval.
+NOT_RUN_STOPPED = "not run: the turn was stopped while the call waited for approval"
 
 
 class TooManyToolSteps(ProviderError):
@@ -67,6 +88,7 @@ class _Turn:
     started: float = field(default_factory=time.monotonic)
     text: list[str] = field(default_factory=list)
     open_calls: dict[str, str] = field(default_factory=dict)  # call id -> tool name
+    awaiting: set[str] = field(default_factory=set)  # open calls waiting for an approval
     asked_tools: bool = False  # a tool-call message may have been written
     input_tokens: int = 0
     output_tokens: int = 0
@@ -90,11 +112,12 @@ class _Turn:
 class TurnRunner:
     """Executes claims for one worker; `run` returns True once the terminal write landed."""
 
-    def __init__(self, pool: asyncpg.Pool, keeper: LeaseKeeper, settings: Settings,
+    def __init__(self, pool: asyncpg.Pool, hub: Hub, keeper: LeaseKeeper, settings: Settings,
                  providers: ProviderRegistry, tools: ToolRegistry,
                  hint: Hint | None = None, metrics: Metrics | None = None) -> None:
         self._pool = pool
         self._hint = hint
+        self._hub = hub
         self._keeper = keeper
         self._metrics = metrics or Metrics()
         self._settings = settings
@@ -202,7 +225,7 @@ class TurnRunner:
         params = dict(request.get("params") or {})
         messages = [_chat_message(r) for r in await transcript_for_run(
             self._pool, claim.conversation_id, claim.user_message_id)]
-        specs = self._tools.specs()
+        specs = await self._tools.specs()
         call_timeout_s = self._settings.providers[ref.provider].call_timeout_s
         for step in range(self._settings.max_tool_steps + 1):
             calls: list[ToolCallRequest] = []
@@ -252,11 +275,7 @@ class TurnRunner:
             turn.open_calls[call.id] = call.name
             await turn.emitter.event(EventType.TOOL_CALL, {
                 "call_id": call.id, "name": call.name, "arguments": call.arguments})
-            try:
-                result: dict[str, Any] = {"result": await self._tools.call(
-                    call.name, call.arguments, ctx)}
-            except ToolError as exc:
-                result = {"error": str(exc)}
+            result = await self._run_tool(turn, call, ctx)
             content = json.dumps(result, default=str)
             await insert_message(self._pool, claim, role=MessageRole.TOOL, content=content,
                                  tool_call_id=call.id)
@@ -266,6 +285,87 @@ class TurnRunner:
             added.append({"role": "tool", "content": content, "tool_call_id": call.id})
         return added
 
+    async def _run_tool(self, turn: _Turn, call: ToolCallRequest,
+                        ctx: ToolContext) -> dict[str, Any]:
+        """One call, as the model will read it: {"result": …} or {"error": …}. Arguments are
+        checked before anyone is asked; `ask` waits for a device, `deny` never runs."""
+        try:
+            tool = await self._tools.find(call.name)
+            if tool is None:
+                raise ToolError(f"unknown tool {call.name!r}")
+            if tool.policy == ApprovalPolicy.DENY:
+                raise ToolError(f"not run: the approval policy of {tool.name} is deny")
+            args = tool.check_arguments(call.arguments)
+            if tool.policy == ApprovalPolicy.ASK:
+                decision = await self._ask(turn, call, tool, args)
+                if decision.decision != ApprovalDecision.APPROVE:
+                    raise ToolError(self._denial(decision))
+            return {"result": await self._tools.call(tool, args, ctx)}
+        except ToolError as exc:
+            return {"error": str(exc)}
+
+    async def _ask(self, turn: _Turn, call: ToolCallRequest, tool: Tool,
+                   args: dict[str, Any]) -> Decision:
+        """Journal approval_requested and wait (lease kept by the heartbeat) until a device
+        decides or the deadline passes; journal approval_decided. A stop or a lost lease
+        cancels the whole turn task, and with it this wait."""
+        claim = turn.claim
+        # Subscribe before asking, so a decision committed right after the question still wakes us.
+        async with self._hub.subscribe(Channel.APPROVAL, str(claim.run_id)) as decided:
+            try:
+                asked = await request_approval(
+                    self._pool, claim, call_id=call.id, tool=tool.name, arguments=args,
+                    timeout_s=self._settings.approval_timeout_s)
+            except DuplicateCall:
+                raise ToolError(f"not run: the call id {call.id!r} was already used in this "
+                                "turn") from None
+            turn.awaiting.add(call.id)
+            await turn.emitter.event(EventType.APPROVAL_REQUESTED, {
+                "call_id": call.id, "tool": tool.name, "arguments": args,
+                "device": asked.device,
+                "device_id": str(asked.device_id) if asked.device_id else None,
+                "expires_at": _rfc3339(asked.expires_at),
+                "timeout_s": self._settings.approval_timeout_s})
+            decision = await self._await_decision(claim, call.id, decided)
+            await turn.emitter.event(EventType.APPROVAL_DECIDED, {
+                "call_id": call.id, "tool": tool.name, "decision": str(decision.decision),
+                "device": decision.device,
+                "device_id": str(decision.device_id) if decision.device_id else None,
+                "note": decision.note, "timed_out": decision.timed_out})
+            turn.awaiting.discard(call.id)
+            return decision
+
+    async def _await_decision(self, claim: Claim, call_id: str,
+                              decided: Subscription) -> Decision:
+        """Rows are truth: re-read the approval on every hint and on a poll clock; past its
+        deadline (database clock), deny it as timed out through the one-decision guard."""
+        while True:
+            decided.clear()
+            try:
+                state = await read_approval(self._pool, claim.run_id, call_id)
+                if isinstance(state, Decision):
+                    return state
+                if state is None:
+                    raise LeaseLost(claim.run_id, "approval wait")
+                if state.seconds_left <= 0:
+                    note = f"no device decided within {self._settings.approval_timeout_s:g} s"
+                    if not await expire_approval(self._pool, claim, call_id=call_id, note=note):
+                        await check_lease(self._pool, claim)  # LeaseLost, or decided first
+                    continue
+            except _DB_ERRORS as exc:
+                log.warning("approval read failed; retrying",
+                            extra={"run_id": str(claim.run_id), "error": str(exc)})
+                state = Waiting(1.0)
+            poll = 1.0 if not self._hub.connected else 5.0
+            await decided.wait(min(state.seconds_left, poll))
+
+    @staticmethod
+    def _denial(decision: Decision) -> str:
+        if decision.timed_out:
+            return f"not run: {decision.note or 'the approval timed out'}, so it was denied"
+        who = decision.device or "a device"
+        return f"not run: denied by {who}" + (f": {decision.note}" if decision.note else "")
+
     async def _repair_open_calls(self, turn: _Turn) -> None:
         """A tool call without a result gets a `cancelled` one: the next request stays valid.
 
@@ -273,12 +373,23 @@ class TurnRunner:
         even one cancelled before it was announced); the stream gets a tool_result for each
         call it saw announced.
         """
+        not_run = json.dumps({"error": NOT_RUN_STOPPED})
+        for call_id in sorted(turn.awaiting):
+            # It never ran: say so, rather than the generic "cancelled" of the repair below.
+            await insert_message(self._pool, turn.claim, role=MessageRole.TOOL, content=not_run,
+                                 status=MessageStatus.CANCELLED, tool_call_id=call_id)
         if turn.asked_tools:
             await answer_open_tool_calls(self._pool, turn.claim)
         for call_id, name in list(turn.open_calls.items()):
+            error = NOT_RUN_STOPPED if call_id in turn.awaiting else "cancelled"
             await turn.emitter.event(EventType.TOOL_RESULT, {
-                "call_id": call_id, "name": name, "error": "cancelled"})
+                "call_id": call_id, "name": name, "error": error})
             del turn.open_calls[call_id]
+        turn.awaiting.clear()
+
+
+def _rfc3339(value: Any) -> str:
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
 def _finished_ok(task: asyncio.Task[None]) -> bool:

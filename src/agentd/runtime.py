@@ -43,7 +43,8 @@ from agentd.revocation import RevocationWatch
 from agentd.settings import Settings, is_loopback_host
 from agentd.systemd import sd_notify
 from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
-from agentd.tools import default_tools
+from agentd.tools import ToolRegistry, default_tools
+from agentd.tools.mcp import McpTools
 
 log = logging.getLogger("agentd.runtime")
 
@@ -143,7 +144,7 @@ class Runtime:
     draining: bool = False
     clock_offset_s: float = 0.0  # database clock minus ours (for lag figures, never leases)
     started_at: float = field(default_factory=time.time)
-    tool_names: set[str] = field(default_factory=set)  # what a run's params may name
+    tools: ToolRegistry = field(default_factory=ToolRegistry)  # built-ins and MCP servers
     # Reaching us from other machines: the certificate served (None: plain HTTP) and the limits.
     certificate: ServerCertificate | None = None
     connection_guard: ConnectionGuard | None = None
@@ -224,8 +225,9 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     await hub.start()
     providers = ProviderRegistry(settings)
     worker_id = new_worker_id()
-    tools = default_tools()
-    runtime = Runtime(settings, pool, hub, worker_id, providers, tool_names=tools.names())
+    mcp = McpTools(settings.mcp)  # each server starts when a run first needs it
+    tools = default_tools(settings.tool_policies, sources=[mcp])
+    runtime = Runtime(settings, pool, hub, worker_id, providers, tools=tools)
     runtime.clock_offset_s = await dbmod.clock_offset(pool)
     runtime.certificate = certificate
     runtime.connection_guard = ConnectionGuard(max_connections=settings.max_connections,
@@ -242,7 +244,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     runtime.keeper = keeper
     notifier = Notifier(pool)
     notifier.start()
-    runner = TurnRunner(pool, keeper, settings, providers, tools, hint=notifier.notify,
+    runner = TurnRunner(pool, hub, keeper, settings, providers, tools, hint=notifier.notify,
                         metrics=metrics)
     dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, load, metrics,
                             hint=notifier.notify)
@@ -298,6 +300,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
         await notifier.close()
         await hub.close()
         await providers.close()
+        await mcp.close()
 
 
 def _worker_report(runtime: Runtime) -> WorkerReport:

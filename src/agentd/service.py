@@ -11,19 +11,20 @@ import dataclasses
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
 import asyncpg
 
+from agentd import approvals, queue
 from agentd import conversations as convs
-from agentd import queue
 from agentd.accounts import Principal
 from agentd.hub import Hub
 from agentd.providers import ModelRef
 from agentd.settings import Settings
-from agentd.vocabulary import Channel, RunStatus
+from agentd.tools import ToolError, ToolRegistry
+from agentd.vocabulary import ApprovalDecision, Channel, RunStatus
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
 # A full queue drains as turns finish; a client that waits this long finds room more often than
@@ -89,11 +90,11 @@ def parse_uuid(value: str, what: str) -> UUID:
 
 class Service:
     def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings,
-                 tool_names: set[str]) -> None:
+                 tools: ToolRegistry) -> None:
         self.pool = pool
         self.hub = hub
         self.settings = settings
-        self.tool_names = tool_names
+        self.tools = tools
 
     # conversations -------------------------------------------------------------------------
 
@@ -156,6 +157,8 @@ class Service:
                                f"model {str(req.model)!r} is not allowed for this account "
                                f"(allowed: {', '.join(who.models or ())})",
                                model=str(req.model))
+        if "tool" in req.params:
+            await self._check_tool(req.params["tool"])
         if req.on_busy == "enqueue":
             # One statement, one round trip: it locks the conversation row itself, checks the
             # account, and lets the unique index arbitrate the idempotency key.
@@ -185,6 +188,16 @@ class Service:
                 drafts = stopped.drafts
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key)
         return dataclasses.replace(created, drafts=drafts)
+
+    async def _check_tool(self, name: str) -> None:
+        """A run may name only a registered tool (an MCP one is looked up on its server, which
+        starts it): a typo is a 422 now, not a failed tool call later."""
+        try:
+            tool = await self.tools.find(name)
+        except ToolError as exc:
+            raise ServiceError(422, "tool_unavailable", str(exc)) from None
+        if tool is None:
+            raise ServiceError(422, "invalid_params", f"params.tool: no tool named {name!r}")
 
     async def _enqueue(self, db: queue.Db, who: Principal, conversation_id: UUID,
                        req: RunRequest, idempotency_key: str | None) -> CreatedRun:
@@ -245,6 +258,47 @@ class Service:
             raise not_found("conversation")
         return await queue.stop_conversation(self.pool, account_id=who.account_id,
                                              conversation_id=conversation_id)
+
+    # tool approvals -------------------------------------------------------------------------
+
+    async def decide_approval(self, who: Principal, run_id: UUID, call_id: str,
+                              decision: ApprovalDecision,
+                              note: str | None) -> approvals.Decision:
+        """Any device of the run's account decides a pending approval; the first decision wins
+        (one fenced statement), a later one is a 409 naming who decided."""
+        await self.get_run(who, run_id)  # another account's run: 404
+        decided = await approvals.decide_approval(
+            self.pool, run_id=run_id, call_id=call_id, account_id=who.account_id,
+            device_id=who.device_id, decision=decision, note=note)
+        if decided is not None:
+            return decided
+        why = await approvals.explain_refusal(self.pool, run_id=run_id, call_id=call_id,
+                                              account_id=who.account_id)
+        if not why.exists:
+            raise ServiceError(404, "approval_not_found",
+                               "this run has no tool approval with that call id")
+        if why.decision is not None:
+            earlier = why.decision
+            if earlier.timed_out:
+                message = "already denied: the approval timed out"
+            else:
+                verb = "approved" if earlier.decision == ApprovalDecision.APPROVE else "denied"
+                message = f"already {verb} by {earlier.device or 'a device'}"
+            raise ServiceError(409, "approval_already_decided", message,
+                               decision=str(earlier.decision), device=earlier.device,
+                               device_id=str(earlier.device_id) if earlier.device_id else None,
+                               timed_out=earlier.timed_out,
+                               decided_at=earlier.decided_at.astimezone(UTC).isoformat()
+                               .replace("+00:00", "Z"))
+        if why.expired:
+            raise ServiceError(409, "approval_expired",
+                               "the approval timed out; the call is being denied")
+        raise ServiceError(409, "approval_not_pending",
+                           "the run no longer waits for this approval (it was stopped or ended)")
+
+    async def list_approvals(self, who: Principal, run_id: UUID) -> list[dict[str, Any]]:
+        await self.get_run(who, run_id)
+        return await approvals.list_approvals(self.pool, run_id, who.account_id)
 
     # presence -------------------------------------------------------------------------------
 

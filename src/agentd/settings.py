@@ -17,6 +17,14 @@ from typing import Any
 
 import platformdirs
 
+from agentd.tool_settings import (
+    McpServerConfig,
+    ToolSettingsError,
+    parse_mcp,
+    parse_tool_policies,
+)
+from agentd.vocabulary import ApprovalPolicy
+
 ENV_PREFIX = "AGENTD_"
 # The largest limits an operator may set (a larger one is a typo, not a plan).
 MAX_ACCOUNT_RUNNING = 10_000
@@ -66,6 +74,7 @@ class Settings:
     keepalive_s: float = 15.0
     default_model: str = "demo"
     max_tool_steps: int = 8
+    approval_timeout_s: float = 600.0  # an undecided `ask` tool call is denied after this
     # Fair and bounded (docs/operations.md, "Per-account limits"): what an account that sets
     # none of its own gets (`agentd account set` overrides them per account, in the database),
     # and a turn's deadline from its claim.
@@ -89,11 +98,14 @@ class Settings:
     body_timeout_s: float = 30.0  # and its body within this
     idle_timeout_s: float = 60.0  # an idle keep-alive connection is closed after this
     providers: Mapping[str, ProviderConfig] = field(default_factory=dict)
+    mcp: Mapping[str, McpServerConfig] = field(default_factory=dict)  # [mcp.<name>]
+    tool_policies: Mapping[str, ApprovalPolicy] = field(default_factory=dict)  # [tools]
 
     def validate(self) -> Settings:
         positive = ("lease_ttl_s", "heartbeat_s", "reap_interval_s", "tick_s", "flush_ms",
                     "keepalive_s", "pairing_ttl_s", "header_timeout_s", "body_timeout_s",
-                    "idle_timeout_s", "max_loop_lag_ms", "max_pool_wait_ms")
+                    "idle_timeout_s", "approval_timeout_s", "max_loop_lag_ms",
+                    "max_pool_wait_ms")
         for key in positive:
             if getattr(self, key) <= 0:
                 raise SettingsError(f"{key} ({_env(key)}) must be > 0")
@@ -192,7 +204,8 @@ def default_config_path() -> Path:
     return platformdirs.user_config_path("agentd") / "config.toml"
 
 
-_SCALARS = {f.name: f for f in dataclasses.fields(Settings) if f.name != "providers"}
+_TABLES = ("providers", "mcp", "tool_policies")
+_SCALARS = {f.name: f for f in dataclasses.fields(Settings) if f.name not in _TABLES}
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:
@@ -299,6 +312,11 @@ def load_settings(config_file: Path | None = None, *, env: Mapping[str, str] | N
     elif explicit:
         raise SettingsError(f"config file {path} does not exist")
     provider_table = table.pop("providers", {})
+    try:
+        mcp = parse_mcp(table.pop("mcp", {}))
+        tool_policies = parse_tool_policies(table.pop("tools", {}))
+    except ToolSettingsError as exc:
+        raise SettingsError(f"config file {path}: {exc}") from None
     for key, value in table.items():
         if key not in _SCALARS:
             raise SettingsError(f"config file {path}: unknown key {key!r}")
@@ -310,4 +328,6 @@ def load_settings(config_file: Path | None = None, *, env: Mapping[str, str] | N
         if value is not None:
             values[key] = _coerce(key, value, f"--{key.replace('_', '-')}")
     values["providers"] = _providers(provider_table, env)
+    values["mcp"] = mcp
+    values["tool_policies"] = tool_policies
     return Settings(**values).validate()

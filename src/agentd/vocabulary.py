@@ -66,6 +66,8 @@ class EventType(StrEnum):
     CONTENT_DELTA = "content_delta"
     TOOL_CALL = "tool_call"
     TOOL_RESULT = "tool_result"
+    APPROVAL_REQUESTED = "approval_requested"  # an `ask` tool call waits for a device's decision
+    APPROVAL_DECIDED = "approval_decided"  # a device decided it, or the wait timed out
     CANCEL_REQUESTED = "cancel_requested"
     COMPLETE = "complete"
 
@@ -82,8 +84,22 @@ class Channel(StrEnum):
     RUN_CANCEL = "agentd_run_cancel"  # payload: run id; wakes that run's cancel watcher
     CONVERSATION = "agentd_conversation"  # payload: conversation id; ownership/presence changed
     DEVICE = "agentd_device"  # payload: device id; it was revoked (its streams end)
+    APPROVAL = "agentd_approval"  # payload: run id; a tool approval of that run was decided
 
 
 # The SSE event that ends a stream the server will not continue (e.g. its device was revoked):
 # data {"type": "error", "error": {"code", "message"}}. Not a journal event: it has no seq.
 STREAM_ERROR_EVENT = "error"
+
+
+class ApprovalPolicy(StrEnum):
+    """What happens when the model calls a tool: run it, ask a device first, or refuse it."""
+
+    AUTO = "auto"
+    ASK = "ask"
+    DENY = "deny"
+
+
+class ApprovalDecision(StrEnum):
+    APPROVE = "approve"
+    DENY = "deny"

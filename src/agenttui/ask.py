@@ -5,21 +5,34 @@ to stderr. On a terminal, control characters in the model's text are dropped (`-
 them): a model must not move the cursor, retitle the window or rewrite the screen. Ctrl-C asks
 the server to stop the run — a disconnect alone would not stop it — and waits for the run to
 end; a second Ctrl-C leaves at once.
+
+A tool call that needs approval is asked about on the terminal (y/N on stderr, answer on stdin);
+when stdin is not a terminal it is denied, unless --approve-all says to allow every call (said
+loudly on stderr). Another device may decide first: its decision is shown and the question
+withdrawn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import signal
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from agentd.vocabulary import EventType, RunStatus
-from agenttui.client import AgentClient, ApiError, ConnectionState, ConnectionStatus, describe
+from agenttui.client import (
+    AgentClient,
+    ApiError,
+    Conflict,
+    ConnectionState,
+    ConnectionStatus,
+    describe,
+)
 from agenttui.models import RunEvent
 
 EXIT_COMPLETED = 0
@@ -82,6 +95,60 @@ class _Screens:
     err: bool
 
 
+@dataclass
+class Approver:
+    """How `ask` answers tool approvals: prompt on a terminal, deny without one, or (scripts
+    that asked for it) approve everything."""
+
+    approve_all: bool = False
+    stdin: TextIO = field(default_factory=lambda: sys.stdin)
+
+    async def decide(self, payload: dict[str, Any], err: TextIO) -> tuple[str, str | None]:
+        """(approve | deny, note) for one approval_requested payload."""
+        tool = str(payload.get("tool"))
+        arguments = json.dumps(payload.get("arguments"), ensure_ascii=True, sort_keys=True)
+        if self.approve_all:
+            print(f"agenttui: APPROVING {tool} {arguments} without asking (--approve-all)",
+                  file=err, flush=True)
+            return "approve", "approved by --approve-all"
+        if not _is_terminal(self.stdin):
+            print(f"agenttui: denied {tool} {arguments}: stdin is not a terminal to ask on "
+                  f"(--approve-all allows every tool call)", file=err, flush=True)
+            return "deny", "agenttui ask: no terminal to ask on"
+        asked = payload.get("device") or "a device"
+        # The prompt goes to a terminal: names from a tool server or a device stay printable.
+        err.write(without_controls(f"agenttui: the model wants to run {tool} {arguments} "
+                                   f"(asked from {asked}). Allow it? [y/N] "))
+        err.flush()
+        line = await _read_line(self.stdin)
+        return ("approve", None) if line.strip().lower() in ("y", "yes") else ("deny", None)
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+async def _read_line(stream: TextIO) -> str:
+    """One line from a terminal without blocking the loop; cancellable (another device may
+    decide while we wait)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[str] = loop.create_future()
+    fd = stream.fileno()
+
+    def readable() -> None:
+        if not done.done():
+            done.set_result(stream.readline())
+
+    loop.add_reader(fd, readable)
+    try:
+        return await done
+    finally:
+        loop.remove_reader(fd)
+
+
 class _Interrupts:
     """First Ctrl-C: stop the run through the API. Second: give up waiting."""
 
@@ -99,10 +166,11 @@ async def ask(client: AgentClient, text: str, *, conversation: str | None = None
               model: str | None = None, params: Mapping[str, Any] | None = None,
               out: TextIO | None = None, err: TextIO | None = None,
               show_tools: bool | None = None, handle_sigint: bool = True,
-              raw: bool = False) -> AskOutcome:
+              raw: bool = False, approver: Approver | None = None) -> AskOutcome:
     """Ask and stream the answer to `out`; `raw` keeps control characters on a terminal."""
     out = out or sys.stdout
     err = err or sys.stderr
+    approver = approver or Approver()
     if show_tools is None:
         show_tools = err.isatty()
     screens = _Screens(out=not raw and out.isatty(), err=not raw and err.isatty())
@@ -119,7 +187,7 @@ async def ask(client: AgentClient, text: str, *, conversation: str | None = None
             print(f"agenttui: conversation {conversation_id}", file=err)
         run = await client.create_run(conversation_id, text, model=model, params=params)
         follow = asyncio.create_task(_follow(client, run.run_id, out, err, show_tools,
-                                             screens))
+                                             screens, approver))
         stopper = asyncio.create_task(_stop_on_interrupt(client, run.run_id, interrupts, err))
         giving_up = asyncio.create_task(interrupts.second.wait())
         try:
@@ -154,9 +222,34 @@ async def _stop_on_interrupt(client: AgentClient, run_id: str, interrupts: _Inte
         print(f"agenttui: could not stop the run: {describe(exc)}", file=err)
 
 
+async def _answer(client: AgentClient, run_id: str, payload: dict[str, Any],
+                  approver: Approver, err: TextIO) -> None:
+    call_id = str(payload.get("call_id"))
+    decision, note = await approver.decide(payload, err)
+    try:
+        await client.decide_approval(run_id, call_id, decision, note)
+    except Conflict as exc:
+        print(f"agenttui: {payload.get('tool')}: {exc.message}", file=err)
+    except ApiError as exc:
+        print(f"agenttui: the decision was not recorded: {describe(exc)}", file=err)
+
+
 async def _follow(client: AgentClient, run_id: str, out: TextIO, err: TextIO,
-                  show_tools: bool,
-                  screens: _Screens) -> tuple[RunStatus | str | None, str | None, bool]:
+                  show_tools: bool, screens: _Screens, approver: Approver,
+                  ) -> tuple[RunStatus | str | None, str | None, bool]:
+    asking: dict[str, asyncio.Task[None]] = {}
+    try:
+        return await _follow_events(client, run_id, out, err, show_tools, screens, approver,
+                                    asking)
+    finally:
+        for task in asking.values():
+            task.cancel()
+
+
+async def _follow_events(client: AgentClient, run_id: str, out: TextIO, err: TextIO,
+                         show_tools: bool, screens: _Screens, approver: Approver,
+                         asking: dict[str, asyncio.Task[None]],
+                         ) -> tuple[RunStatus | str | None, str | None, bool]:
     wrote = False
     outage = False
     async for item in client.run_events(run_id):
@@ -177,6 +270,19 @@ async def _follow(client: AgentClient, run_id: str, out: TextIO, err: TextIO,
         elif item.type == EventType.TOOL_CALL and show_tools:
             line = f"· {item.payload.get('name')} {item.payload.get('arguments') or {}}"
             print(without_controls(line) if screens.err else line, file=err)
+        elif item.type == EventType.APPROVAL_REQUESTED:
+            call_id = str(item.payload.get("call_id"))
+            if call_id not in asking:
+                asking[call_id] = asyncio.create_task(
+                    _answer(client, run_id, item.payload, approver, err))
+        elif item.type == EventType.APPROVAL_DECIDED:
+            call_id = str(item.payload.get("call_id"))
+            prompt = asking.get(call_id)
+            if prompt is not None and not prompt.done():
+                prompt.cancel()  # decided elsewhere while we were asking
+                err.write("\n")
+            print(f"agenttui: {item.payload.get('tool')} {_decided(item.payload)}", file=err,
+                  flush=True)
         elif item.type == EventType.COMPLETE:
             status = item.payload.get("status")
             try:
@@ -185,6 +291,14 @@ async def _follow(client: AgentClient, run_id: str, out: TextIO, err: TextIO,
                 pass
             return status, item.payload.get("error"), wrote
     return None, "the stream ended without an outcome", wrote
+
+
+def _decided(payload: dict[str, Any]) -> str:
+    if payload.get("timed_out"):
+        return "denied: nobody decided in time"
+    verb = "approved" if payload.get("decision") == "approve" else "denied"
+    note = f": {payload['note']}" if payload.get("note") else ""
+    return f"{verb} by {payload.get('device') or 'a device'}{note}"
 
 
 def report(outcome: AskOutcome, err: TextIO) -> None:

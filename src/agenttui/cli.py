@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from agenttui import __version__
-from agenttui.ask import EXIT_UNREACHABLE, EXIT_USAGE, ask, report
+from agenttui.ask import EXIT_UNREACHABLE, EXIT_USAGE, Approver, ask, report
 from agenttui.client import AgentClient, ApiError, Unauthorized, describe
 from agenttui.locations import config_file
 from agenttui.settings import Settings, SettingsError, load_settings
@@ -80,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  "included\n(default: on a terminal, drop every control "
                                  "character but\nnewline and tab; pipes and files always get "
                                  "it as it came)")
+    ask_parser.add_argument("--approve-all", action="store_true",
+                            help="approve every tool call that asks for approval, without "
+                                 "asking (for scripts; each one is announced on stderr). "
+                                 "Without it, calls are asked about on the terminal, or "
+                                 "denied when stdin is not one")
     ask_parser.add_argument("text", nargs="*", help="the message (default: read stdin)")
 
     login = commands.add_parser(
@@ -182,7 +187,8 @@ def _ask(args: argparse.Namespace) -> int:
                 outcome = await ask(client, text, conversation=getattr(args, "conversation",
                                                                          None) or None,
                                     model=args.model or settings.model, params=params,
-                                    show_tools=args.tools, raw=args.raw)
+                                    show_tools=args.tools, raw=args.raw,
+                                    approver=Approver(approve_all=args.approve_all))
             except Unauthorized as exc:
                 print(f"agenttui: the daemon refused the token: {exc.message} "
                       f"(run `agenttui login`)", file=sys.stderr)

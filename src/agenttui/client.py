@@ -382,6 +382,16 @@ class AgentClient:
         return StopResult.from_wire(await self._json(
             "POST", f"/v1/conversations/{_id(conversation_id)}/stop", retries=3))
 
+    async def decide_approval(self, run_id: str, call_id: str, decision: str,
+                              note: str | None = None) -> dict[str, Any]:
+        """Approve or deny a tool call waiting for approval; the first decision of any device
+        wins, a later one raises Conflict whose details name who decided."""
+        body: dict[str, Any] = {"decision": decision}
+        if note:
+            body["note"] = note
+        return await self._json("POST", f"/v1/runs/{_id(run_id)}/approvals/{_id(call_id)}",
+                                json=body)
+
     def run_events(self, run_id: str, *, after: int = 0) -> RunStream:
         return RunStream(self, run_id, after=after)
 

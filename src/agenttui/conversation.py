@@ -55,6 +55,36 @@ def _short_json(value: Any, limit: int = TOOL_SUMMARY_CHARS) -> str:
 
 
 @dataclass
+class Approval:
+    """A tool call that waits for (or got) a device's decision."""
+
+    run_id: str
+    call_id: str
+    tool: str
+    arguments: Any
+    asked_by: str | None  # the device that asked the turn
+    expires_at: datetime | None = None
+    decision: str | None = None  # approve | deny, None while pending
+    decided_by: str | None = None
+    note: str | None = None
+    timed_out: bool = False
+
+    @property
+    def pending(self) -> bool:
+        return self.decision is None
+
+    def outcome(self) -> str:
+        """Who decided, in words: what every attached device shows after the decision."""
+        if self.decision is None:
+            return f"waiting for approval (asked from {self.asked_by or 'a device'})"
+        if self.timed_out:
+            return "denied: nobody decided in time"
+        verb = "approved" if self.decision == "approve" else "denied"
+        return f"{verb} by {self.decided_by or 'a device'}" + \
+            (f": {self.note}" if self.note else "")
+
+
+@dataclass
 class ToolStep:
     """One tool call of a turn, shown on one line."""
 
@@ -64,12 +94,17 @@ class ToolStep:
     result: str | None = None
     error: str | None = None
     done: bool = False
+    approval: Approval | None = None
 
     def summary(self) -> str:
         args = ", ".join(f"{key}={json.dumps(value, ensure_ascii=False, sort_keys=True)}"
                          for key, value in sorted(self.arguments.items()))
         args = args if len(args) <= 48 else args[:47] + "…"
         head = f"{self.name}({args})"
+        if self.approval is not None and (self.approval.pending or not self.done):
+            return f"{head} ⏸ {self.approval.outcome()}"
+        if self.approval is not None and self.approval.decision == "approve":
+            head += f" [{self.approval.outcome()}]"
         if self.error:
             return f"{head} ✗ {_short_json(self.error, 48)}"
         if self.done:
@@ -144,12 +179,14 @@ class Changes:
     rebuild: bool = False  # turns were added, removed or reordered
     bar: bool = False  # ownership, presence or connection changed
     drafts: bool = False  # a draft for this device's composer is waiting
+    approvals: bool = False  # a tool approval was asked or decided
 
     def merge(self, other: Changes) -> Changes:
         self.turns |= other.turns
         self.rebuild |= other.rebuild
         self.bar |= other.bar
         self.drafts |= other.drafts
+        self.approvals |= other.approvals
         return self
 
 
@@ -285,6 +322,24 @@ class ConversationModel:
                 step.error = str(payload["error"])
             else:
                 step.result = _short_json(payload.get("result"))
+        elif kind == EventType.APPROVAL_REQUESTED:
+            call_id = str(payload.get("call_id") or "")
+            step = turn.tools.setdefault(call_id, ToolStep(call_id, str(payload.get("tool"))))
+            step.approval = Approval(event.run_id, call_id, str(payload.get("tool")),
+                                     payload.get("arguments"), _opt(payload.get("device")),
+                                     parse_time(payload.get("expires_at")))
+            changes.approvals = True
+        elif kind == EventType.APPROVAL_DECIDED:
+            call_id = str(payload.get("call_id") or "")
+            step = turn.tools.setdefault(call_id, ToolStep(call_id, str(payload.get("tool"))))
+            if step.approval is None:
+                step.approval = Approval(event.run_id, call_id, str(payload.get("tool")), {},
+                                         None)
+            step.approval.decision = str(payload.get("decision") or "deny")
+            step.approval.decided_by = _opt(payload.get("device"))
+            step.approval.note = _opt(payload.get("note"))
+            step.approval.timed_out = bool(payload.get("timed_out"))
+            changes.approvals = True
         elif kind == EventType.CANCEL_REQUESTED:
             turn.cancel_requested = True
             changes.bar = True
@@ -307,8 +362,20 @@ class ConversationModel:
                                       RunStatus.FAILED: MessageStatus.FAILED}.get(
                     turn.status, MessageStatus.PARTIAL)
             changes.bar = True
+            changes.approvals = any(step.approval is not None for step in turn.tools.values())
             changes.drafts = self._offer_draft(turn)
         return changes
+
+    def approvals(self) -> list[Approval]:
+        """Approvals of the running turn: the pending ones (a prompt on every device) and the
+        decided ones (every device shows who decided), in the order they were asked."""
+        turn = self.running_turn
+        if turn is None:
+            return []
+        return [step.approval for step in turn.tools.values() if step.approval is not None]
+
+    def pending_approval(self) -> Approval | None:
+        return next((a for a in self.approvals() if a.pending), None)
 
     def note_created(self, run_id: str) -> None:
         """This device asked for `run_id` (from the create-run answer)."""

@@ -53,9 +53,12 @@ SUCCESS_TESTED = {
     # tests/api/test_devices.py
     ("POST", "/v1/pairings"), ("POST", "/v1/pair"), ("GET", "/v1/devices"),
     ("DELETE", "/v1/devices/{id}"),
+    # Their success needs a tool call waiting for approval: tests/tools/test_approvals.py.
+    ("GET", "/v1/runs/{id}/approvals"), ("POST", "/v1/runs/{id}/approvals/{call_id}"),
 }
 # The one /v1 call a pairing code authorizes instead of a bearer token.
 UNAUTHENTICATED = {("POST", "/v1/pair")}
+NEEDS_PENDING_APPROVAL = {("POST", "/v1/runs/{id}/approvals/{call_id}")}
 
 
 async def spec_operations(client: httpx.AsyncClient) -> set[tuple[str, str]]:
@@ -77,12 +80,15 @@ def valid_request(method: str, path: str) -> dict[str, Any]:
         return {"params": {"timeout": "0"}}
     if (method, path) == ("GET", "/v1/search"):
         return {"params": {"q": "secret"}}
+    if (method, path) == ("POST", "/v1/runs/{id}/approvals/{call_id}"):
+        return {"json": {"decision": "approve"}}
     return {}
 
 
 def fill(path: str, conversation_id: str, run_id: str, device_id: str | None = None) -> str:
     if path.startswith("/v1/devices/"):
         return path.replace("{id}", device_id or conversation_id)
+    path = path.replace("{call_id}", "call_from_the_table")
     return path.replace("{id}", run_id if path.startswith("/v1/runs/") else conversation_id)
 
 
@@ -436,6 +442,9 @@ async def test_other_accounts_ids_are_404_on_every_endpoint_and_change_nothing(a
     for method, template in with_id:
         path = fill(template, conversation_id, queued["run_id"], str(spare))
         response = await fetch(api.a, method, path, **valid_request(method, template))
+        if (method, template) in NEEDS_PENDING_APPROVAL:
+            assert_error(response, 404, "approval_not_found")  # the run is the owner's
+            continue
         assert response.status_code < 300, f"{method} {path}: {response.status_code}"
 
 

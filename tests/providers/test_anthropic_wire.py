@@ -195,3 +195,15 @@ async def test_cancelling_the_consumer_closes_the_upstream_connection(fake: Fake
     await cancel_after(p.stream("claude-sonnet-4", USER, [], {}), 3)
     await fake.wait_client_gone(within=10)
     await p.aclose()
+
+
+async def test_mcp_tool_names_with_dots_are_mapped_on_the_wire_and_back(
+        fake: FakeServer) -> None:
+    """Anthropic tool names allow only ^[a-zA-Z0-9_-]{1,64}$ too: `server.tool` is sent as
+    `server__tool` and the model's tool_use comes back under the dotted name."""
+    spec = ToolSpec("time.get_current_time", "the time", {"type": "object", "properties": {}})
+    fake.script(sse(anthropic_message([("tool_use", ("toolu_9", "time__get_current_time",
+                                                     ["{}"]))], stop_reason="tool_use")))
+    items = await collect(provider(fake), tools=[spec])
+    assert items[0] == ToolCallRequest("toolu_9", "time.get_current_time", {})
+    assert [t["name"] for t in fake.received[0].body["tools"]] == ["time__get_current_time"]

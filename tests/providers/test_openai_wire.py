@@ -251,3 +251,26 @@ async def test_done_marker_ends_the_answer_even_before_the_connection_closes(
                     then="hang"))
     items = await asyncio.wait_for(collect(provider(fake, timeout_s=30)), 20)
     assert items == [TextDelta("x"), Finish("stop")]
+
+
+MCP_TIME = ToolSpec("time.get_current_time", "the time", {
+    "type": "object", "properties": {"timezone": {"type": "string"}}})
+
+
+async def test_mcp_tool_names_with_dots_are_mapped_on_the_wire_and_back(
+        fake: FakeServer) -> None:
+    """OpenAI function names allow only ^[a-zA-Z0-9_-]{1,64}$: a `server.tool` goes out as
+    `server__tool`, in the offered tools and in the transcript, and comes back dotted."""
+    fake.script(sse(openai_tool_calls([("call_1", "time__get_current_time",
+                                        ['{"timezone": "UTC"}'])])))
+    history = [{"role": "user", "content": "time?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_0", "name": "time.get_current_time", "arguments": {}}]},
+               {"role": "tool", "content": "{}", "tool_call_id": "call_0"},
+               {"role": "user", "content": "again"}]
+    items = await collect(provider(fake), messages=history, tools=[MCP_TIME, CALCULATOR])
+    assert items[0] == ToolCallRequest("call_1", "time.get_current_time", {"timezone": "UTC"})
+    body = fake.received[0].body
+    assert [t["function"]["name"] for t in body["tools"]] == \
+        ["time__get_current_time", "calculator"]
+    assert body["messages"][1]["tool_calls"][0]["function"]["name"] == "time__get_current_time"

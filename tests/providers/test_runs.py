@@ -61,7 +61,7 @@ async def worker(dsn: str, pool: asyncpg.Pool, settings: Settings,
                          report=lambda: WorkerReport(WORKER, "provider-test", 0))
     keeper.start()
     try:
-        yield TurnRunner(pool, keeper, settings, providers, tools or default_tools())
+        yield TurnRunner(pool, hub, keeper, settings, providers, tools or default_tools())
     finally:
         await keeper.close()
         await providers.close()
@@ -131,7 +131,8 @@ async def test_bad_tool_arguments_become_a_tool_error_result_and_the_turn_goes_o
     row, journal = await run_turn(dsn, pool, settings, "openai:fake")
     assert row["status"] == RunStatus.COMPLETED, row["error"]
     [result] = of_type(journal, EventType.TOOL_RESULT)
-    assert "missing required argument 'expression'" in result["error"]
+    assert result["error"] == \
+        "invalid arguments for calculator: 'expression' is a required property"
     assert json.loads(fake.received[1].body["messages"][-1]["content"])["error"] == \
         result["error"]
 

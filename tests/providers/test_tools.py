@@ -46,14 +46,14 @@ def test_calculator_refuses_anything_but_bounded_arithmetic(expression: str, rea
 
 
 @pytest.mark.parametrize(("name", "args", "reason"), [
-    ("calculator", {}, "missing required argument 'expression'"),
-    ("calculator", {"expression": 42}, "'expression' must be of type string"),
-    ("calculator", {"expression": "1", "extra": 1}, "unexpected arguments"),
-    ("calculator", {"expression": "1" * 501}, "longer than 500"),
+    ("calculator", {}, "invalid arguments for calculator: 'expression' is a required property"),
+    ("calculator", {"expression": 42}, "at expression: 42 is not of type 'string'"),
+    ("calculator", {"expression": "1", "extra": 1}, "Additional properties are not allowed"),
+    ("calculator", {"expression": "1" * 501}, "is too long"),
     ("calculator", '{"expression": "6 *', "not a JSON object"),
     ("calculator", ["6 * 7"], "must be a JSON object"),
-    ("notes", {"action": "delete"}, "must be one of"),
-    ("notes", {"action": "list", "limit": "10"}, "must be of type integer"),
+    ("notes", {"action": "delete"}, "'delete' is not one of"),
+    ("notes", {"action": "list", "limit": "10"}, "at limit: '10' is not of type 'integer'"),
     ("rm_rf", {}, "unknown tool"),
 ])
 async def test_bad_arguments_are_a_tool_error_not_a_crash(name: str, args: Any,
@@ -67,7 +67,7 @@ async def test_calculator_through_the_registry() -> None:
     assert result == {"expression": "6 * 7", "value": 42}
 
 
-def test_the_builtins_are_registered_with_schemas() -> None:
-    specs = {spec.name: spec for spec in default_tools().specs()}
+async def test_the_builtins_are_registered_with_schemas() -> None:
+    specs = {spec.name: spec for spec in await default_tools().specs()}
     assert set(specs) == {"clock", "calculator", "notes"}
     assert specs["notes"].parameters["properties"]["action"]["enum"] == ["append", "list"]

@@ -17,6 +17,7 @@ DATA_LAYER = {
     "agentd.accounts": "accounts, devices and their tokens",
     "agentd.conversations": "conversation state, presence and the notebook",
     "agentd.queue": "the run lifecycle: enqueue, claim, fenced writes, finish, reap, stop",
+    "agentd.approvals": "tool approvals: the worker's fenced question, a device's decision",
 }
 
 

@@ -16,10 +16,13 @@ from agentd.providers import parse_model, validate_params
 from agentd.providers.base import UnknownModel
 from agentd.service import RunRequest, ServiceError
 from agentd.settings import Settings
+from agentd.vocabulary import ApprovalDecision
 
 ON_BUSY = ("enqueue", "reject", "interrupt")
 RUN_FIELDS = {"content", "model", "params", "on_busy"}
 MAX_TITLE = 500
+MAX_NOTE = 2000
+MAX_CALL_ID = 200
 
 
 async def json_body(request: web.Request, *, optional: bool = False) -> Any:
@@ -84,9 +87,9 @@ def storable_text(text: str) -> bool:
     return True
 
 
-def validate_run_request(body: Any, settings: Settings, tool_names: set[str]) -> RunRequest:
-    """POST /v1/conversations/{id}/runs: content, model, params (checked against the provider
-    and the tools), on_busy."""
+def validate_run_request(body: Any, settings: Settings) -> RunRequest:
+    """POST /v1/conversations/{id}/runs: content, model, params (checked against the provider;
+    the service checks that a tool they name exists), on_busy."""
     if not isinstance(body, dict):
         raise ServiceError(400, "invalid_body", "the body must be a JSON object")
     unknown = set(body) - RUN_FIELDS
@@ -113,7 +116,7 @@ def validate_run_request(body: Any, settings: Settings, tool_names: set[str]) ->
     if not isinstance(params, dict):
         raise ServiceError(400, "invalid_params", "params must be a JSON object")
     try:
-        validate_params(settings.providers[model.provider], params, tool_names,
+        validate_params(settings.providers[model.provider], params,
                         max_run_s=settings.max_run_s)
     except ValueError as exc:
         raise ServiceError(422, "invalid_params", str(exc)) from None
@@ -132,3 +135,23 @@ def validate_title(body: Any) -> str:
         raise ServiceError(400, "invalid_title", f"title must be a string of at most "
                            f"{MAX_TITLE} characters")
     return title.strip()
+
+
+def validate_approval(body: Any) -> tuple[ApprovalDecision, str | None]:
+    """{"decision": "approve" | "deny", "note"?: "..."} for deciding a tool approval."""
+    if not isinstance(body, dict):
+        raise ServiceError(400, "invalid_body", "the body must be a JSON object")
+    unknown = set(body) - {"decision", "note"}
+    if unknown:
+        raise ServiceError(400, "unknown_field", f"unknown fields: {', '.join(sorted(unknown))}")
+    try:
+        decision = ApprovalDecision(body.get("decision"))
+    except ValueError:
+        raise ServiceError(422, "invalid_decision",
+                           'decision must be "approve" or "deny"') from None
+    note = body.get("note")
+    if note is not None and (not isinstance(note, str) or len(note) > MAX_NOTE):
+        raise ServiceError(422, "invalid_note",
+                           f"note must be a string of at most {MAX_NOTE} characters")
+    note = note.strip() if note else None
+    return decision, note or None

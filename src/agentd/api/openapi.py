@@ -97,13 +97,41 @@ SCHEMAS: dict[str, Any] = {
                       "model": {"type": "string",
                                 "description": "`demo` or `<provider>:<model>`"},
                       "params": {"type": "object", "description": "provider parameters; the "
-                                 "demo model takes tokens, delay_ms, tool, fail"},
+                                 "demo model takes tokens, delay_ms, tool (any registered "
+                                 "tool, MCP ones as `<server>.<tool>`), tool_args (a JSON "
+                                 "object: the call's arguments), fail"},
                       "on_busy": {"enum": ["enqueue", "reject", "interrupt"],
                                   "default": "enqueue"}}},
     "RunCreated": {"type": "object", "required": ["run_id", "status", "conversation_id"],
                    "properties": {"run_id": UUID, "status": {"enum": [str(s) for s in RunStatus]},
                                   "conversation_id": UUID,
                                   "drafts": {"type": "array", "items": _ref("Draft")}}},
+    "Approval": {"type": "object",
+                 "required": ["call_id", "tool", "arguments", "requested_at", "expires_at",
+                              "decision", "device", "device_id", "timed_out", "note",
+                              "decided_at"],
+                 "properties": {
+                     "call_id": {"type": "string"}, "tool": {"type": "string"},
+                     "arguments": {"type": "object"}, "requested_at": TIME,
+                     "expires_at": TIME,
+                     "decision": {"enum": ["approve", "deny", None],
+                                  "description": "null while pending"},
+                     "device": {"type": ["string", "null"],
+                                "description": "the device that decided"},
+                     "device_id": {"type": ["string", "null"], "format": "uuid"},
+                     "timed_out": {"type": "boolean"}, "note": {"type": ["string", "null"]},
+                     "decided_at": NULLABLE_TIME}},
+    "Decision": {"type": "object", "required": ["decision"], "additionalProperties": False,
+                 "properties": {"decision": {"enum": ["approve", "deny"]},
+                                "note": {"type": "string", "maxLength": 2000}}},
+    "Decided": {"type": "object",
+                "required": ["run_id", "call_id", "decision", "device", "device_id", "note",
+                             "decided_at"],
+                "properties": {"run_id": UUID, "call_id": {"type": "string"},
+                               "decision": {"enum": ["approve", "deny"]},
+                               "device": {"type": ["string", "null"]},
+                               "device_id": {"type": ["string", "null"], "format": "uuid"},
+                               "note": {"type": ["string", "null"]}, "decided_at": TIME}},
     "Pairing": {"type": "object",
                 "required": ["code", "expires_at", "url", "fingerprint", "command"],
                 "properties": {
@@ -219,7 +247,9 @@ def build_spec() -> dict[str, Any]:
                               "404": _error("no such conversation"),
                               "409": _error("busy (on_busy=reject) or idempotency conflict"),
                               "413": _error("content or body too large"),
-                              "422": _error("invalid params for the model"),
+                              "422": _error("invalid params for the model, an unknown tool "
+                                            "(invalid_params) or a tool whose MCP server is "
+                                            "unavailable (tool_unavailable)"),
                               "429": {**_TOO_MANY, "description": "queue_full: the account "
                                       "is at its queued limit; nothing was written"},
                               **_ERRORS}}},
@@ -250,6 +280,34 @@ def build_spec() -> dict[str, Any]:
                 "summary": "cancel one run", "parameters": [_ID],
                 "responses": {"202": _json(_ref("StopResult"), "cancel recorded"),
                               "404": _error("no such run"), **_ERRORS}}},
+            "/v1/runs/{id}/approvals": {"get": {
+                "summary": "the run's tool approvals, oldest first, pending and decided",
+                "parameters": [_ID],
+                "responses": {"200": _json({"type": "object", "required": ["approvals"],
+                                            "properties": {"approvals": {
+                                                "type": "array", "items": _ref("Approval")}}},
+                                           "approvals"),
+                              "404": _error("no such run"), **_ERRORS}}},
+            "/v1/runs/{id}/approvals/{call_id}": {"post": {
+                "summary": "approve or deny a pending tool call, from any device of the "
+                           "account; the first decision wins",
+                "parameters": [_ID, {"name": "call_id", "in": "path", "required": True,
+                                     "schema": {"type": "string", "minLength": 1,
+                                                "maxLength": 200}}],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("Decision")}}},
+                "responses": {"200": _json(_ref("Decided"), "the decision landed"),
+                              "400": _error("bad body"),
+                              "404": _error("no such run (not_found) or no such approval "
+                                            "(approval_not_found)"),
+                              "409": _error("decided already, naming who "
+                                            "(approval_already_decided), timed out "
+                                            "(approval_expired) or no longer awaited: the "
+                                            "run was stopped or ended "
+                                            "(approval_not_pending)"),
+                              "413": _error("body over 1 MiB"),
+                              "422": _error("decision is not approve/deny, or a bad note"),
+                              **_ERRORS}}},
             "/v1/runs/{id}/events": {"get": {
                 "summary": f"SSE of the run's journal after `from` (or Last-Event-ID); each "
                            f"id is the seq; ends after `complete`. Types: {events}",

@@ -13,7 +13,14 @@ from aiohttp import web
 
 from agentd.api import RUNTIME, sse, wire
 from agentd.api.auth import auth_middleware, principal
-from agentd.api.bodies import json_body, storable_text, validate_run_request, validate_title
+from agentd.api.bodies import (
+    MAX_CALL_ID,
+    json_body,
+    storable_text,
+    validate_approval,
+    validate_run_request,
+    validate_title,
+)
 from agentd.api.errors import error_middleware
 from agentd.api.stream_guard import open_device_stream
 from agentd.export import conversation_markdown
@@ -30,7 +37,7 @@ SERVICE = web.AppKey("service", Service)
 
 def add_routes(app: web.Application) -> None:
     runtime = app[RUNTIME]
-    app[SERVICE] = Service(runtime.pool, runtime.hub, runtime.settings, runtime.tool_names)
+    app[SERVICE] = Service(runtime.pool, runtime.hub, runtime.settings, runtime.tools)
     app.middlewares.extend([error_middleware, auth_middleware])
     r = app.router
     r.add_get("/v1/me", me)
@@ -47,6 +54,8 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/v1/runs/{id}/wait", wait_run)
     r.add_post("/v1/runs/{id}/cancel", cancel_run)
     r.add_get("/v1/runs/{id}/events", run_events)
+    r.add_get("/v1/runs/{id}/approvals", list_approvals)
+    r.add_post("/v1/runs/{id}/approvals/{call_id}", decide_approval)
 
 
 def _service(request: web.Request) -> Service:
@@ -128,7 +137,7 @@ async def create_run(request: web.Request) -> web.Response:
     service = _service(request)
     conversation_id = _path_id(request, "conversation")
     body = await json_body(request)
-    req = validate_run_request(body, service.settings, service.tool_names)
+    req = validate_run_request(body, service.settings)
     key = request.headers.get("Idempotency-Key")
     # Shielded: a client that hangs up mid-request must not cut the transaction in half.
     created = await asyncio.shield(service.create_run(principal(request), conversation_id, req,
@@ -180,6 +189,28 @@ async def stop_conversation(request: web.Request) -> web.Response:
     result = await asyncio.shield(
         _service(request).stop_conversation(principal(request), conversation_id))
     return _stop_answer(request, result)
+
+
+async def list_approvals(request: web.Request) -> web.Response:
+    rows = await _service(request).list_approvals(principal(request), _path_id(request, "run"))
+    return web.json_response({"approvals": [wire.approval(row) for row in rows]})
+
+
+async def decide_approval(request: web.Request) -> web.Response:
+    run_id = _path_id(request, "run")
+    call_id = request.match_info["call_id"]
+    if not 0 < len(call_id) <= MAX_CALL_ID or not storable_text(call_id):
+        raise ServiceError(404, "approval_not_found",
+                           "this run has no tool approval with that call id")
+    decision, note = validate_approval(await json_body(request))
+    # Shielded: the decision commits whole even if the client hangs up mid-request.
+    decided = await asyncio.shield(_service(request).decide_approval(
+        principal(request), run_id, call_id, decision, note))
+    return web.json_response({
+        "run_id": str(run_id), "call_id": call_id, "decision": str(decided.decision),
+        "device": decided.device,
+        "device_id": str(decided.device_id) if decided.device_id else None,
+        "note": decided.note, "decided_at": wire.ts(decided.decided_at)})
 
 
 async def run_events(request: web.Request) -> web.StreamResponse:

@@ -36,11 +36,11 @@ def parse_model(name: str | None, settings: Settings) -> ModelRef:
     return ModelRef(provider, model)
 
 
-def validate_params(config: ProviderConfig, params: dict[str, Any], tool_names: set[str],
+def validate_params(config: ProviderConfig, params: dict[str, Any],
                     max_run_s: float | None = None) -> dict[str, Any]:
     """A run's params for the provider it names; raises ValueError naming the bad one."""
     if config.kind == "demo":
-        return validate_demo_params(params, tool_names, max_run_s)
+        return validate_demo_params(params, max_run_s)
     return validate_sampling_params(config.kind, params)
 
 

@@ -30,7 +30,12 @@ from agentd.providers.http_stream import (
     parse_event_data,
     post_event_stream,
 )
-from agentd.providers.transcript import decode_arguments, pair_tool_calls, split_system
+from agentd.providers.transcript import (
+    ToolNames,
+    decode_arguments,
+    pair_tool_calls,
+    split_system,
+)
 from agentd.settings import ProviderConfig
 
 API_VERSION = "2023-06-01"
@@ -39,9 +44,11 @@ STOP_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "pause_turn": "stop
                 "tool_use": "tool_calls", "max_tokens": "length", "refusal": "content_filter"}
 
 
-def to_anthropic_messages(messages: list[dict[str, Any]],
-                          params: dict[str, Any]) -> tuple[str | None, list[dict[str, Any]]]:
+def to_anthropic_messages(messages: list[dict[str, Any]], params: dict[str, Any],
+                          names: ToolNames | None = None,
+                          ) -> tuple[str | None, list[dict[str, Any]]]:
     """(system, messages): content blocks, tool results in user turns, same roles merged."""
+    names = names or ToolNames()
     system, rest = split_system(messages, params)
     out: list[dict[str, Any]] = []
 
@@ -62,7 +69,8 @@ def to_anthropic_messages(messages: list[dict[str, Any]],
             blocks = [{"type": "text", "text": text}] if text.strip() else []
             for call in message.get("tool_calls") or []:
                 arguments = call["arguments"]
-                blocks.append({"type": "tool_use", "id": call["id"], "name": call["name"],
+                blocks.append({"type": "tool_use", "id": call["id"],
+                               "name": names.wire(call["name"]),
                                "input": arguments if isinstance(arguments, dict) else {}})
             add("assistant", blocks)
         elif text.strip():
@@ -72,8 +80,10 @@ def to_anthropic_messages(messages: list[dict[str, Any]],
     return system, out
 
 
-def to_anthropic_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
-    return [{"name": t.name, "description": t.description,
+def to_anthropic_tools(tools: list[ToolSpec],
+                       names: ToolNames | None = None) -> list[dict[str, Any]]:
+    names = names or ToolNames()
+    return [{"name": names.wire(t.name), "description": t.description,
              "input_schema": t.parameters or {"type": "object", "properties": {}}}
             for t in tools]
 
@@ -94,14 +104,15 @@ class AnthropicProvider:
         return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
 
     def request_body(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
-                     params: dict[str, Any]) -> dict[str, Any]:
-        system, wire = to_anthropic_messages(messages, params)
+                     params: dict[str, Any], names: ToolNames | None = None) -> dict[str, Any]:
+        names = names or ToolNames.for_request(tools, messages)
+        system, wire = to_anthropic_messages(messages, params, names)
         body: dict[str, Any] = {"model": model, "messages": wire, "stream": True,
                                 "max_tokens": params.get("max_tokens", DEFAULT_MAX_TOKENS)}
         if system:
             body["system"] = system
         if tools:
-            body["tools"] = to_anthropic_tools(tools)
+            body["tools"] = to_anthropic_tools(tools, names)
         for key in ("temperature", "top_p", "top_k"):
             if key in params:
                 body[key] = params[key]
@@ -122,9 +133,10 @@ class AnthropicProvider:
         input_tokens = output_tokens = 0
         stop_reason: str | None = None
         done = False
+        names = ToolNames.for_request(tools, messages)
         events = post_event_stream(self._client, self.config, url=self.url, model=model,
                                    headers=headers,
-                                   body=self.request_body(model, messages, tools, params))
+                                   body=self.request_body(model, messages, tools, params, names))
         async with contextlib.aclosing(events):
             async for event in events:
                 if not event.data.strip():
@@ -159,7 +171,7 @@ class AnthropicProvider:
                 elif kind == "content_block_stop":
                     block = blocks.pop(int(data["index"]), None)
                     if block is not None:
-                        calls.append(ToolCallRequest(block["id"], block["name"],
+                        calls.append(ToolCallRequest(block["id"], names.local(block["name"]),
                                                      decode_arguments(block["json"])))
                 elif kind == "message_delta":
                     stop_reason = (data.get("delta") or {}).get("stop_reason") or stop_reason

@@ -1,7 +1,8 @@
 """The offline demo model: deterministic, paced like a real stream, and able to call tools.
 
 Per-run params shape it for tests and benchmarks: `tokens` (answer length), `delay_ms` (pause
-between deltas), `tool` (call that tool once first), `fail` (raise after that many tokens).
+between deltas), `tool` (call that tool once first, any registered tool, MCP ones included) with
+`tool_args` (a JSON object: its arguments), `fail` (raise after that many tokens).
 Same transcript and params, same output.
 """
 
@@ -34,13 +35,15 @@ DEFAULT_DELAY_MS = 25
 PARAM_LIMITS = {"tokens": (0, 100_000), "delay_ms": (0, 60_000), "fail": (0, 100_000)}
 DEMO_TOOL_ARGS = {"clock": {}, "calculator": {"expression": "6 * 7"},
                   "notes": {"action": "append", "text": "demo note"}}
+MAX_ECHO_CHARS = 400  # how much of a tool's result the answer repeats
 
 
-def validate_params(params: dict[str, Any], tool_names: set[str],
-                    max_run_s: float | None = None) -> dict[str, Any]:
-    """Check demo params; raises ValueError naming the bad one. With `max_run_s`, the answer's
-    pacing (tokens × delay_ms) must fit the turn deadline: a demo turn never fails by design."""
-    unknown = set(params) - {*PARAM_LIMITS, "tool"}
+def validate_params(params: dict[str, Any], max_run_s: float | None = None) -> dict[str, Any]:
+    """Check demo params' shapes; raises ValueError naming the bad one. Whether `tool` names a
+    registered tool is checked by the caller (an MCP tool is found only by asking its server).
+    With `max_run_s`, the answer's pacing (tokens × delay_ms) must fit the turn deadline: a
+    demo turn never fails by design."""
+    unknown = set(params) - {*PARAM_LIMITS, "tool", "tool_args"}
     if unknown:
         raise ValueError(f"unknown demo params: {sorted(unknown)}")
     for key, (low, high) in PARAM_LIMITS.items():
@@ -48,8 +51,14 @@ def validate_params(params: dict[str, Any], tool_names: set[str],
             value = params[key]
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"params.{key} must be an integer in [{low}, {high}]")
-    if "tool" in params and params["tool"] not in tool_names:
-        raise ValueError(f"params.tool must be one of {sorted(tool_names)}")
+    if "tool" in params and (not isinstance(params["tool"], str) or
+                             not 0 < len(params["tool"]) <= 200):
+        raise ValueError("params.tool must be a tool name")
+    if "tool_args" in params:
+        if "tool" not in params:
+            raise ValueError("params.tool_args needs params.tool")
+        if not isinstance(params["tool_args"], dict):
+            raise ValueError("params.tool_args must be a JSON object")
     paced_s = params.get("tokens", DEFAULT_TOKENS) * params.get("delay_ms", DEFAULT_DELAY_MS) \
         / 1000
     if max_run_s is not None and paced_s > max_run_s:
@@ -83,16 +92,20 @@ class DemoProvider:
         # Tool first: once per turn, i.e. until a tool result follows the last user message.
         last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
         results = [m for m in messages[last_user + 1:] if m["role"] == "tool"]
-        if tool and not results and tool in {t.name for t in tools}:
+        if tool and not results:
+            # Any tool, offered or not: a test can make it call a tool the policy hides.
+            args = params.get("tool_args")
+            if args is None:
+                args = DEMO_TOOL_ARGS.get(tool, {})
             call_id = "call_" + hashlib.sha256(f"{prompt}:{tool}".encode()).hexdigest()[:12]
-            yield ToolCallRequest(call_id, tool, dict(DEMO_TOOL_ARGS.get(tool, {})))
+            yield ToolCallRequest(call_id, tool, json.loads(json.dumps(args)))
             yield Usage(input_tokens, 1)
             yield Finish("tool_calls")
             return
 
         words = _words(f"{model}:{prompt}", tokens)
         if results:
-            words = ["tool", "said:", json.dumps(results[-1]["content"])[:80], *words]
+            words = ["tool", "said:", str(results[-1]["content"])[:MAX_ECHO_CHARS], *words]
         for index, word in enumerate(words):
             if fail_after is not None and index >= fail_after:
                 raise ProviderError(f"demo provider failed after {index} tokens (params.fail)")

@@ -32,6 +32,7 @@ from agentd.providers.http_stream import (
     post_event_stream,
 )
 from agentd.providers.transcript import (
+    ToolNames,
     arguments_json,
     decode_arguments,
     pair_tool_calls,
@@ -59,14 +60,15 @@ class _PartialCall:
         if fragment != self.name:
             self.name += fragment
 
-    def finish(self, index: int) -> ToolCallRequest:
+    def finish(self, index: int, names: ToolNames) -> ToolCallRequest:
         call_id = self.id or f"call_{index}_{uuid.uuid4().hex[:12]}"
-        return ToolCallRequest(call_id, self.name, decode_arguments(self.arguments))
+        return ToolCallRequest(call_id, names.local(self.name), decode_arguments(self.arguments))
 
 
-def to_openai_messages(messages: list[dict[str, Any]],
-                       params: dict[str, Any]) -> list[dict[str, Any]]:
+def to_openai_messages(messages: list[dict[str, Any]], params: dict[str, Any],
+                       names: ToolNames | None = None) -> list[dict[str, Any]]:
     """agentd's transcript (role, content, tool_calls, tool_call_id) in chat-completions form."""
+    names = names or ToolNames()
     system, rest = split_system(messages, params)
     out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     for message in pair_tool_calls(rest):
@@ -75,7 +77,7 @@ def to_openai_messages(messages: list[dict[str, Any]],
             out.append({"role": "assistant", "content": message.get("content") or None,
                         "tool_calls": [
                             {"id": call["id"], "type": "function",
-                             "function": {"name": call["name"],
+                             "function": {"name": names.wire(call["name"]),
                                           "arguments": arguments_json(call["arguments"])}}
                             for call in message["tool_calls"]]})
         elif role == "tool":
@@ -86,8 +88,11 @@ def to_openai_messages(messages: list[dict[str, Any]],
     return out
 
 
-def to_openai_tools(tools: list[ToolSpec]) -> list[dict[str, Any]]:
-    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+def to_openai_tools(tools: list[ToolSpec],
+                    names: ToolNames | None = None) -> list[dict[str, Any]]:
+    names = names or ToolNames()
+    return [{"type": "function", "function": {"name": names.wire(t.name),
+                                              "description": t.description,
                                               "parameters": t.parameters}} for t in tools]
 
 
@@ -106,12 +111,13 @@ class OpenAIProvider:
         return self.config.base_url.rstrip("/") + "/chat/completions"  # type: ignore[union-attr]
 
     def request_body(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
-                     params: dict[str, Any]) -> dict[str, Any]:
+                     params: dict[str, Any], names: ToolNames | None = None) -> dict[str, Any]:
+        names = names or ToolNames.for_request(tools, messages)
         body: dict[str, Any] = {
-            "model": model, "messages": to_openai_messages(messages, params), "stream": True,
-            "stream_options": {"include_usage": True}}
+            "model": model, "messages": to_openai_messages(messages, params, names),
+            "stream": True, "stream_options": {"include_usage": True}}
         if tools:
-            body["tools"] = to_openai_tools(tools)
+            body["tools"] = to_openai_tools(tools, names)
         body.update({key: params[key] for key in SAMPLING_KEYS if key in params})
         return body
 
@@ -125,9 +131,10 @@ class OpenAIProvider:
         usage: Usage | None = None
         finish: str | None = None
         done = False
+        names = ToolNames.for_request(tools, messages)
         events = post_event_stream(self._client, self.config, url=self.url, model=model,
                                    headers=headers,
-                                   body=self.request_body(model, messages, tools, params))
+                                   body=self.request_body(model, messages, tools, params, names))
         async with contextlib.aclosing(events):
             async for event in events:
                 if event.data.strip() == "[DONE]":
@@ -163,7 +170,7 @@ class OpenAIProvider:
             raise ProviderError(f"{self.config.name}: the stream ended before the answer did "
                                 "(no finish_reason, no [DONE])")
         for index in sorted(calls):
-            yield calls[index].finish(index)
+            yield calls[index].finish(index, names)
         if usage is not None:
             yield usage
         yield Finish(finish or ("tool_calls" if calls else "stop"))

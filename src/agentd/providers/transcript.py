@@ -6,10 +6,52 @@ such a history, so every unanswered call gets a synthetic error result before it
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+from collections.abc import Iterable
 from typing import Any
 
 UNANSWERED = json.dumps({"error": "no result: the turn ended before the tool answered"})
+# What OpenAI's function names and Anthropic's tool names accept; agentd names MCP tools
+# `<server>.<tool>`, and a dot is not in it.
+WIRE_TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+class ToolNames:
+    """agentd's tool names and the names a provider's wire format accepts, both ways.
+
+    A name the wire accepts is sent as it is; any other is spelled with `__` for each dot and
+    `_` for other characters, and a short hash when that is too long or already taken. The map
+    is built per request from the offered tools and the names in the transcript, so what the
+    model calls comes back under agentd's name.
+    """
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        self._wire: dict[str, str] = {}
+        self._local: dict[str, str] = {}
+        for name in names:
+            self.wire(name)
+
+    @classmethod
+    def for_request(cls, tools: Iterable[Any], messages: Iterable[dict[str, Any]]) -> ToolNames:
+        names = [tool.name for tool in tools]
+        for message in messages:
+            names.extend(str(call.get("name", "")) for call in message.get("tool_calls") or [])
+        return cls(names)
+
+    def wire(self, name: str) -> str:
+        if name in self._wire:
+            return self._wire[name]
+        wire = name if WIRE_TOOL_NAME.match(name) else \
+            re.sub(r"[^a-zA-Z0-9_-]", "_", name.replace(".", "__"))[:64] or "tool"
+        if wire in self._local or (wire != name and len(wire) == 64):  # taken, or cut short
+            wire = f"{wire[:55]}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+        self._wire[name], self._local[wire] = wire, name
+        return wire
+
+    def local(self, wire: str) -> str:
+        return self._local.get(wire, wire)
 
 
 def split_system(messages: list[dict[str, Any]],

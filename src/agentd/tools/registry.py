@@ -1,4 +1,5 @@
-"""The tool registry: validates a call's arguments against its schema before running it.
+"""The tool registry: built-ins plus tool sources (MCP servers), each tool with its JSON schema,
+checked by the `jsonschema` package, and its approval policy.
 
 Each call receives the run's fence so a downstream resource can reject a superseded writer (a
 uuid distinguishes executions, only a monotonic token orders them: docs/providers.md), and a
@@ -7,14 +8,25 @@ ToolStore: the only database operations a tool may perform. Tools never see the 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 from uuid import UUID
 
+import jsonschema
+from jsonschema.exceptions import best_match
+from jsonschema.protocols import Validator
+
 from agentd.conversations import Note
 from agentd.providers.base import ToolSpec
+from agentd.vocabulary import ApprovalPolicy
+
+log = logging.getLogger("agentd.tools")
+
+MAX_MESSAGE_CHARS = 300  # a validation message quotes the caller's value; keep it readable
 
 
 class ToolStore(Protocol):
@@ -44,7 +56,28 @@ class ToolError(Exception):
     """A tool refused or failed; the model receives the message as the tool's result."""
 
 
+class InvalidToolSchema(ValueError):
+    """A tool's input schema is not a valid JSON schema: the tool is disabled, never offered."""
+
+
 ToolFn = Callable[[dict[str, Any], ToolContext], Awaitable[Any]]
+
+
+def compile_schema(schema: Any) -> Validator:
+    """A validator for a tool's input schema (its `$schema` draft, else 2020-12); raises
+    InvalidToolSchema when the schema itself is invalid."""
+    if not isinstance(schema, dict):
+        raise InvalidToolSchema("the input schema is not a JSON object")
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise InvalidToolSchema(f"invalid input schema{f' at {where}' if where else ''}: "
+                                f"{_short(exc.message)}") from None
+    if schema.get("type", "object") != "object":
+        raise InvalidToolSchema("the input schema must describe a JSON object")
+    return cls(schema)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,69 +86,106 @@ class Tool:
     description: str
     parameters: dict[str, Any]
     fn: ToolFn
+    policy: ApprovalPolicy = ApprovalPolicy.AUTO
+    source: str = "builtin"  # or the MCP server's name
+    validator: Validator = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "validator", compile_schema(self.parameters))
 
     @property
     def spec(self) -> ToolSpec:
         return ToolSpec(self.name, self.description, self.parameters)
 
+    def check_arguments(self, args: Any) -> dict[str, Any]:
+        """The arguments as a dict, or ToolError with the validator's message (which the model
+        reads, so it can correct the call)."""
+        if isinstance(args, str):
+            raise ToolError(f"arguments are not a JSON object: {args[:200]!r}")
+        if not isinstance(args, dict):
+            raise ToolError("arguments must be a JSON object")
+        error = best_match(self.validator.iter_errors(args))
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path)
+            message = error.message
+            quoted = repr(error.instance)
+            if len(quoted) > 60:  # the message quotes the value: keep the reason readable
+                message = message.replace(quoted, quoted[:40] + "…")
+            raise ToolError(f"invalid arguments for {self.name}"
+                            f"{f' at {where}' if where else ''}: {_short(message)}")
+        return args
 
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
-    "object": (dict,), "array": (list,),
-}
+
+def _short(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS] + "…"
 
 
-def validate_arguments(schema: dict[str, Any], args: Any) -> None:
-    """The subset of JSON schema tools use: object, properties, required, types, enum, maxLength."""
-    if isinstance(args, str):
-        raise ToolError(f"arguments are not a JSON object: {args[:200]!r}")
-    if not isinstance(args, dict):
-        raise ToolError("arguments must be a JSON object")
-    props: dict[str, Any] = schema.get("properties", {})
-    for name in schema.get("required", []):
-        if name not in args:
-            raise ToolError(f"missing required argument {name!r}")
-    if schema.get("additionalProperties") is False:
-        extra = set(args) - set(props)
-        if extra:
-            raise ToolError(f"unexpected arguments: {sorted(extra)}")
-    for name, value in args.items():
-        rule = props.get(name)
-        if rule is None:
-            continue
-        kind = rule.get("type")
-        if kind is not None:
-            allowed = _JSON_TYPES[kind]
-            is_bool = isinstance(value, bool)
-            if not isinstance(value, allowed) or (is_bool and kind != "boolean"):
-                raise ToolError(f"argument {name!r} must be of type {kind}")
-        if "enum" in rule and value not in rule["enum"]:
-            raise ToolError(f"argument {name!r} must be one of {rule['enum']}")
-        if "maxLength" in rule and isinstance(value, str) and len(value) > rule["maxLength"]:
-            raise ToolError(f"argument {name!r} is longer than {rule['maxLength']}")
+class ToolSource(Protocol):
+    """Tools from outside the process (MCP servers): listed and found on demand."""
+
+    async def tools(self) -> list[Tool]: ...
+
+    async def find(self, name: str) -> Tool | None: ...
 
 
 class ToolRegistry:
-    def __init__(self, tools: Iterable[Tool] = ()) -> None:
-        self._tools = {tool.name: tool for tool in tools}
+    def __init__(self, tools: Iterable[Tool] = (), *,
+                 policies: Mapping[str, ApprovalPolicy] | None = None,
+                 sources: Iterable[ToolSource] = ()) -> None:
+        policies = policies or {}
+        self._tools = {tool.name: _with_policy(tool, policies.get(tool.name))
+                       for tool in tools}
+        self._sources = list(sources)
 
     def names(self) -> set[str]:
+        """The built-in tools' names (a source's tools are found with `find`)."""
         return set(self._tools)
 
-    def specs(self) -> list[ToolSpec]:
-        return [tool.spec for tool in self._tools.values()]
+    async def all_tools(self) -> list[Tool]:
+        found = list(self._tools.values())
+        for source in self._sources:
+            found.extend(await source.tools())
+        return found
 
-    async def call(self, name: str, args: Any, ctx: ToolContext) -> Any:
-        """Run a tool; bad arguments or a tool's own refusal raise ToolError, never crash."""
+    async def specs(self) -> list[ToolSpec]:
+        """What the model is offered: every tool but those whose policy is `deny`."""
+        return [tool.spec for tool in await self.all_tools()
+                if tool.policy != ApprovalPolicy.DENY]
+
+    async def find(self, name: str) -> Tool | None:
         tool = self._tools.get(name)
+        if tool is not None:
+            return tool
+        for source in self._sources:
+            tool = await source.find(name)
+            if tool is not None:
+                return tool
+        return None
+
+    async def call(self, name: str | Tool, args: Any, ctx: ToolContext) -> Any:
+        """Run a tool, whatever its policy (the executor asks first); bad arguments or a tool's
+        own refusal raise ToolError, never crash."""
+        tool = name if isinstance(name, Tool) else await self.find(name)
         if tool is None:
             raise ToolError(f"unknown tool {name!r}")
-        validate_arguments(tool.parameters, args)
-        return await tool.fn(args, ctx)
+        return await tool.fn(tool.check_arguments(args), ctx)
 
 
-def default_tools() -> ToolRegistry:
+def _with_policy(tool: Tool, policy: ApprovalPolicy | None) -> Tool:
+    if policy is None or policy == tool.policy:
+        return tool
+    return Tool(tool.name, tool.description, tool.parameters, tool.fn, policy, tool.source)
+
+
+def result_text(result: Any) -> str:
+    """A tool's result as the JSON text the transcript stores."""
+    return json.dumps(result, default=str, ensure_ascii=False)
+
+
+def default_tools(policies: Mapping[str, ApprovalPolicy] | None = None,
+                  sources: Iterable[ToolSource] = ()) -> ToolRegistry:
     from agentd.tools.builtin import calculator_tool, clock_tool
     from agentd.tools.notes import notes_tool
 
-    return ToolRegistry([clock_tool(), calculator_tool(), notes_tool()])
+    return ToolRegistry([clock_tool(), calculator_tool(), notes_tool()], policies=policies,
+                        sources=sources)

@@ -1,4 +1,4 @@
-"""The chat screen: conversation list, transcript, ownership bar, composer.
+"""The chat screen: conversation list, transcript, tool approvals, ownership bar, composer.
 
 One worker follows the open conversation's feed and feeds the ConversationModel; every redraw
 goes through one lock so views never race each other. Actions talk to the API and let the feed
@@ -26,6 +26,7 @@ from agenttui.client import (
     AgentClient,
     ApiError,
     CertificateMismatch,
+    Conflict,
     ConnectionState,
     ConnectionStatus,
     NotFound,
@@ -39,6 +40,7 @@ from agenttui.models import Conversation, Me, RunEvent
 from agenttui.screens.prompt import TextPrompt
 from agenttui.screens.search import SearchScreen
 from agenttui.settings import export_directory
+from agenttui.widgets.approval import ApprovalPanel
 from agenttui.widgets.composer import Composer
 from agenttui.widgets.conversation_list import ConversationList
 from agenttui.widgets.ownership_bar import OwnershipBar
@@ -89,6 +91,10 @@ class MainScreen(Screen[None]):
                 id="previous_conversation", show=False),
         Binding("ctrl+pagedown", "switch(1)", "Next conversation", id="next_conversation",
                 show=False),
+        # Shown only while a tool call waits for approval; priority: the composer keeps focus.
+        Binding("alt+a", "decide_tool(True)", "Approve tool", id="approve_tool",
+                priority=True),
+        Binding("alt+d", "decide_tool(False)", "Deny tool", id="deny_tool", priority=True),
     ]
 
     app: AgentTUI
@@ -121,6 +127,7 @@ class MainScreen(Screen[None]):
             yield ConversationList(id="conversations")
             with Vertical(id="chat"):
                 yield Transcript(id="transcript")
+                yield ApprovalPanel(id="approval")
                 yield OwnershipBar(self.app.server_now, id="ownership")
                 yield Composer(id="composer")
         yield Footer()
@@ -132,6 +139,10 @@ class MainScreen(Screen[None]):
     @property
     def bar(self) -> OwnershipBar:
         return self.query_one(OwnershipBar)
+
+    @property
+    def approval_panel(self) -> ApprovalPanel:
+        return self.query_one(ApprovalPanel)
 
     @property
     def composer(self) -> Composer:
@@ -255,6 +266,8 @@ class MainScreen(Screen[None]):
                 self.transcript.set_empty("No messages yet. Type below and press Enter.")
             if changes.bar or changes.rebuild or changes.turns:
                 self.bar.show(model)
+            if changes.approvals or changes.bar or changes.rebuild:
+                self._show_approvals(model)
             if model.title != self.sub_title:
                 self.sub_title = model.title or "Untitled conversation"
             if changes.drafts:
@@ -303,6 +316,45 @@ class MainScreen(Screen[None]):
             return
         model.note_created(run.run_id)
         await self.render_changes(model, Changes(turns={run.run_id}, bar=True))
+
+    # -- tool approvals ----------------------------------------------------------------------
+
+    def _show_approvals(self, model: ConversationModel) -> None:
+        panel = self.approval_panel
+        had = panel.current
+        panel.show_approvals(model.approvals(), self._key_for("decide_tool(True)"),
+                             self._key_for("decide_tool(False)"))
+        if (had is None) != (panel.current is None):
+            self.refresh_bindings()  # the approve/deny keys appear or go in the footer
+
+    def _key_for(self, action: str) -> str:
+        for active in self.active_bindings.values():
+            if active.binding.action == action:
+                return self.app.get_key_display(active.binding)
+        return action
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "decide_tool":
+            return self.approval_panel.current is not None
+        return True
+
+    def action_decide_tool(self, approve: bool) -> None:
+        approval = self.approval_panel.current
+        if approval is None:
+            self.notify("No tool call is waiting for approval.")
+            return
+        self.decide_tool(approval.run_id, approval.call_id, approval.tool, approve)
+
+    @work(group="approval", exit_on_error=False)
+    async def decide_tool(self, run_id: str, call_id: str, tool: str, approve: bool) -> None:
+        """Answer from this device; the feed then shows the decision on every device."""
+        try:
+            await self.client.decide_approval(run_id, call_id, "approve" if approve else "deny")
+        except Conflict as exc:  # another device (or the timeout) decided first: it names who
+            self.notify(f"{tool}: {exc.message}", severity="warning")
+        except ApiError as exc:
+            self.notify(f"{tool}: the decision was not recorded: {describe(exc)}",
+                        severity="error")
 
     # -- actions -----------------------------------------------------------------------------
 

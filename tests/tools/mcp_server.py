@@ -1,0 +1,125 @@
+"""A small MCP server for the tool tests, written with the SDK's MCPServer (FastMCP in mcp 1.x).
+
+It records what it sees in a journal file (one JSON object a line) named by TEST_MCP_JOURNAL, so
+a test reads, from outside the daemon, the `_meta` each call carried and whether a cancellation
+reached it. Run: `python mcp_server.py stdio` or `python mcp_server.py http PORT`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import stat
+import sys
+import time
+from typing import Any
+
+import anyio
+from mcp.server.mcpserver import Context, MCPServer
+
+server = MCPServer("agentd-test", version="1.0")
+JOURNAL = os.environ.get("TEST_MCP_JOURNAL")
+
+
+def note(event: str, **fields: Any) -> None:
+    if JOURNAL:
+        with open(JOURNAL, "a", encoding="utf-8") as out:
+            out.write(json.dumps({"event": event, "pid": os.getpid(), "at": time.time(),
+                                  **fields}) + "\n")
+
+
+def agentd_meta(ctx: Context) -> dict[str, Any]:
+    meta = ctx.request_context.meta or {}
+    return {key: meta[key] for key in meta if str(key).startswith("agentd/")}
+
+
+@server.tool()
+async def echo_meta(text: str, ctx: Context) -> dict[str, Any]:
+    """Echo the text and the agentd `_meta` fields this call carried."""
+    meta = agentd_meta(ctx)
+    request = ctx.request_context.request
+    header = request.headers.get("x-test-token") if request is not None else None
+    note("echo_meta", text=text, meta=meta, header=header)
+    return {"text": text, "meta": meta}
+
+
+def wire_fd() -> int:
+    """The descriptor the SDK answers on: it moves the protocol off fd 1 (so a stray print
+    cannot corrupt it) to a private write-only duplicate of the pipe."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if fd > 2 and stat.S_ISFIFO(os.fstat(fd).st_mode) and \
+                    fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+                return fd
+        except OSError:
+            continue
+    return 1
+
+
+@server.tool()
+async def garble(ctx: Context) -> str:
+    """Write a line that is not JSON-RPC on the protocol stream mid-call, then never answer."""
+    note("garble", meta=agentd_meta(ctx), fd=wire_fd())
+    os.write(wire_fd(), b"this is not JSON-RPC\n")
+    await anyio.sleep(3600)
+    return "unreachable"
+
+
+@server.tool()
+async def slow(seconds: float, ctx: Context) -> str:
+    """Sleep for `seconds`, noting whether a cancellation interrupted it."""
+    meta = agentd_meta(ctx)
+    note("slow_started", meta=meta)
+    try:
+        await anyio.sleep(seconds)
+    except anyio.get_cancelled_exc_class():
+        note("slow_cancelled", meta=meta)
+        raise
+    note("slow_finished", meta=meta)
+    return f"slept {seconds} s"
+
+
+@server.tool()
+async def crash(ctx: Context) -> str:
+    """Exit the whole server process in the middle of the call."""
+    note("crash", meta=agentd_meta(ctx))
+    os._exit(3)
+
+
+@server.tool()
+async def broken(value: int) -> int:
+    """Its input schema is replaced below by one that is not a valid JSON schema."""
+    return value
+
+
+@server.tool()
+async def add_tool(ctx: Context) -> str:
+    """Offer one more tool, `added`, and announce that the tool list changed."""
+
+    async def added() -> str:
+        """A tool that appeared after the server started."""
+        return "added says hello"
+
+    server.add_tool(added, name="added")
+    await ctx.notify_tools_changed()
+    note("tools_changed")
+    return "added"
+
+
+# An invalid JSON schema (there is no type "objekt"): agentd must disable this tool, not crash.
+server._tool_manager.get_tool("broken").parameters = {  # type: ignore[union-attr]
+    "type": "object", "properties": {"value": {"type": "integer", "minimum": "zero"}}}
+
+
+def main() -> None:
+    note("started", argv=sys.argv[1:])
+    if len(sys.argv) > 1 and sys.argv[1] == "http":
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))
+    else:
+        server.run("stdio")
+
+
+if __name__ == "__main__":
+    main()

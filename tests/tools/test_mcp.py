@@ -1,0 +1,234 @@
+"""MCP servers through a real daemon: the PyPI `mcp-server-time` over stdio, and the test server
+over stdio and streamable HTTP, for `_meta` fences, cancellation on stop, crashes and garbage.
+
+Tools are `auto` here (approvals have their own tests); the demo model calls whatever tool the
+run's params name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api.helpers import assert_error, create_conversation, start_run, wait_run
+from tests.tools.conftest import (
+    MCP_SERVER_TIME,
+    journaled,
+    mcp_test_server,
+    read_journal,
+    run_events,
+)
+
+AUTO = {"approval": "auto"}
+
+
+def tool_params(tool: str, args: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    params: dict[str, Any] = {"tool": tool, "tokens": 3, "delay_ms": 0, **extra}
+    if args is not None:
+        params["tool_args"] = args
+    return params
+
+
+def tool_result(events: list[dict[str, Any]]) -> dict[str, Any]:
+    results = [e for e in events if e["type"] == "tool_result"]
+    assert len(results) == 1, events
+    return results[0]
+
+
+async def answer_of(api: Any, conversation_id: str, run_id: str) -> str:
+    state = (await api.a.get(f"/v1/conversations/{conversation_id}")).json()
+    answers = [m for m in state["messages"] if m["run_id"] == run_id and m["role"] == "assistant"
+               and not m.get("tool_calls")]
+    assert len(answers) == 1, state["messages"]
+    return answers[0]["content"]
+
+
+async def test_mcp_server_time_answers_a_turn_over_stdio(start_tools_api) -> None:
+    assert MCP_SERVER_TIME.exists(), "the test extra installs mcp-server-time"
+    servers = {"time": {"command": str(MCP_SERVER_TIME), "args": ["--local-timezone", "UTC"],
+                        "tools": {"get_current_time": "auto"}}}
+    async with start_tools_api(servers) as api:
+        conversation = await create_conversation(api.a)
+        before = datetime.now(UTC)
+        run = await start_run(api.a, conversation, "what time is it in Tokyo?", tool_params(
+            "time.get_current_time", {"timezone": "Asia/Tokyo"}))
+        done = await wait_run(api.a, run["run_id"])
+        assert done["status"] == "completed", done
+        result = tool_result(await run_events(api.a, run["run_id"]))["result"]
+        assert result["timezone"] == "Asia/Tokyo"
+        stamp = datetime.fromisoformat(result["datetime"])
+        assert abs((stamp - before).total_seconds()) < 120, result
+        answer = await answer_of(api, conversation, run["run_id"])
+        assert answer.startswith("tool said:") and "Asia/Tokyo" in answer
+        assert result["datetime"] in answer
+
+
+async def test_meta_carries_run_conversation_and_a_fence_that_grows(start_tools_api,
+                                                                    journal: Path) -> None:
+    async with start_tools_api({"t": mcp_test_server(journal, **AUTO)}) as api:
+        conversation = await create_conversation(api.a)
+        seen = []
+        for text in ("first", "second"):
+            run = await start_run(api.a, conversation, text, tool_params(
+                "t.echo_meta", {"text": text}))
+            done = await wait_run(api.a, run["run_id"])
+            assert done["status"] == "completed", done
+            entry = await journaled(journal, lambda e, t=text: e.get("text") == t)
+            assert entry["meta"] == {"agentd/run_id": run["run_id"],
+                                     "agentd/conversation_id": conversation,
+                                     "agentd/fence": done["fence"]}
+            seen.append(entry["meta"]["agentd/fence"])
+        assert seen[0] < seen[1]
+        # One server process served both runs: it is shared, not started per turn.
+        assert len({e["pid"] for e in read_journal(journal)}) == 1
+
+
+async def test_stop_sends_mcp_cancellation_for_a_call_in_flight(start_tools_api,
+                                                                journal: Path) -> None:
+    async with start_tools_api({"t": mcp_test_server(journal, **AUTO)}) as api:
+        conversation = await create_conversation(api.a)
+        run = await start_run(api.a, conversation, "sleep", tool_params(
+            "t.slow", {"seconds": 600}))
+        await journaled(journal, lambda e: e["event"] == "slow_started")
+        stopped = await api.a.post(f"/v1/runs/{run['run_id']}/cancel")
+        assert stopped.status_code == 202, stopped.text
+        done = await wait_run(api.a, run["run_id"])
+        assert done["status"] == "cancelled", done
+        # The server itself saw the cancellation, for this run's call.
+        cancelled = await journaled(journal, lambda e: e["event"] == "slow_cancelled")
+        assert cancelled["meta"]["agentd/run_id"] == run["run_id"]
+        assert not [e for e in read_journal(journal) if e["event"] == "slow_finished"]
+        state = (await api.a.get(f"/v1/conversations/{conversation}")).json()
+        repaired = [m for m in state["messages"] if m["role"] == "tool"]
+        assert [(m["status"], json.loads(m["content"])) for m in repaired] == \
+            [("cancelled", {"error": "cancelled"})]
+
+
+async def test_a_server_crash_mid_call_fails_the_call_and_the_next_turn_works(
+        start_tools_api, journal: Path) -> None:
+    async with start_tools_api({"t": mcp_test_server(journal, **AUTO)}) as api:
+        conversation = await create_conversation(api.a)
+        run = await start_run(api.a, conversation, "crash", tool_params("t.crash", {}))
+        done = await wait_run(api.a, run["run_id"])
+        # The call failed; the turn did not: the model read the error and answered.
+        assert done["status"] == "completed", done
+        error = tool_result(await run_events(api.a, run["run_id"]))["error"]
+        assert "failed during the call" in error and "restarted" in error
+        assert "Traceback" not in error
+        crashed_pid = (await journaled(journal, lambda e: e["event"] == "crash"))["pid"]
+        run = await start_run(api.a, conversation, "again", tool_params(
+            "t.echo_meta", {"text": "after the crash"}))
+        done = await wait_run(api.a, run["run_id"])
+        assert done["status"] == "completed", done
+        entry = await journaled(journal, lambda e: e.get("text") == "after the crash")
+        assert entry["pid"] != crashed_pid  # a new server process answered
+
+
+async def test_streamable_http_transport_with_a_header_from_the_environment(
+        start_tools_api, http_test_server: str, journal: Path) -> None:
+    servers = {"web": {"url": http_test_server, "headers": {"X-Test-Token": "TEST_MCP_TOKEN"},
+                       **AUTO}}
+    async with start_tools_api(servers, env={"TEST_MCP_TOKEN": "s3cret"}) as api:
+        conversation = await create_conversation(api.a)
+        run = await start_run(api.a, conversation, "over http", tool_params(
+            "web.echo_meta", {"text": "over http"}))
+        done = await wait_run(api.a, run["run_id"])
+        assert done["status"] == "completed", done
+        entry = await journaled(journal, lambda e: e.get("text") == "over http")
+        assert entry["header"] == "s3cret"
+        assert entry["meta"]["agentd/fence"] == done["fence"]
+        assert tool_result(await run_events(api.a, run["run_id"]))["result"]["text"] == \
+            "over http"
+
+
+async def test_arguments_failing_the_schema_reach_the_model_and_the_run_continues(
+        start_tools_api, journal: Path) -> None:
+    async with start_tools_api({"t": mcp_test_server(journal, **AUTO)}) as api:
+        conversation = await create_conversation(api.a)
+        run = await start_run(api.a, conversation, "bad args", tool_params(
+            "t.echo_meta", {"text": 5}))
+        done = await wait_run(api.a, run["run_id"])
+        assert done["status"] == "completed", done
+        error = tool_result(await run_events(api.a, run["run_id"]))["error"]
+        assert error == "invalid arguments for t.echo_meta at text: 5 is not of type 'string'"
+        assert error in await answer_of(api, conversation, run["run_id"])
+        assert not [e for e in read_journal(journal) if e["event"] == "echo_meta"]
+
+
+async def test_bad_servers_and_schemas_are_clear_errors_and_runs_still_work(
+        start_tools_api, journal: Path, tmp_path: Path) -> None:
+    not_executable = tmp_path / "not-executable"
+    not_executable.write_text("#!/bin/sh\n")
+    servers = {
+        "t": mcp_test_server(journal, **AUTO),
+        "noexec": {"command": str(not_executable)},
+        "junk": {"command": "/bin/sh", "args": ["-c", "echo hello there; exec cat >/dev/null"],
+                 "start_timeout_s": 10},
+    }
+    async with start_tools_api(servers) as api:
+        conversation = await create_conversation(api.a)
+        for tool, code, words in (
+                ("noexec.anything", "tool_unavailable", "not executable"),
+                ("junk.anything", "tool_unavailable", "not JSON-RPC"),
+                ("t.broken", "invalid_params", "no tool named 't.broken'"),
+                ("t.nonexistent", "invalid_params", "no tool named")):
+            response = await api.a.post(f"/v1/conversations/{conversation}/runs", json={
+                "content": "x", "params": tool_params(tool, {})})
+            error = assert_error(response, 422, code)
+            assert words in error["message"], error
+        # A turn that needs none of them runs; the broken servers are simply not offered.
+        run = await start_run(api.a, conversation, "plain turn")
+        assert (await wait_run(api.a, run["run_id"]))["status"] == "completed"
+        # A server that starts fine and then writes garbage mid-call: the call fails at once.
+        run = await start_run(api.a, conversation, "garble", tool_params("t.garble", {}))
+        done = await wait_run(api.a, run["run_id"], within_s=30)
+        assert done["status"] == "completed", done
+        error = tool_result(await run_events(api.a, run["run_id"]))["error"]
+        assert "not JSON-RPC" in error, error
+
+
+def test_doctor_lists_each_server_its_state_and_its_tools(dsn: str, journal: Path,
+                                                         tmp_path: Path) -> None:
+    from tests.tools.conftest import write_config
+
+    config = write_config(tmp_path / "agentd.toml", {
+        "t": mcp_test_server(journal), "missing": {"command": str(tmp_path / "no-such-program")}})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "config")
+    done = subprocess.run([sys.executable, "-m", "agentd", "doctor", "--dsn", dsn,
+                           "--config", str(config)], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+    lines = {line.split(":", 1)[0]: line for line in done.stdout.splitlines()}
+    assert lines["[FAIL] mcp t"].startswith("[FAIL] mcp t: ready (stdio): 5 tools: "
+                                            "t.add_tool, t.crash, t.echo_meta, t.garble, "
+                                            "t.slow; tool 'broken' disabled: invalid input "
+                                            "schema at properties/value/minimum"), done.stdout
+    assert lines["[FAIL] mcp missing"] == \
+        "[FAIL] mcp missing: failed (stdio): the command was not found", done.stdout
+    assert done.returncode == 1
+
+
+@pytest.mark.parametrize("bad", [
+    {"command": "x", "url": "http://127.0.0.1:1/mcp"},
+    {"url": "ftp://example.invalid/mcp"},
+    {"url": "http://user:pw@127.0.0.1:1/mcp"},
+    {"url": "http://127.0.0.1:1/mcp", "headers": {"Authorization": "Bearer abc"}},
+    {"command": "x", "approval": "sometimes"},
+    {"command": "x", "tools": {"a": "maybe"}},
+    {"command": "x", "colour": "blue"},
+])
+def test_bad_server_tables_fail_at_start_naming_the_key(tmp_path: Path,
+                                                        bad: dict[str, Any]) -> None:
+    from agentd.settings import SettingsError, load_settings
+    from tests.tools.conftest import write_config
+
+    config = write_config(tmp_path / "agentd.toml", {"s": bad})
+    with pytest.raises(SettingsError, match=r"mcp\.s"):
+        load_settings(config, env={})

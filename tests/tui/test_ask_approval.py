@@ -1,0 +1,89 @@
+"""`agenttui ask` and tool approvals, as a real process: it asks on a terminal (a real pty),
+denies without one, and approves everything only when told to, loudly."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_harness import Daemon, SpawnDaemon, poll_until
+from tests.tui.conftest import READY_TIMEOUT_S
+from tests.tui.helpers import Device, client_for
+from tests.tui.test_cli import RUN_S, agenttui, finished
+
+PARAMS = ["--param", "tool=\"calculator\"", "--param", 'tool_args={"expression": "6 * 7"}',
+          "--param", "tokens=3", "--param", "delay_ms=0"]
+
+
+@pytest.fixture
+async def asking_daemon(spawn_daemon: SpawnDaemon, tmp_path: Path) -> Daemon:
+    config = tmp_path / "agentd.toml"
+    config.write_text('[tools]\ncalculator = "ask"\n', "utf-8")
+    daemon = spawn_daemon(args=["--config", str(config)])
+    await daemon.wait_ready(timeout=READY_TIMEOUT_S)
+    return daemon
+
+
+async def decisions(daemon: Daemon, desk: Device) -> list[tuple[str, str | None]]:
+    async with client_for(daemon, desk) as api:
+        [conversation] = await api.list_conversations()
+        state = await api.get_conversation(conversation.id)
+        run_id = state.messages[0].run_id or ""
+        approvals = (await api._json("GET", f"/v1/runs/{run_id}/approvals"))["approvals"]
+    return [(a["decision"], a["device"]) for a in approvals]
+
+
+async def test_without_a_terminal_the_call_is_denied(asking_daemon: Daemon,
+                                                     desk: Device) -> None:
+    proc = agenttui("ask", *PARAMS, "compute", url=asking_daemon.url, token=desk.token)
+    stdout, stderr = proc.communicate(timeout=RUN_S)
+    err = stderr.decode()
+    assert proc.returncode == 0, err
+    assert "denied calculator" in err and "stdin is not a terminal" in err, err
+    assert "calculator denied by desk: agenttui ask: no terminal to ask on" in err, err
+    assert "not run: denied by desk" in stdout.decode()
+    assert await decisions(asking_daemon, desk) == [("deny", "desk")]
+
+
+async def test_approve_all_approves_and_says_so_on_stderr(asking_daemon: Daemon,
+                                                          desk: Device) -> None:
+    proc = agenttui("ask", "--approve-all", *PARAMS, "compute", url=asking_daemon.url,
+                    token=desk.token)
+    stdout, stderr = proc.communicate(timeout=RUN_S)
+    err = stderr.decode()
+    assert proc.returncode == 0, err
+    assert 'APPROVING calculator {"expression": "6 * 7"} without asking (--approve-all)' in err
+    assert '"value": 42' in stdout.decode()
+    assert await decisions(asking_daemon, desk) == [("approve", "desk")]
+
+
+async def test_on_a_terminal_it_asks_and_takes_the_answer(asking_daemon: Daemon, desk: Device,
+                                                          tmp_path: Path) -> None:
+    master, slave = pty.openpty()
+    errors = tmp_path / "stderr.txt"
+    try:
+        with errors.open("wb") as sink:
+            proc = agenttui("ask", *PARAMS, "compute", url=asking_daemon.url,
+                            token=desk.token, stdin=slave, stderr=sink)
+
+            async def asked() -> bool:
+                assert proc.poll() is None, errors.read_text()
+                return "Allow it? [y/N]" in errors.read_text()
+
+            await poll_until(asked, RUN_S, interval=0.05, what="the question on the terminal")
+            assert "run calculator" in errors.read_text() and "asked from desk" in \
+                errors.read_text()
+            os.write(master, b"y\n")
+            code = await finished(proc)
+        out = proc.stdout.read().decode() if proc.stdout else ""
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert code == 0, errors.read_text()
+    assert "calculator approved by desk" in errors.read_text()
+    assert json.dumps({"expression": "6 * 7", "value": 42}) in out
+    assert await decisions(asking_daemon, desk) == [("approve", "desk")]
