@@ -114,9 +114,14 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+# Benchmarks load one account far past what one person would: its limits must not be what
+# they measure (bench/fairness.py sets its own).
+UNBOUNDED_ACCOUNT = {"account_max_running": 10_000, "account_max_queued": 1_000_000}
+
+
 def daemon_settings(args: argparse.Namespace, **settings: Any) -> dict[str, Any]:
     """The benchmark's own daemon settings, then --log-level and every --set on top."""
-    out: dict[str, Any] = {**settings, "log_level": args.log_level}
+    out: dict[str, Any] = {**UNBOUNDED_ACCOUNT, **settings, "log_level": args.log_level}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -14,12 +14,13 @@
 -- order (a conversation feed's watermark relies on it) and on_busy checks serialize with us.
 -- Bounded: the account's queued count is read from its account_runs row, locked (after the
 -- conversation's), so enqueues of one account serialize there and none can overshoot its
--- max_queued ($8 when the account sets none); over it nothing is written. The answer row
--- says which: `room` false = over the limit; no row at all = no such conversation here.
+-- max_queued ($8 when the account sets none); over it nothing is written (the conversation's
+-- updated_at moves only with a new run). The answer row says which: `room` false = over the
+-- limit; no row at all = no such conversation here.
 WITH conv AS (
-    UPDATE conversation SET updated_at = clock_timestamp()
+    SELECT id, account_id FROM conversation
     WHERE id = $2::uuid AND account_id = $1::uuid
-    RETURNING id, account_id
+    FOR NO KEY UPDATE
 ), room AS (
     SELECT a.queued < coalesce(acc.max_queued, $8::int) AS ok,
            coalesce(acc.max_queued, $8::int) AS max_queued
@@ -36,6 +37,9 @@ WITH conv AS (
     WHERE room.ok
     ON CONFLICT (account_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, conversation_id, user_message_id, status, created_at
+), touched AS (
+    UPDATE conversation c SET updated_at = clock_timestamp()
+    FROM run WHERE c.id = run.conversation_id
 ), msg AS (
     INSERT INTO message (id, conversation_id, run_id, role, content, status)
     SELECT user_message_id, conversation_id, id, 'user', $4::text, 'queued' FROM run

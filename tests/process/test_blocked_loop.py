@@ -54,7 +54,7 @@ async def test_blocked_event_loop_loses_its_runs_and_its_late_writes_are_fenced_
     reaped = await wait_status(pool, turn.run_id, RunStatus.FAILED, timeout=BLOCK_S + 10)
     assert time.monotonic() - blocked_at < BLOCK_S, \
         "the run was not reaped while the loop was blocked"
-    assert "lease expired" in reaped["error"]
+    assert reaped["error_code"] == "lease_expired"
     assert stalled.running  # the process lived on; only its loop stood still
     before = await conversation_snapshot(pool, conversation)
 

@@ -44,7 +44,7 @@ async def test_killed_worker_is_reaped_failed_and_the_next_turn_runs(spawn_daemo
     await reaper.wait_ready()
 
     dead = await wait_status(pool, long.run_id, RunStatus.FAILED, timeout=15)
-    assert "lease expired" in dead["error"]
+    assert dead["error_code"] == "lease_expired"
     assert dead["finished_at"] >= dead["lease_expires_at"], "reaped before its lease passed"
     journal = await events(pool, long.run_id)
     assert_journal_sound(journal)

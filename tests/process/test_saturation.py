@@ -3,7 +3,7 @@ leases, an SSE client on every turn.
 
 The daemon is pushed far past its comfort (every turn posted at once, max_runs above the number
 of turns, a 3 s lease beaten every second, the pool's default size). Whatever it cannot keep
-alive it must leave queued (admission by capacity), so: no turn ends `failed: lease expired`
+alive it must leave queued (admission by capacity), so: no turn ends `failed` with `lease_expired`
 while its worker lives, every turn completes, and every client's text equals the stored answer.
 Its own reaper runs every half second without grace, and so does one in this test process.
 """
@@ -32,8 +32,9 @@ TOKENS = 300
 DELAY_MS = 100  # 30 s of streaming per turn when the daemon keeps up
 SETTINGS = {"lease_ttl_s": 3, "heartbeat_s": 1, "reap_interval_s": 0.5, "reap_grace_s": 0,
             "max_runs": TURNS + 100, "log_level": "warning",
-            # one device follows every turn: let it hold them all open
-            "streams_per_device": TURNS + 10}
+            # one device follows every turn: let it hold them all open, and its account run
+            # them all at once (the per-account limit is not what this test saturates)
+            "streams_per_device": TURNS + 10, "account_max_running": TURNS + 100}
 STREAM_TIMEOUT = httpx.Timeout(30.0, read=120.0)
 DEADLINE_S = 600  # a loaded shared machine may stretch this; the test polls, never sleeps
 
@@ -130,10 +131,10 @@ async def test_saturated_daemon_keeps_every_live_turn_and_every_client_sees_the_
         elapsed = time.monotonic() - started
         scraped = (await client.get("/metrics")).text
 
-    runs = await pool.fetch("SELECT id, status, error FROM agent_run")
+    runs = await pool.fetch("SELECT id, status, error, error_code FROM agent_run")
     assert len(runs) == TURNS
     statuses = Counter(r["status"] for r in runs)
-    assert [(r["id"], r["error"]) for r in runs if "lease expired" in (r["error"] or "")] == []
+    assert [r["id"] for r in runs if r["error_code"] == "lease_expired"] == []
     assert statuses == {"completed": TURNS}, [(r["status"], r["error"]) for r in runs
                                               if r["status"] != "completed"][:5]
     assert daemon.running

@@ -63,7 +63,7 @@ async def test_frozen_worker_reaped_then_woken_writes_nothing_and_stands_down(
     reaper = spawn_daemon(name="reaper", reap_interval_s=0.2, reap_grace_s=0, **LEASE)
     await reaper.wait_ready()
     reaped = await wait_status(pool, turn.run_id, RunStatus.FAILED, timeout=15)
-    assert "lease expired" in reaped["error"]
+    assert reaped["error_code"] == "lease_expired"
     # The reaper is gone before the sleeper wakes, so whatever changes next is the sleeper's.
     reaper.terminate()
     assert await reaper.wait_exit(10) == 0
