@@ -7,6 +7,7 @@ with its schema_migrations row, so a crash mid-way leaves a consistent, resumabl
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,16 +37,22 @@ class MigrationError(RuntimeError):
 
 
 def discover(directory: Path | None = None) -> list[Migration]:
-    """Migrations in version order; a gap or a duplicate version is an error."""
+    """Migrations in version order; a duplicate version is an error.
+
+    Numbers may skip (a number reserved for a change still in review); what must never happen
+    is applying them out of order, which `migrate` refuses.
+    """
     directory = directory or sql_dir()
     found: list[Migration] = []
     for path in sorted(directory.glob("*.sql")):
         match = _MIGRATION_FILE.match(path.name)
         if match:
             found.append(Migration(int(match.group(1)), path.stem, path.read_text("utf-8")))
-    for expected, migration in enumerate(found, start=1):
-        if migration.version != expected:
-            raise MigrationError(f"migration {migration.name}: expected version {expected}")
+    found.sort(key=lambda m: m.version)
+    for before, after in itertools.pairwise(found):
+        if before.version == after.version:
+            raise MigrationError(f"migrations {before.name} and {after.name} share version "
+                                 f"{after.version}")
     return found
 
 
@@ -64,6 +71,11 @@ async def migrate(conn: asyncpg.Connection, directory: Path | None = None) -> li
                     raise MigrationError(
                         f"migration {migration.name} changed after it was applied")
                 continue
+            if done and migration.version < max(done):
+                # A later schema is already in place: this one was written against an older one.
+                raise MigrationError(
+                    f"migration {migration.name} is older than version {max(done)}, which is "
+                    f"already applied: renumber it after {max(done)}")
             async with conn.transaction():
                 await conn.execute(migration.sql)
                 await conn.execute(

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 import asyncpg
@@ -21,14 +21,18 @@ from agentd.accounts import Principal
 from agentd.hub import Hub
 from agentd.providers import ModelRef, parse_model, validate_params
 from agentd.providers.base import UnknownModel
+from agentd.providers.catalog import ModelRefused, check_usable
 from agentd.queries import Q
-from agentd.settings import Settings
-from agentd.vocabulary import Channel, RunStatus
+from agentd.settings import MAX_MODEL_NAME, Settings
+from agentd.vocabulary import ACTIVE_RUN_STATUSES, Channel, MessageRole, MessageStatus, RunStatus
 
 ON_BUSY = ("enqueue", "reject", "interrupt")
-RUN_FIELDS = {"content", "model", "params", "on_busy"}
+RUN_FIELDS = {"content", "model", "params", "on_busy", "retry_of"}
+CONVERSATION_FIELDS = {"title", "model"}
+UPDATE_FIELDS = {"title", "model", "archived"}
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
 MAX_TITLE = 500
+LAST = "last"  # retry_of: the conversation's latest turn
 
 
 class ServiceError(Exception):
@@ -47,15 +51,40 @@ def not_found(what: str) -> ServiceError:
 
 
 @dataclass(frozen=True, slots=True)
+class RunAsk:
+    """A create-run body, checked for shape; what it leaves out is decided with the database."""
+
+    content: str | None  # None: a retry, re-sending the retried message's text
+    model: ModelRef | None  # None: the conversation's model, else default_model
+    params: dict[str, Any] | None  # None: {} (a retry: the retried run's params)
+    on_busy: str
+    retry_of: UUID | Literal["last"] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RunRequest:
     content: str
     model: ModelRef
     params: dict[str, Any]
     on_busy: str
+    retry_of: UUID | None = None
 
     def snapshot(self) -> dict[str, Any]:
         """What the run row stores: all a worker needs, and what idempotency compares."""
-        return {"content": self.content, "model": str(self.model), "params": self.params}
+        out = {"content": self.content, "model": str(self.model), "params": self.params}
+        if self.retry_of is not None:
+            out["retry_of"] = str(self.retry_of)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationChange:
+    """A PATCH (or create) body: None means "not given"; `set_model` because None is a model."""
+
+    title: str | None = None
+    set_model: bool = False
+    model: ModelRef | None = None
+    archived: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +94,7 @@ class CreatedRun:
     conversation_id: UUID
     replayed: bool = False
     drafts: list[queue.Draft] = field(default_factory=list)
+    user_message_id: UUID | None = None
 
 
 def parse_uuid(value: str, what: str) -> UUID:
@@ -75,50 +105,80 @@ def parse_uuid(value: str, what: str) -> UUID:
         raise not_found(what) from None
 
 
-def validate_run_request(body: Any, settings: Settings, tool_names: set[str]) -> RunRequest:
+def validate_run_request(body: Any, settings: Settings) -> RunAsk:
     if not isinstance(body, dict):
         raise ServiceError(400, "invalid_body", "the body must be a JSON object")
     unknown = set(body) - RUN_FIELDS
     if unknown:
         raise ServiceError(400, "unknown_field", f"unknown fields: {', '.join(sorted(unknown))}")
+    retry_of = _retry_of(body.get("retry_of"))
     content = body.get("content")
-    if not isinstance(content, str) or not content.strip():
-        raise ServiceError(400, "invalid_content", "content must be a non-empty string")
-    if len(content) > settings.max_content_chars:
-        raise ServiceError(413, "content_too_large",
-                           f"content is longer than {settings.max_content_chars} characters")
-    if "\x00" in content:
-        raise ServiceError(400, "invalid_content", "content must not contain NUL characters")
-    model_name = body.get("model")
-    if model_name is not None and (not isinstance(model_name, str) or len(model_name) > 200):
-        raise ServiceError(400, "invalid_model", "model must be a string like provider:model")
-    try:
-        model = parse_model(model_name, settings)
-    except UnknownModel as exc:
-        raise ServiceError(400, "unknown_model", str(exc)) from None
-    params = body.get("params", {})
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
+    if content is not None or retry_of is None:
+        if not isinstance(content, str) or not content.strip():
+            raise ServiceError(400, "invalid_content", "content must be a non-empty string")
+        if len(content) > settings.max_content_chars:
+            raise ServiceError(413, "content_too_large",
+                               f"content is longer than {settings.max_content_chars} characters")
+        if "\x00" in content:
+            raise ServiceError(400, "invalid_content", "content must not contain NUL characters")
+    model = validate_model(body["model"], settings) if body.get("model") is not None else None
+    params = body.get("params")
+    if params is not None and not isinstance(params, dict):
         raise ServiceError(400, "invalid_params", "params must be a JSON object")
-    try:
-        validate_params(settings.providers[model.provider], params, tool_names)
-    except ValueError as exc:
-        raise ServiceError(422, "invalid_params", str(exc)) from None
     on_busy = body.get("on_busy", "enqueue")
     if on_busy not in ON_BUSY:
         raise ServiceError(400, "invalid_on_busy", f"on_busy must be one of {', '.join(ON_BUSY)}")
-    return RunRequest(content, model, params, on_busy)
+    return RunAsk(content, model, params, on_busy, retry_of)
 
 
-def validate_title(body: Any) -> str:
-    if not isinstance(body, dict) or set(body) - {"title"}:
-        raise ServiceError(400, "invalid_body", 'the body must be {"title": "..."}')
-    title = body.get("title", "")
-    if not isinstance(title, str) or len(title) > MAX_TITLE or "\x00" in title:
-        raise ServiceError(400, "invalid_title", f"title must be a string of at most "
-                           f"{MAX_TITLE} characters")
-    return title.strip()
+def _retry_of(value: Any) -> UUID | Literal["last"] | None:
+    if value is None or value == LAST:
+        return value
+    try:
+        return UUID(value)
+    except (ValueError, AttributeError, TypeError):
+        raise ServiceError(400, "invalid_retry_of", 'retry_of must be a message id or "last"') \
+            from None
+
+
+def validate_model(value: Any, settings: Settings) -> ModelRef:
+    """A model a request names: offered by a configured provider and usable now, or a 4xx."""
+    if not isinstance(value, str):
+        raise ServiceError(400, "invalid_model", "model must be a string like provider:model")
+    if len(value) > MAX_MODEL_NAME:
+        raise ServiceError(422, "invalid_model",
+                           f"model names are at most {MAX_MODEL_NAME} characters")
+    if not value.strip():
+        raise ServiceError(422, "unknown_model", "model must name a model, like provider:model")
+    try:
+        model = parse_model(value, settings)
+        check_usable(model, settings)
+    except UnknownModel:
+        raise ServiceError(422, "unknown_model", f"unknown model {value!r}: GET /v1/models "
+                                                 f"lists the models on offer") from None
+    except ModelRefused as exc:
+        raise ServiceError(422, exc.code, exc.message, model=value) from None
+    return model
+
+
+def validate_conversation(body: Any, settings: Settings, *,
+                          create: bool) -> ConversationChange:
+    """POST /v1/conversations `{title?, model?}` or PATCH `{title?, model?, archived?}`."""
+    allowed = CONVERSATION_FIELDS if create else UPDATE_FIELDS
+    if not isinstance(body, dict) or set(body) - allowed or (not create and not body):
+        fields = ", ".join(f"{name}?" for name in sorted(allowed))
+        raise ServiceError(400, "invalid_body", f"the body must be an object {{{fields}}}")
+    title = body.get("title", "" if create else None)
+    if title is not None or "title" in body:
+        if not isinstance(title, str) or len(title) > MAX_TITLE or "\x00" in title:
+            raise ServiceError(400, "invalid_title", f"title must be a string of at most "
+                               f"{MAX_TITLE} characters")
+        title = title.strip()
+    archived = body.get("archived")
+    if archived is not None and not isinstance(archived, bool):
+        raise ServiceError(400, "invalid_archived", "archived must be true or false")
+    model = validate_model(body["model"], settings) if body.get("model") is not None else None
+    return ConversationChange(title, "model" in body, model, archived)
 
 
 class Service:
@@ -131,20 +191,47 @@ class Service:
 
     # conversations -------------------------------------------------------------------------
 
-    async def create_conversation(self, who: Principal, title: str) -> convs.Conversation:
-        return await convs.create_conversation(self.pool, who.account_id, title)
+    async def create_conversation(self, who: Principal,
+                                  change: ConversationChange) -> convs.Conversation:
+        return await convs.create_conversation(self.pool, who.account_id, change.title or "",
+                                               _model_name(change.model))
 
-    async def list_conversations(self, who: Principal,
-                                 limit: int = 100) -> list[convs.Conversation]:
-        return await convs.list_conversations(self.pool, who.account_id, limit)
+    async def list_conversations(self, who: Principal, limit: int = 100, *,
+                                 archived: bool = False) -> list[convs.Conversation]:
+        return await convs.list_conversations(self.pool, who.account_id, limit,
+                                              archived=archived)
 
-    async def rename_conversation(self, who: Principal, conversation_id: UUID,
-                                  title: str) -> convs.Conversation:
-        row = await self.pool.fetchrow(Q["rename_conversation"], conversation_id,
-                                       who.account_id, title)
+    async def update_conversation(self, who: Principal, conversation_id: UUID,
+                                  change: ConversationChange) -> convs.Conversation:
+        """Rename, set or clear the model, archive or restore; the feeds show it live."""
+        row = await self.pool.fetchrow(Q["update_conversation"], conversation_id,
+                                       who.account_id, change.title, change.set_model,
+                                       _model_name(change.model), change.archived)
         if row is None:
             raise not_found("conversation")
-        return convs.Conversation(**dict(row))
+        return convs.Conversation.from_record(row)
+
+    async def delete_conversation(self, who: Principal, conversation_id: UUID) -> None:
+        """Stop its turns as a stop does, then remove everything of it, in ONE transaction."""
+        if not await queue.delete_conversation(self.pool, account_id=who.account_id,
+                                               conversation_id=conversation_id):
+            raise not_found("conversation")
+
+    async def fork_conversation(self, who: Principal, conversation_id: UUID,
+                                message_id: UUID) -> tuple[convs.Conversation, int]:
+        """A new conversation with the transcript up to `message_id`; (it, messages copied)."""
+        row = await self.pool.fetchrow(Q["fork_conversation"], conversation_id,
+                                       who.account_id, message_id)
+        if row is None:
+            raise not_found("conversation")
+        if not row["message_found"]:
+            raise not_found("message")
+        if row["id"] is None:
+            raise ServiceError(409, "message_not_forkable",
+                               f"message {message_id} belongs to a turn that has not ended (or "
+                               f"was handed back as a draft): fork from an earlier message, "
+                               f"or once the turn has ended", message_id=str(message_id))
+        return convs.Conversation.from_record(row), row["copied"]
 
     async def search(self, who: Principal, query: str, limit: int = 50) -> list[asyncpg.Record]:
         """Messages (and titles) containing `query`, newest first, across the caller's account."""
@@ -167,12 +254,47 @@ class Service:
 
     # runs -----------------------------------------------------------------------------------
 
-    async def create_run(self, who: Principal, conversation_id: UUID, req: RunRequest,
+    def _request(self, ask: RunAsk, model: ModelRef, content: str,
+                 params: dict[str, Any] | None, retry_of: UUID | None = None) -> RunRequest:
+        """The run as it will be stored, its params checked for the model it runs on."""
+        params = {} if params is None else params
+        try:
+            validate_params(self.settings.providers[model.provider], params, self.tool_names)
+        except ValueError as exc:
+            raise ServiceError(422, "invalid_params", str(exc)) from None
+        return RunRequest(content, model, params, ask.on_busy, retry_of)
+
+    def _conversation_model(self, conversation: convs.Conversation) -> ModelRef:
+        """A run that names no model gets the conversation's, else default_model; usable now."""
+        name = conversation.model or self.settings.default_model
+        try:
+            model = parse_model(name, self.settings)
+            check_usable(model, self.settings)
+        except UnknownModel:
+            raise ServiceError(422, "unknown_model", f"unknown model {name!r}: GET /v1/models "
+                                                     f"lists the models on offer") from None
+        except ModelRefused as exc:
+            raise ServiceError(422, exc.code, exc.message, model=name) from None
+        return model
+
+    async def create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                          idempotency_key: str | None) -> CreatedRun:
         """Enqueue a turn; on_busy decides what happens when the conversation is not idle."""
         if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
             raise ServiceError(400, "invalid_idempotency_key",
                                "Idempotency-Key must be 1-200 printable ASCII characters")
+        if ask.retry_of is not None:
+            return await self._retry(who, conversation_id, ask, idempotency_key)
+        assert ask.content is not None  # validate_run_request: only a retry may omit it
+        if ask.model is not None:
+            req = self._request(ask, ask.model, ask.content, ask.params)
+        else:
+            conversation = await convs.get_conversation(self.pool, who.account_id,
+                                                        conversation_id)
+            if conversation is None:
+                raise not_found("conversation")
+            req = self._request(ask, self._conversation_model(conversation), ask.content,
+                                ask.params)
         if req.on_busy == "enqueue":
             # One statement, one round trip: it locks the conversation row itself, checks the
             # account, and lets the unique index arbitrate the idempotency key.
@@ -205,6 +327,69 @@ class Service:
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key)
         return dataclasses.replace(created, drafts=drafts)
 
+    async def _retry(self, who: Principal, conversation_id: UUID, ask: RunAsk,
+                     idempotency_key: str | None) -> CreatedRun:
+        """Re-run (or edit and re-run) the latest turn: a new run, in ONE transaction with the
+        mark that supersedes the old exchange (kept in the transcript, hidden from the model).
+
+        Naming the message makes it a compare-and-set: two devices retrying the same turn get
+        one new run and one 409, and a client that has not seen a newer turn cannot replace it.
+        """
+        named = None if ask.retry_of == LAST else ask.retry_of
+        async with self.pool.acquire() as conn, conn.transaction():
+            if await conn.fetchval(Q["lock_conversation"], conversation_id,
+                                   who.account_id) is None:
+                raise not_found("conversation")
+            if idempotency_key is not None:
+                replay = await self._replay_retry(conn, who, conversation_id, idempotency_key,
+                                                  ask, named)
+                if replay is not None:
+                    return replay
+            target = await conn.fetchrow(Q["retry_target"], conversation_id, named)
+            retried = _retry_target(target, named)
+            if ask.model is not None:
+                model = ask.model
+            else:
+                conversation = await convs.get_conversation(conn, who.account_id,
+                                                            conversation_id)
+                assert conversation is not None  # locked above
+                model = self._conversation_model(conversation)
+            inherited = ask.params is None
+            params = (target["request"] or {}).get("params") if inherited else ask.params
+            try:
+                req = self._request(ask, model, ask.content or target["content"], params,
+                                    retried)
+            except ServiceError as exc:
+                if inherited and exc.code == "invalid_params":
+                    exc.message += " (the retried turn's params; send params to replace them)"
+                raise
+            created = await self._enqueue(conn, who, conversation_id, req, idempotency_key)
+            await conn.execute(Q["supersede_exchange"], conversation_id, retried,
+                               created.user_message_id)
+        return created
+
+    async def _replay_retry(self, conn: asyncpg.Connection, who: Principal,
+                            conversation_id: UUID, key: str, ask: RunAsk,
+                            named: UUID | None) -> CreatedRun | None:
+        """A retry repeated under its Idempotency-Key answers with the first run: what the
+        repeat leaves out is taken from that run, then compared like any replay."""
+        first = await conn.fetchrow(Q["find_run_by_idempotency_key"], who.account_id, key)
+        if first is None:
+            return None
+        run = await convs.get_run(conn, who.account_id, first["id"])
+        stored = (run.request if run is not None else None) or {}
+        if "retry_of" not in stored:
+            raise _idempotency_conflict(first["id"])
+        try:
+            model = ask.model or parse_model(stored.get("model"), self.settings)
+        except UnknownModel:
+            raise _idempotency_conflict(first["id"]) from None
+        req = RunRequest(
+            ask.content if ask.content is not None else stored.get("content", ""), model,
+            ask.params if ask.params is not None else stored.get("params", {}), ask.on_busy,
+            named or UUID(stored["retry_of"]))
+        return await self._replay(conn, who, conversation_id, key, req)
+
     async def _enqueue(self, db: queue.Db, who: Principal, conversation_id: UUID,
                        req: RunRequest, idempotency_key: str | None) -> CreatedRun:
         try:
@@ -216,7 +401,8 @@ class Service:
             raise _idempotency_conflict(exc.run_id) from None
         except queue.ConversationNotFound:
             raise not_found("conversation") from None
-        return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created)
+        return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created,
+                          user_message_id=run.user_message_id)
 
     async def _replay(self, conn: asyncpg.Connection, who: Principal, conversation_id: UUID,
                       key: str, req: RunRequest) -> CreatedRun | None:
@@ -262,15 +448,52 @@ class Service:
 
     # presence -------------------------------------------------------------------------------
 
-    async def attach(self, who: Principal, conversation_id: UUID, ttl_s: float) -> UUID:
-        return await self.pool.fetchval(Q["presence_attach"], who.account_id, conversation_id,
-                                        who.device_id, ttl_s)
+    async def attach(self, who: Principal, conversation_id: UUID, ttl_s: float) -> UUID | None:
+        """Register the device as attached; None when the conversation is gone (deleted)."""
+        try:
+            return await self.pool.fetchval(Q["presence_attach"], who.account_id,
+                                            conversation_id, who.device_id, ttl_s)
+        except asyncpg.ForeignKeyViolationError:
+            return None
 
-    async def renew_presence(self, presence_id: UUID, ttl_s: float) -> bool:
+    async def renew_presence(self, presence_id: UUID | None, ttl_s: float) -> bool:
+        if presence_id is None:
+            return False
         return await self.pool.fetchval(Q["presence_renew"], presence_id, ttl_s) is not None
 
-    async def detach(self, presence_id: UUID) -> None:
-        await self.pool.execute(Q["presence_detach"], presence_id)
+    async def detach(self, presence_id: UUID | None) -> None:
+        if presence_id is not None:
+            await self.pool.execute(Q["presence_detach"], presence_id)
+
+    async def conversation_meta(self, who: Principal,
+                                conversation_id: UUID) -> convs.ConversationMeta | None:
+        """None once the conversation is gone: its feeds end."""
+        return await convs.conversation_meta(self.pool, who.account_id, conversation_id)
+
+
+def _model_name(model: ModelRef | None) -> str | None:
+    return None if model is None else str(model)
+
+
+def _retry_target(row: asyncpg.Record, named: UUID | None) -> UUID:
+    """The message a retry re-runs, or the 404 / 409 that says why there is none."""
+    if row["id"] is None:
+        if named is not None:
+            raise not_found("message")
+        raise ServiceError(409, "nothing_to_retry", "the conversation has no turn to retry")
+    latest_active = row["latest_status"] == MessageStatus.QUEUED or \
+        row["latest_run_status"] in ACTIVE_RUN_STATUSES
+    if latest_active:
+        raise ServiceError(409, "turn_active",
+                           "the latest turn has not ended yet: stop it (or cancel it) first",
+                           message_id=str(row["latest_id"]))
+    if row["role"] != MessageRole.USER or row["superseded_by"] is not None or \
+            row["status"] == MessageStatus.DRAFT or row["id"] != row["latest_id"]:
+        raise ServiceError(409, "nothing_to_retry",
+                           f"message {row['id']} is not the question of the conversation's "
+                           f"latest turn; only that one can be retried or edited",
+                           latest_message_id=str(row["latest_id"]) if row["latest_id"] else None)
+    return row["id"]
 
 
 def _idempotency_conflict(run_id: UUID) -> ServiceError:
