@@ -274,6 +274,34 @@ async def test_fork_works_while_a_turn_runs_and_copies_only_what_has_ended(api: 
     await wait_run(api.a, queued["run_id"])
 
 
+async def test_fork_keeps_a_superseded_mark_only_with_what_replaced_it(api: Api) -> None:
+    cid = await create_conversation(api.a, "branches")
+    await finished_turn(api, cid, "the first try")
+    retried = await api.a.post(f"/v1/conversations/{cid}/runs",
+                               json={"retry_of": "last", "content": "the second try"})
+    await wait_run(api.a, retried.json()["run_id"])
+    messages = (await state(api, cid))["messages"]
+    assert [bool(m["superseded_by"]) for m in messages] == [True, True, False, False]
+
+    whole = await api.a.post(f"/v1/conversations/{cid}/fork",
+                             json={"message_id": messages[3]["id"]})
+    copy = (await state(api, whole.json()["id"]))["messages"]
+    assert [m["content"] for m in copy] == [m["content"] for m in messages]
+    # The marks point at the copy's own new question, not at the original's.
+    assert [m["superseded_by"] for m in copy] == [copy[2]["id"], copy[2]["id"], None, None]
+
+    # Forking from the old branch continues it: nothing in the copy replaced it.
+    branch = await api.a.post(f"/v1/conversations/{cid}/fork",
+                              json={"message_id": messages[1]["id"]})
+    old = (await state(api, branch.json()["id"]))["messages"]
+    assert [(m["content"], m["superseded_by"]) for m in old] == [
+        (messages[0]["content"], None), (messages[1]["content"], None)]
+    follow = await finished_turn(api, branch.json()["id"], "go on from there")
+    assert await model_sees(api, branch.json()["id"], follow["id"]) == [
+        ("user", "the first try"), ("assistant", messages[1]["content"]),
+        ("user", "go on from there")]
+
+
 async def test_fork_of_another_conversations_message_or_account_is_404_and_writes_nothing(
         api: Api) -> None:
     mine = await create_conversation(api.a, "mine")
@@ -445,7 +473,7 @@ async def test_archive_hides_a_conversation_reversibly_and_every_device_sees_it(
         body = archived.json()
         assert_time(body["archived_at"])
         assert body["updated_at"] == updated_at  # archiving is not activity
-        frame = await feed.next("conversation", lambda d: d["conversation"]["archived_at"])
+        frame = await feed.next("conversation")  # the first: nothing else changed since
         assert frame.data["conversation"]["archived_at"] == body["archived_at"]
 
         listed = (await api.a.get("/v1/conversations")).json()["conversations"]

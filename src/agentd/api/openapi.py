@@ -191,7 +191,7 @@ def build_spec() -> dict[str, Any]:
                                                     "type": "array",
                                                     "items": _ref("Conversation")}}},
                                                "conversations"),
-                                  "400": _error("bad limit"), **_ERRORS}}},
+                                  "400": _error("bad limit or archived"), **_ERRORS}}},
             "/v1/conversations/{id}": {
                 "parameters": [_ID],
                 "get": {"summary": "transcript, active and queued runs, lease, attached devices",
@@ -293,7 +293,9 @@ def build_spec() -> dict[str, Any]:
                               "400": _error("bad timeout"), "404": _error("no such run"),
                               **_ERRORS}}},
             "/v1/runs/{id}/cancel": {"post": {
-                "summary": "cancel one run", "parameters": [_ID],
+                "summary": "cancel one run: a queued one ends at once and its text comes back "
+                           "as a draft (to the device that asked it); a running one is asked "
+                           "to stop", "parameters": [_ID],
                 "responses": {"202": _json(_ref("StopResult"), "cancel recorded"),
                               "404": _error("no such run"), **_ERRORS}}},
             "/v1/runs/{id}/events": {"get": {

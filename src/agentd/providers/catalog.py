@@ -52,9 +52,14 @@ def _provider_problem(config: ProviderConfig) -> str | None:
         key_needed = config.api_key_env is not None or config.kind == "anthropic"
         if key_needed and not (config.api_key_env and os.environ.get(config.api_key_env)):
             return "no API key is configured for this provider on the daemon"
-    if config.kind == "local" and importlib.util.find_spec("llama_cpp") is None:
+    if config.kind == "local" and not local_runtime_installed():
         return "the local model runtime (llama-cpp-python) is not installed on the daemon"
     return None
+
+
+def local_runtime_installed() -> bool:
+    """llama-cpp-python, found without importing it (the import loads a native library)."""
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def _model_problem(config: ProviderConfig, model: str) -> str | None:
