@@ -82,6 +82,10 @@ class LifecycleScreen(Screen[None]):
     next_model: str | None = None  # chosen before any conversation exists: for the next one
     _hinting = False  # the bar shows the selection's keys
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.deleting: set[str] = set()  # conversations this device asked to delete
+
     # -- what the chat screen provides ---------------------------------------------------------
 
     @property
@@ -356,17 +360,21 @@ class LifecycleScreen(Screen[None]):
 
     @work(group="lifecycle", exit_on_error=False)
     async def delete(self, model: ConversationModel) -> None:
+        # Its feed may say "deleted" before the answer comes: either way it was this device.
+        self.deleting.add(model.conversation_id)
         try:
             await self.client.delete_conversation(model.conversation_id)
         except ApiError as exc:
+            self.deleting.discard(model.conversation_id)
             self.notify(f"Delete failed: {describe(exc)}", severity="error")
             return
-        await self.conversation_gone(model, here=True)
+        await self.conversation_gone(model)
 
-    async def conversation_gone(self, model: ConversationModel, *, here: bool) -> None:
+    async def conversation_gone(self, model: ConversationModel) -> None:
         """The open conversation was deleted (here, or on another device): leave it."""
         if model is not self.model:
             return
+        here = model.conversation_id in self.deleting
         self.model = None
         self.selection = None
         await self.transcript.reset("This conversation was deleted. Pick another, or type to "

@@ -213,7 +213,7 @@ class MainScreen(LifecycleScreen):
                     changes = model.apply(item)
                     await self.render_changes(model, changes)
                     if changes.deleted:
-                        await self.conversation_gone(model, here=False)
+                        await self.conversation_gone(model)
                         return
                     if changes.conversation:  # renamed, archived or restored elsewhere
                         self._refresh_list_quietly()
