@@ -640,9 +640,13 @@ LIMIT $3::int;
 -- appends in ONE statement; a fence lower than the mark (a superseded execution) updates and
 -- inserts nothing (zero rows = rejected). The conflicting mark row is locked and re-checked, so
 -- concurrent writers serialize on it and an older fence can never slip in after a newer one.
-WITH mark AS (
+-- The writing run's row is locked first, as every worker write and a conversation's delete take
+-- it: a delete holding it is waited for (and then nothing is written), never deadlocked with.
+WITH writer AS (
+    SELECT id FROM agent_run WHERE id = $3::uuid FOR KEY SHARE
+), mark AS (
     INSERT INTO conversation_note_fence (conversation_id, fence, run_id)
-    VALUES ($1::uuid, $2::bigint, $3::uuid)
+    SELECT $1::uuid, $2::bigint, writer.id FROM writer
     ON CONFLICT (conversation_id) DO UPDATE
         SET fence = EXCLUDED.fence, run_id = EXCLUDED.run_id, updated_at = clock_timestamp()
         WHERE conversation_note_fence.fence <= EXCLUDED.fence

@@ -150,14 +150,19 @@ def validate_model(value: Any, settings: Settings) -> ModelRef:
                            f"model names are at most {MAX_MODEL_NAME} characters")
     if not value.strip():
         raise ServiceError(422, "unknown_model", "model must name a model, like provider:model")
+    return usable_model(value, settings)
+
+
+def usable_model(name: str, settings: Settings) -> ModelRef:
+    """The model `name` names, if it is on offer and can run now; else a 422 naming it."""
     try:
-        model = parse_model(value, settings)
+        model = parse_model(name, settings)
         check_usable(model, settings)
     except UnknownModel:
-        raise ServiceError(422, "unknown_model", f"unknown model {value!r}: GET /v1/models "
+        raise ServiceError(422, "unknown_model", f"unknown model {name!r}: GET /v1/models "
                                                  f"lists the models on offer") from None
     except ModelRefused as exc:
-        raise ServiceError(422, exc.code, exc.message, model=value) from None
+        raise ServiceError(422, exc.code, exc.message, model=name) from None
     return model
 
 
@@ -266,16 +271,7 @@ class Service:
 
     def _conversation_model(self, conversation: convs.Conversation) -> ModelRef:
         """A run that names no model gets the conversation's, else default_model; usable now."""
-        name = conversation.model or self.settings.default_model
-        try:
-            model = parse_model(name, self.settings)
-            check_usable(model, self.settings)
-        except UnknownModel:
-            raise ServiceError(422, "unknown_model", f"unknown model {name!r}: GET /v1/models "
-                                                     f"lists the models on offer") from None
-        except ModelRefused as exc:
-            raise ServiceError(422, exc.code, exc.message, model=name) from None
-        return model
+        return usable_model(conversation.model or self.settings.default_model, self.settings)
 
     async def create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                          idempotency_key: str | None) -> CreatedRun:

@@ -66,19 +66,25 @@ async def model_sees(api: Api, conversation_id: str, run_id: str) -> list[tuple[
 
 
 class Feed:
-    """A device attached to a conversation feed: frames land in a queue as they arrive."""
+    """A device attached to a conversation feed (or, given `path`, any event stream): frames
+    land in a queue as they arrive; entering waits for the first one, so the stream is open."""
 
-    def __init__(self, client: httpx.AsyncClient, conversation_id: str) -> None:
+    def __init__(self, client: httpx.AsyncClient, conversation_id: str = "",
+                 path: str | None = None) -> None:
         self.client = client
-        self.path = f"/v1/conversations/{conversation_id}/events"
+        self.path = path or f"/v1/conversations/{conversation_id}/events"
         self.frames: asyncio.Queue[Any] = asyncio.Queue()
+        self.seen: list[Any] = []
         self.ended = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Feed:
         self._task = asyncio.create_task(self._read())
-        snapshot = await self.next("snapshot")
-        assert snapshot.event == "snapshot"
+        async with asyncio.timeout(WAIT_S):
+            first = await self.frames.get()
+        self.seen.append(first)
+        if self.path.startswith("/v1/conversations/"):
+            assert first.event == "snapshot"
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -100,6 +106,7 @@ class Feed:
         async with asyncio.timeout(WAIT_S):
             while True:
                 frame = await self.frames.get()
+                self.seen.append(frame)
                 if frame.event == event and (where is None or where(frame.data)):
                     return frame
 
@@ -533,18 +540,19 @@ async def test_delete_stops_the_turn_removes_everything_and_every_device_sees_it
     queued = await start_run(api.a, cid, "queued when deleted")
     assert (await rows_of(api, cid))["notes"] == 1
 
-    async with Feed(api.a, cid) as desk, Feed(api.a, cid) as laptop:
+    run_stream = f"/v1/runs/{running['run_id']}/events"
+    async with Feed(api.a, cid) as desk, Feed(api.a, cid) as laptop, \
+            Feed(api.a, path=run_stream) as tail:
         async with asyncio.timeout(WAIT_S):
-            tail = asyncio.create_task(read_sse(api.a, f"/v1/runs/{running['run_id']}/events"))
             response = await api.a.delete(f"/v1/conversations/{cid}")
             assert response.status_code == 204 and response.content == b""
             for feed in (desk, laptop):
                 gone = await feed.next("deleted")
                 assert gone.data == {"type": "deleted", "conversation_id": cid}
                 await feed.ended.wait()  # the feed ends after it
-            events = await tail  # the run's own stream ends too, saying why
-        assert events[-1].event == "complete" and events[-1].data["deleted"] is True
-        assert events[-1].data["status"] == "cancelled"
+            ending = await tail.next("complete")  # the run's own stream ends too, saying why
+            await tail.ended.wait()
+        assert ending.data["deleted"] is True and ending.data["status"] == "cancelled"
 
     assert await rows_of(api, cid) == dict.fromkeys(kept_rows, 0)
     assert await rows_of(api, kept) == kept_rows

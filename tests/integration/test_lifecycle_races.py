@@ -25,6 +25,8 @@ from agentd.queue import (
 )
 from agentd.service import Service
 from agentd.settings import Settings
+from agentd.tools import ToolContext
+from agentd.tools.notes import StaleFence, append_note
 from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
 from tests.integration.helpers import (
     assert_journal_sound,
@@ -49,6 +51,7 @@ SELECT (SELECT count(*) FROM conversation WHERE id = $1)
      + (SELECT count(*) FROM conversation_lease WHERE conversation_id = $1)
      + (SELECT count(*) FROM presence WHERE conversation_id = $1)
      + (SELECT count(*) FROM conversation_note WHERE conversation_id = $1)
+     + (SELECT count(*) FROM conversation_note_fence WHERE conversation_id = $1)
 """
 
 
@@ -114,13 +117,14 @@ async def test_cancelling_one_queued_turn_racing_its_claim_ends_it_exactly_one_w
 
 async def test_delete_racing_the_worker_the_claimer_and_an_attaching_device_leaves_nothing(
         dsn: str) -> None:
-    """A worker mid-turn writes its journal, a message and a heartbeat; a claimer takes the
-    next turn; a device attaches; the user deletes. Whatever the order, every write either
-    landed before the delete or fails as LeaseLost (never a foreign-key error), the attach
-    answers "gone" instead of failing, and nothing of the conversation is left."""
+    """A worker mid-turn writes its journal, a message, a heartbeat and a note (the notes tool,
+    fenced downstream); a claimer takes the next turn; a device attaches; the user deletes.
+    Whatever the order, every write either landed before the delete or is refused (LeaseLost;
+    the note as a tool error) — never a foreign-key error or a deadlock — the attach answers
+    "gone" instead of failing, and nothing of the conversation is left."""
     refused = landed = 0  # iterations where a write lost to the delete / beat it
-    async with connections(dsn, 7) as (setup, deleter, appender, writer, beater, claimer,
-                                        attacher):
+    async with connections(dsn, 8) as (setup, deleter, appender, writer, beater, claimer,
+                                        attacher, noter):
         tenant = await new_tenant(setup)
         device = await setup.fetchval(
             "INSERT INTO device (account_id, name, token_hash) VALUES ($1, 'phone', $2)"
@@ -137,7 +141,10 @@ async def test_delete_racing_the_worker_the_claimer_and_an_attaching_device_leav
             await finish_run(setup, current, RunStatus.COMPLETED, seq=current.last_seq + 1,
                              content="done")
             [streaming] = await claim_runs(setup, worker_id="worker", lease_ttl_s=LONG_S)
-            deleted, appended, written, beaten, claimed, attached = await race(
+            await append_note(ToolContext(current.run_id, conv, tenant.account_id,
+                                          current.fence, setup), "a mark to delete")
+            tool = ToolContext(streaming.run_id, conv, tenant.account_id, streaming.fence, noter)
+            deleted, appended, written, beaten, claimed, attached, noted = await race(
                 lambda conv=conv: delete_conversation(deleter, account_id=tenant.account_id,
                                                       conversation_id=conv),
                 lambda s=streaming: append_events(appender, s, [NewEvent(
@@ -146,12 +153,14 @@ async def test_delete_racing_the_worker_the_claimer_and_an_attaching_device_leav
                                                    content="{}", tool_call_id="call-1"),
                 lambda s=streaming: heartbeat(beater, s, LONG_S),
                 lambda: claim_runs(claimer, worker_id="claimer", lease_ttl_s=LONG_S),
-                lambda conv=conv: service.attach(who, conv, 30.0))
-            raise_unexpected([deleted, appended, written, beaten, claimed, attached], LeaseLost,
-                             context=context)
+                lambda conv=conv: service.attach(who, conv, 30.0),
+                lambda tool=tool: append_note(tool, "written while deleting"))
+            raise_unexpected([deleted, appended, written, beaten, claimed, attached, noted],
+                             LeaseLost, StaleFence, context=context)
             assert deleted is True, context
             assert claimed == [], context  # the streaming turn holds the conversation
             writes = (appended, written, beaten)
+            assert not isinstance(noted, StaleFence) or "no longer exists" in str(noted)
             refused += any(isinstance(r, LeaseLost) for r in writes)
             landed += any(not isinstance(r, LeaseLost) for r in writes)
             assert attached is None or isinstance(attached, UUID), context

@@ -27,6 +27,9 @@ async def append_note(ctx: ToolContext, text: str) -> dict[str, Any]:
                                 ctx.run_id, text)
     if row is None:
         mark = await ctx.db.fetchval(Q["note_fence_mark"], ctx.conversation_id)
+        if mark is None or mark <= ctx.fence:
+            raise StaleFence("rejected: this run no longer exists (its conversation was "
+                             "deleted); nothing written")
         raise StaleFence(f"rejected: this run's fence {ctx.fence} is lower than {mark}, which a "
                          "newer execution of this conversation already used; nothing written")
     return {"note_id": row["id"], "created_at": row["created_at"].isoformat()}
