@@ -81,6 +81,7 @@ class LifecycleScreen(Screen[None]):
     showing_archived = False  # the list shows archived conversations instead
     next_model: str | None = None  # chosen before any conversation exists: for the next one
     _hinting = False  # the bar shows the selection's keys
+    _marked: Selection | None = None  # the message marked on screen
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,17 +130,19 @@ class LifecycleScreen(Screen[None]):
         self.selection = items[max(index, 0)] if index < len(items) else None
         self.apply_selection(scroll=True)
 
-    def apply_selection(self, *, scroll: bool = False) -> None:
-        """Mark the selected message (the views may have been rebuilt since)."""
+    def apply_selection(self, *, scroll: bool = False, rebuilt: bool = False) -> None:
+        """Mark the selected message; only the views whose mark changes are touched (this runs
+        on every redraw, streaming included), all of them only after a rebuild."""
         model = self.model
-        if model is not None and self.selection is not None and \
-                self.selection not in selectable(model):
-            self.selection = None
         selection = self.selection
-        for key, view in self.transcript.views.items():
-            chosen = selection is not None and selection.key == key
-            view.question.set_class(chosen and selection.part == QUESTION, "-selected")
-            view.answer.set_class(chosen and selection.part == ANSWER, "-selected")
+        if selection is not None:
+            turn = model.turns.get(selection.key) if model is not None else None
+            if turn is None or not message_of(turn, selection.part):
+                selection = self.selection = None
+        if selection != self._marked or rebuilt:
+            self._mark(self._marked, False)
+            self._mark(selection, True)
+            self._marked = selection
         if selection is None or model is None:
             if self._hinting:
                 self._hinting = False
@@ -152,6 +155,12 @@ class LifecycleScreen(Screen[None]):
             self.transcript.scroll_to_widget(target, animate=False)
         self.bar.show(model, f"selected: the {selection.part} · F3 fork from here · "
                              f"F4 retry · F5 edit · Ctrl+G cancel if queued · Alt+↓ to leave")
+
+    def _mark(self, selection: Selection | None, on: bool) -> None:
+        view = self.transcript.views.get(selection.key) if selection is not None else None
+        if view is not None and selection is not None:
+            part = view.question if selection.part == QUESTION else view.answer
+            part.set_class(on, "-selected")
 
     def selected_turn(self) -> Turn | None:
         if self.model is None or self.selection is None:

@@ -250,7 +250,7 @@ class MainScreen(LifecycleScreen):
                 return
             if changes.rebuild or changes.turns:
                 await self.transcript.sync(model, changes)
-                self.apply_selection()
+                self.apply_selection(rebuilt=changes.rebuild)
             if changes.rebuild and not model.order:
                 self.transcript.set_empty("No messages yet. Type below and press Enter.")
             if changes.bar or changes.rebuild or changes.turns:
