@@ -158,6 +158,11 @@ class TurnRunner:
         error = generating.exception()
         if isinstance(error, LeaseLost):
             raise error
+        if error is not None and not isinstance(error, ProviderError) and \
+                await self._disowned(claim):
+            # A write that failed because the run is gone (its conversation was deleted, a
+            # foreign key says so) is a lost lease, not a crash: stop quietly.
+            raise LeaseLost(claim.run_id, f"turn step ({type(error).__name__})") from error
         if error is not None:
             if not isinstance(error, ProviderError):
                 log.exception("turn crashed", exc_info=error, extra=ctx)
@@ -166,6 +171,16 @@ class TurnRunner:
                 f"internal error: {type(error).__name__}: {error}"
             return await self._finish(turn, RunStatus.FAILED, message, ctx)
         return await self._finish(turn, RunStatus.COMPLETED, None, ctx)
+
+    async def _disowned(self, claim: Claim) -> bool:
+        """Whether this execution no longer owns its run (a failed read says nothing)."""
+        try:
+            await check_lease(self._pool, claim)
+        except LeaseLost:
+            return True
+        except _DB_ERRORS:
+            return False
+        return False
 
     async def _finish(self, turn: _Turn, status: RunStatus, error: str | None,
                       ctx: dict[str, Any]) -> bool:

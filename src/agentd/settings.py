@@ -26,6 +26,7 @@ from agentd.tool_settings import (
 from agentd.vocabulary import ApprovalPolicy
 
 ENV_PREFIX = "AGENTD_"
+MAX_MODEL_NAME = 200  # `<provider>:<model>`, as the API accepts it and a conversation stores it
 
 
 class SettingsError(ValueError):
@@ -42,6 +43,9 @@ class ProviderConfig:
     api_key_env: str | None = None
     timeout_s: float = 60.0
     model_path: str | None = None
+    # The models it offers (GET /v1/models, and what enqueue accepts): `<name>:<model>` for each.
+    # Empty for a `local` provider with a model_path: it offers that file, named by its stem.
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,14 +224,32 @@ def _boolean(value: Any) -> bool:
 
 def _default_providers() -> dict[str, ProviderConfig]:
     return {
-        "demo": ProviderConfig("demo", "demo"),
+        "demo": ProviderConfig("demo", "demo", models=("demo",)),
         "openai": ProviderConfig("openai", "openai", base_url="https://api.openai.com/v1",
-                                 api_key_env="OPENAI_API_KEY"),
+                                 api_key_env="OPENAI_API_KEY",
+                                 models=("gpt-4.1", "gpt-4.1-mini", "gpt-4o", "gpt-4o-mini")),
         "anthropic": ProviderConfig("anthropic", "anthropic",
                                     base_url="https://api.anthropic.com",
-                                    api_key_env="ANTHROPIC_API_KEY"),
+                                    api_key_env="ANTHROPIC_API_KEY",
+                                    models=("claude-sonnet-4-0", "claude-opus-4-1",
+                                            "claude-3-5-haiku-latest")),
         "local": ProviderConfig("local", "local"),
     }
+
+
+def _model_list(name: str, value: Any, source: str) -> tuple[str, ...]:
+    """`models` as a TOML array, or in the environment a comma-separated list."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(m, str) for m in items):
+        raise SettingsError(f"providers.{name}.models (from {source}) must be a list of "
+                            f"model names")
+    models = tuple(m.strip() for m in items if m.strip())
+    for model in models:
+        if len(f"{name}:{model}") > MAX_MODEL_NAME or any(c.isspace() for c in model):
+            raise SettingsError(f"providers.{name}.models (from {source}): {model!r} is not a "
+                                f"model name (no spaces; `{name}:<model>` at most "
+                                f"{MAX_MODEL_NAME} characters)")
+    return models
 
 
 def _providers(table: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, ProviderConfig]:
@@ -239,19 +261,33 @@ def _providers(table: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Pr
         unknown = set(spec) - known
         if unknown:
             raise SettingsError(f"providers.{name}: unknown keys {sorted(unknown)}")
+        # A table without `models` offers none of the defaults of a provider of another kind.
         base = providers.get(name, ProviderConfig(name, str(spec.get("kind", name))))
+        if "kind" in spec and spec["kind"] != base.kind:
+            base = dataclasses.replace(base, models=())
+        values = dict(spec)
+        if "models" in values:
+            values["models"] = _model_list(name, values["models"], "the config file")
         try:
             providers[name] = dataclasses.replace(base, **{
-                k: (float(v) if k == "timeout_s" else str(v)) for k, v in spec.items()})
+                k: (float(v) if k == "timeout_s" else v if k == "models" else str(v))
+                for k, v in values.items()})
         except (TypeError, ValueError):
             raise SettingsError(f"providers.{name}: invalid value") from None
-    # AGENTD_<PROVIDER>_BASE_URL, _API_KEY_ENV, _TIMEOUT_S, _MODEL_PATH override the file.
+    # AGENTD_<PROVIDER>_BASE_URL, _API_KEY_ENV, _TIMEOUT_S, _MODEL_PATH, _MODELS override the file.
     for name, provider in list(providers.items()):
         changes: dict[str, Any] = {}
-        for key in ("base_url", "api_key_env", "timeout_s", "model_path"):
-            value = env.get(f"{ENV_PREFIX}{name.upper()}_{key.upper()}")
-            if value is not None:
-                changes[key] = float(value) if key == "timeout_s" else value
+        for key in ("base_url", "api_key_env", "timeout_s", "model_path", "models"):
+            variable = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
+            value = env.get(variable)
+            if value is None:
+                continue
+            if key == "timeout_s":
+                changes[key] = float(value)
+            elif key == "models":
+                changes[key] = _model_list(name, value, variable)
+            else:
+                changes[key] = value
         if changes:
             providers[name] = dataclasses.replace(provider, **changes)
     return providers
