@@ -378,7 +378,7 @@ WITH clock AS (
                     (SELECT max(e.seq) + 1 FROM run_event e WHERE e.run_id = fin.id)),
            'complete',
            jsonb_build_object('status', $3::text, 'error', $4::text, 'error_code', $9::text,
-                              'message_id', (SELECT id FROM answer))
+                              'message_id', (SELECT id FROM answer), 'usage', $5::jsonb)
     FROM fin
 ), released AS (
     DELETE FROM conversation_lease l
@@ -698,25 +698,25 @@ SELECT revoked.id, pg_notify('agentd_device', revoked.id::text),
 FROM revoked;
 
 -- create_conversation --
--- params: account_id, title
+-- params: account_id, title, model
 -- A conversation belongs to exactly one account from birth.
-INSERT INTO conversation (account_id, title)
-VALUES ($1::uuid, $2::text)
-RETURNING id, account_id, title, created_at, updated_at;
+INSERT INTO conversation (account_id, title, model)
+VALUES ($1::uuid, $2::text, $3::text)
+RETURNING id, account_id, title, model, archived_at, created_at, updated_at;
 
 -- get_conversation --
 -- params: conversation_id, account_id
 -- Another account's conversation does not exist for you (docs/architecture.md rule 9).
-SELECT id, account_id, title, created_at, updated_at
+SELECT id, account_id, title, model, archived_at, created_at, updated_at
 FROM conversation
 WHERE id = $1::uuid AND account_id = $2::uuid;
 
 -- list_conversations --
--- params: account_id, limit
--- Most recently active first.
-SELECT id, account_id, title, created_at, updated_at
+-- params: account_id, limit, archived
+-- Most recently active first; archived ones only when asked for, and then only them.
+SELECT id, account_id, title, model, archived_at, created_at, updated_at
 FROM conversation
-WHERE account_id = $1::uuid
+WHERE account_id = $1::uuid AND (archived_at IS NOT NULL) = $3::bool
 ORDER BY updated_at DESC, id
 LIMIT $2::int;
 
@@ -788,14 +788,15 @@ SHOW server_version;
 -- transcript_for_run --
 -- params: conversation_id, user_message_id
 -- What the model sees for a turn: every earlier turn (question, tool steps, answer) and its own
--- question, in turn order; minus turns not yet run (queued) or handed back (draft).
+-- question, in turn order; minus turns not yet run (queued), handed back (draft), or replaced
+-- by a retry or an edit (superseded).
 SELECT m.role, m.content, m.tool_calls, m.tool_call_id
 FROM message m
 LEFT JOIN agent_run r ON r.id = m.run_id
 LEFT JOIN message asked ON asked.id = r.user_message_id
 WHERE m.conversation_id = $1::uuid
   AND coalesce(asked.position, m.position) <= (SELECT position FROM message WHERE id = $2::uuid)
-  AND m.status NOT IN ('queued', 'draft')
+  AND m.status NOT IN ('queued', 'draft') AND m.superseded_by IS NULL
 ORDER BY coalesce(asked.position, m.position), m.position;
 
 -- presence_attach --
@@ -857,12 +858,25 @@ WHERE conversation_id = $1::uuid
   AND ((created_at, id) > ($2::timestamptz, $3::uuid) OR id = ANY ($4::uuid[]))
 ORDER BY created_at, id;
 
--- rename_conversation --
--- params: conversation_id, account_id, title
--- Titles are the user's own words; only the owning account can change them.
-UPDATE conversation SET title = $3::text, updated_at = clock_timestamp()
-WHERE id = $1::uuid AND account_id = $2::uuid
-RETURNING id, account_id, title, created_at, updated_at;
+-- update_conversation --
+-- params: conversation_id, account_id, title, set_model, model, archived
+-- Rename, set the model, archive or restore; only the owning account, only what the request
+-- names ($4 and $6 say whether model and archived were given: NULL is a model). Archiving is
+-- not activity, so it leaves updated_at (the list's order) alone. The feeds hear of it.
+WITH changed AS (
+    UPDATE conversation
+    SET title = coalesce($3::text, title),
+        model = CASE WHEN $4::bool THEN $5::text ELSE model END,
+        archived_at = CASE WHEN $6::bool IS NULL THEN archived_at
+                           WHEN $6::bool THEN coalesce(archived_at, clock_timestamp())
+                           END,
+        updated_at = CASE WHEN $3::text IS NOT NULL OR $4::bool THEN clock_timestamp()
+                          ELSE updated_at END
+    WHERE id = $1::uuid AND account_id = $2::uuid
+    RETURNING id, account_id, title, model, archived_at, created_at, updated_at
+)
+SELECT changed.*, pg_notify('agentd_conversation', changed.id::text)
+FROM changed;
 
 -- latest_run_of_conversation --
 -- params: conversation_id
@@ -897,9 +911,13 @@ LIMIT $3::int;
 -- appends in ONE statement; a fence lower than the mark (a superseded execution) updates and
 -- inserts nothing (zero rows = rejected). The conflicting mark row is locked and re-checked, so
 -- concurrent writers serialize on it and an older fence can never slip in after a newer one.
-WITH mark AS (
+-- The writing run's row is locked first, as every worker write and a conversation's delete take
+-- it: a delete holding it is waited for (and then nothing is written), never deadlocked with.
+WITH writer AS (
+    SELECT id FROM agent_run WHERE id = $3::uuid FOR KEY SHARE
+), mark AS (
     INSERT INTO conversation_note_fence (conversation_id, fence, run_id)
-    VALUES ($1::uuid, $2::bigint, $3::uuid)
+    SELECT $1::uuid, $2::bigint, writer.id FROM writer
     ON CONFLICT (conversation_id) DO UPDATE
         SET fence = EXCLUDED.fence, run_id = EXCLUDED.run_id, updated_at = clock_timestamp()
         WHERE conversation_note_fence.fence <= EXCLUDED.fence
@@ -1102,3 +1120,156 @@ FROM tool_approval a
 LEFT JOIN device d ON d.id = a.decided_by
 WHERE a.run_id = $1::uuid AND a.account_id = $2::uuid
 ORDER BY a.requested_at, a.call_id;
+
+-- conversation_meta --
+-- params: conversation_id, account_id
+-- Rule 9 and a feed's re-read: the conversation (zero rows: not yours, or deleted, which ends
+-- every feed of it), the messages a retry or an edit superseded (each with the user message
+-- that replaced it), and the token totals of its runs.
+SELECT c.id, c.account_id, c.title, c.model, c.archived_at, c.created_at, c.updated_at,
+       (SELECT coalesce(jsonb_object_agg(m.id, m.superseded_by), '{}'::jsonb)
+        FROM message m
+        WHERE m.conversation_id = c.id AND m.superseded_by IS NOT NULL) AS superseded,
+       (SELECT jsonb_build_object(
+                   'input_tokens', coalesce(sum((r.usage ->> 'input_tokens')::bigint), 0),
+                   'output_tokens', coalesce(sum((r.usage ->> 'output_tokens')::bigint), 0),
+                   'runs', count(*))
+        FROM agent_run r
+        WHERE r.conversation_id = c.id AND r.usage IS NOT NULL) AS usage
+FROM conversation c
+WHERE c.id = $1::uuid AND c.account_id = $2::uuid;
+
+-- conversation_run_usage --
+-- params: conversation_id
+-- The model and token counts of each run of a conversation that reported usage, shown beside
+-- the answer it produced.
+SELECT id, request ->> 'model' AS model, usage
+FROM agent_run
+WHERE conversation_id = $1::uuid AND usage IS NOT NULL;
+
+-- delete_conversation --
+-- params: conversation_id, account_id
+-- One statement removes a conversation and, by ON DELETE CASCADE, its runs, journal, leases,
+-- presence, notes and messages. Runs after the stop sweep locked its active runs in the same
+-- transaction (lock_conversation first, so no turn is enqueued or claimed half-way). Wakes the
+-- feeds (they see it gone and end) and the tails of its running turn; the worker still running
+-- it finds no row at its next fenced write (LeaseLost) and stops.
+WITH running AS (
+    SELECT r.id FROM agent_run r
+    WHERE r.conversation_id = $1::uuid AND r.account_id = $2::uuid AND r.status = 'running'
+), gone AS (
+    DELETE FROM conversation WHERE id = $1::uuid AND account_id = $2::uuid
+    RETURNING id
+)
+SELECT gone.id, pg_notify('agentd_conversation', gone.id::text),
+       (SELECT count(pg_notify('agentd_run_event', running.id::text)) FROM running) AS woken
+FROM gone;
+
+-- fork_conversation --
+-- params: conversation_id, account_id, message_id
+-- A new conversation holding a copy of the transcript up to and including message $3, in one
+-- statement that only reads the original. Only what has ended is copied: never a queued or
+-- draft message nor a row of a turn still queued or running (so a fork works while a turn
+-- runs); the results of a copied tool call come along, so a call and its result never split.
+-- A superseded mark is kept only if the message that replaced it is copied too. Zero rows: no
+-- such conversation; message_found false: no such message in it; id NULL: that message cannot
+-- be forked from (its turn has not ended, or it is a draft).
+WITH source AS (
+    SELECT id, account_id, title, model FROM conversation
+    WHERE id = $1::uuid AND account_id = $2::uuid
+), eligible AS (
+    SELECT m.id, m.role, m.content, m.status, m.tool_calls, m.tool_call_id, m.created_at,
+           m.superseded_by, m.position, coalesce(asked.position, m.position) AS turn_position
+    FROM message m
+    JOIN source ON source.id = m.conversation_id
+    LEFT JOIN agent_run r ON r.id = m.run_id
+    LEFT JOIN message asked ON asked.id = r.user_message_id
+    WHERE m.status NOT IN ('queued', 'draft')
+      AND (r.id IS NULL OR r.status NOT IN ('queued', 'running'))
+), target AS (
+    SELECT turn_position, position FROM eligible WHERE id = $3::uuid
+), upto AS (
+    SELECT e.* FROM eligible e, target t
+    WHERE (e.turn_position, e.position) <= (t.turn_position, t.position)
+), picked AS (
+    SELECT * FROM upto
+    UNION ALL
+    SELECT e.* FROM eligible e, target t
+    WHERE e.role = 'tool' AND (e.turn_position, e.position) > (t.turn_position, t.position)
+      AND EXISTS (SELECT 1 FROM upto call
+                  WHERE call.role = 'assistant' AND call.turn_position = e.turn_position
+                    AND call.tool_calls @> jsonb_build_array(
+                        jsonb_build_object('id', e.tool_call_id)))
+), created AS (
+    INSERT INTO conversation (account_id, title, model)
+    SELECT source.account_id,
+           left(CASE WHEN source.title = '' THEN 'Fork' ELSE source.title || ' (fork)' END, 500),
+           source.model
+    FROM source
+    WHERE EXISTS (SELECT 1 FROM target)
+    RETURNING id, account_id, title, model, archived_at, created_at, updated_at
+), mapped AS (
+    SELECT picked.*, gen_random_uuid() AS copy_id FROM picked
+), copied AS (
+    -- in turn order, so the copies' positions (their only order: they belong to no run) keep it
+    INSERT INTO message (id, conversation_id, role, content, status, tool_calls, tool_call_id,
+                         created_at, superseded_by)
+    SELECT m.copy_id, created.id, m.role, m.content, m.status, m.tool_calls, m.tool_call_id,
+           m.created_at, (SELECT r.copy_id FROM mapped r WHERE r.id = m.superseded_by)
+    FROM mapped m CROSS JOIN created
+    ORDER BY m.turn_position, m.position
+    RETURNING id
+)
+SELECT created.*,
+       EXISTS (SELECT 1 FROM message WHERE id = $3::uuid AND conversation_id = source.id)
+           AS message_found,
+       (SELECT count(*) FROM copied) AS copied
+FROM source LEFT JOIN created ON true;
+
+-- retry_target --
+-- params: conversation_id, message_id
+-- Read under lock_conversation before a retry or an edit: the conversation's latest turn (its
+-- last user message that is neither a draft nor superseded) and its run's status, and message
+-- $2 (NULL: that latest one) with its run's request. Only the latest turn, once ended, can be
+-- re-run: the caller turns these columns into the 404 or 409 that says why not.
+WITH latest AS (
+    SELECT m.id, m.status, r.status AS run_status
+    FROM message m
+    LEFT JOIN agent_run r ON r.id = m.run_id
+    WHERE m.conversation_id = $1::uuid AND m.role = 'user' AND m.status <> 'draft'
+      AND m.superseded_by IS NULL
+    ORDER BY m.position DESC
+    LIMIT 1
+)
+SELECT latest.id AS latest_id, latest.status AS latest_status,
+       latest.run_status AS latest_run_status,
+       t.id, t.role, t.content, t.status, t.superseded_by, r.request
+FROM (SELECT 1) AS one
+LEFT JOIN latest ON true
+LEFT JOIN message t ON t.id = coalesce($2::uuid, latest.id) AND t.conversation_id = $1::uuid
+LEFT JOIN agent_run r ON r.id = t.run_id;
+
+-- supersede_exchange --
+-- params: conversation_id, message_id, superseded_by
+-- A retry or an edit replaced the latest turn: its user message $2 and everything after it in
+-- turn order (tool steps, the answer) are marked with the new user message $3, in the
+-- transaction that enqueued the new turn, under lock_conversation. Drafts are no exchange's.
+WITH cut AS (
+    SELECT coalesce(asked.position, t.position) AS turn_position
+    FROM message t
+    LEFT JOIN agent_run r ON r.id = t.run_id
+    LEFT JOIN message asked ON asked.id = r.user_message_id
+    WHERE t.id = $2::uuid AND t.conversation_id = $1::uuid
+), exchange AS (
+    SELECT m.id
+    FROM message m
+    LEFT JOIN agent_run r ON r.id = m.run_id
+    LEFT JOIN message asked ON asked.id = r.user_message_id
+    CROSS JOIN cut
+    WHERE m.conversation_id = $1::uuid AND m.superseded_by IS NULL AND m.status <> 'draft'
+      AND m.id <> $3::uuid AND coalesce(asked.position, m.position) >= cut.turn_position
+)
+UPDATE message m SET superseded_by = $3::uuid
+FROM exchange
+WHERE m.id = exchange.id
+RETURNING m.id;

@@ -317,7 +317,7 @@ async def _doctor(settings: Settings, _args: argparse.Namespace) -> int:
 
     problems = 0
     for check in await run_checks(settings):
-        mark = "ok  " if check.ok else "FAIL"
+        mark = "FAIL" if not check.ok else "warn" if check.warn else "ok  "
         print(f"[{mark}] {check.name}: {check.detail}")
         problems += not check.ok
     return 1 if problems else 0

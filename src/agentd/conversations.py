@@ -6,7 +6,8 @@ Every read is scoped by account (rule 9): another account's conversation simply 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 from uuid import UUID
@@ -23,8 +24,15 @@ class Conversation:
     id: UUID
     account_id: UUID
     title: str
+    model: str | None  # what its runs default to; None: the daemon's default_model
+    archived_at: datetime | None
     created_at: datetime
     updated_at: datetime
+
+    @classmethod
+    def from_record(cls, r: Any) -> Conversation:
+        return cls(r["id"], r["account_id"], r["title"], r["model"], r["archived_at"],
+                   r["created_at"], r["updated_at"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +45,9 @@ class Message:
     tool_calls: list[dict[str, Any]] | None
     tool_call_id: str | None
     created_at: datetime
+    superseded_by: UUID | None = None  # the user message of the exchange that replaced it
+    model: str | None = None  # on a run's answer: the model that wrote it
+    usage: dict[str, Any] | None = None  # on a run's answer: the run's token counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,24 +107,48 @@ class ConversationState:
     messages: list[Message]
     runs: list[RunRow]  # running first (at most one), then queued in run order
     lease: Lease | None
+    usage: dict[str, int] = field(default_factory=dict)  # token totals of all its runs
 
 
-async def create_conversation(db: Db, account_id: UUID, title: str = "") -> Conversation:
-    return Conversation(**dict(await db.fetchrow(*Q.create_conversation.bind(
-        account_id=account_id, title=title))))
+@dataclass(frozen=True, slots=True)
+class ConversationMeta:
+    """What a conversation feed re-reads when told the conversation changed."""
+
+    conversation: Conversation
+    superseded: dict[UUID, UUID]  # message id -> the user message that replaced it
+    usage: dict[str, int]
+
+    @classmethod
+    def from_record(cls, r: Any) -> ConversationMeta:
+        return cls(Conversation.from_record(r),
+                   {UUID(k): UUID(v) for k, v in (r["superseded"] or {}).items()},
+                   dict(r["usage"] or {}))
+
+
+async def create_conversation(db: Db, account_id: UUID, title: str = "",
+                              model: str | None = None) -> Conversation:
+    return Conversation.from_record(await db.fetchrow(*Q.create_conversation.bind(
+        account_id=account_id, title=title, model=model)))
 
 
 async def get_conversation(db: Db, account_id: UUID,
                            conversation_id: UUID) -> Conversation | None:
     row = await db.fetchrow(*Q.get_conversation.bind(conversation_id=conversation_id,
                                                      account_id=account_id))
-    return Conversation(**dict(row)) if row else None
+    return Conversation.from_record(row) if row else None
 
 
-async def list_conversations(db: Db, account_id: UUID,
-                             limit: int = 100) -> list[Conversation]:
-    return [Conversation(**dict(r)) for r in
-            await db.fetch(*Q.list_conversations.bind(account_id=account_id, limit=limit))]
+async def list_conversations(db: Db, account_id: UUID, limit: int = 100, *,
+                             archived: bool = False) -> list[Conversation]:
+    return [Conversation.from_record(r) for r in await db.fetch(*Q.list_conversations.bind(
+        account_id=account_id, limit=limit, archived=archived))]
+
+
+async def conversation_meta(db: Db, account_id: UUID,
+                            conversation_id: UUID) -> ConversationMeta | None:
+    row = await db.fetchrow(*Q.conversation_meta.bind(conversation_id=conversation_id,
+                                                      account_id=account_id))
+    return ConversationMeta.from_record(row) if row else None
 
 
 async def get_run(db: Db, account_id: UUID, run_id: UUID) -> RunRow | None:
@@ -124,24 +159,66 @@ async def get_run(db: Db, account_id: UUID, run_id: UUID) -> RunRow | None:
 async def conversation_state(db: Db, account_id: UUID,
                              conversation_id: UUID) -> ConversationState | None:
     """The server's authority on a conversation, as every client reconciles to it."""
-    conversation = await get_conversation(db, account_id, conversation_id)
-    if conversation is None:
+    meta = await conversation_meta(db, account_id, conversation_id)
+    if meta is None:
         return None
     messages = [
         Message(r["id"], r["run_id"], MessageRole(r["role"]), r["content"],
-                MessageStatus(r["status"]), r["tool_calls"], r["tool_call_id"], r["created_at"])
+                MessageStatus(r["status"]), r["tool_calls"], r["tool_call_id"], r["created_at"],
+                meta.superseded.get(r["id"]))
         for r in await db.fetch(*Q.list_messages.bind(conversation_id=conversation_id))]
+    messages = _with_usage(messages, await db.fetch(*Q.conversation_run_usage.bind(
+        conversation_id=conversation_id)))
     runs = await list_active_runs(db, conversation_id)
     runs.sort(key=lambda run: run.status != RunStatus.RUNNING)
     lease = await get_lease(db, account_id, conversation_id)
-    return ConversationState(conversation, messages, runs, lease)
+    return ConversationState(meta.conversation, messages, runs, lease, meta.usage)
 
 
-async def rename_conversation(db: Db, account_id: UUID, conversation_id: UUID,
-                              title: str) -> Conversation | None:
-    row = await db.fetchrow(*Q.rename_conversation.bind(
-        conversation_id=conversation_id, account_id=account_id, title=title))
-    return Conversation(**dict(row)) if row else None
+def _with_usage(messages: list[Message], runs: list[Any]) -> list[Message]:
+    """Each run's model and token counts on its answer: the run's last assistant message."""
+    by_run = {r["id"]: r for r in runs}
+    answers = {m.run_id: i for i, m in enumerate(messages)
+               if m.role == MessageRole.ASSISTANT and m.run_id in by_run}
+    for run_id, index in answers.items():
+        run = by_run[run_id]
+        messages[index] = dataclasses.replace(messages[index], model=run["model"],
+                                              usage=run["usage"])
+    return messages
+
+
+async def update_conversation(db: Db, account_id: UUID, conversation_id: UUID, *,
+                              title: str | None, set_model: bool, model: str | None,
+                              archived: bool | None) -> Conversation | None:
+    """Rename, set the model, archive or restore: only what is given; None if not yours."""
+    row = await db.fetchrow(*Q.update_conversation.bind(
+        conversation_id=conversation_id, account_id=account_id, title=title,
+        set_model=set_model, model=model, archived=archived))
+    return Conversation.from_record(row) if row else None
+
+
+async def fork_conversation(db: Db, account_id: UUID, conversation_id: UUID,
+                            message_id: UUID) -> asyncpg.Record | None:
+    """Copy the transcript up to a message into a new conversation (the fork_conversation
+    statement says how to read its columns); None: no such conversation."""
+    row: asyncpg.Record | None = await db.fetchrow(*Q.fork_conversation.bind(
+        conversation_id=conversation_id, account_id=account_id, message_id=message_id))
+    return row
+
+
+async def retry_target(conn: asyncpg.Connection, conversation_id: UUID,
+                       message_id: UUID | None) -> asyncpg.Record:
+    """The latest turn and the message a retry names (under lock_conversation)."""
+    row: asyncpg.Record = await conn.fetchrow(*Q.retry_target.bind(
+        conversation_id=conversation_id, message_id=message_id))
+    return row
+
+
+async def supersede_exchange(conn: asyncpg.Connection, conversation_id: UUID,
+                             message_id: UUID, superseded_by: UUID) -> None:
+    """Mark the retried exchange as replaced by the new user message (same transaction)."""
+    await conn.execute(*Q.supersede_exchange.bind(
+        conversation_id=conversation_id, message_id=message_id, superseded_by=superseded_by))
 
 
 async def lock_conversation(conn: asyncpg.Connection, account_id: UUID,

@@ -191,12 +191,27 @@ class TurnRunner:
         error = generating.exception()
         if isinstance(error, LeaseLost):
             raise error
+        if error is not None and not isinstance(error, ProviderError) and \
+                await self._disowned(claim):
+            # A write that failed because the run is gone (its conversation was deleted, a
+            # foreign key says so) is a lost lease, not a crash: stop quietly.
+            raise LeaseLost(claim.run_id, f"turn step ({type(error).__name__})") from error
         if error is not None:
             ended = classify(error)
             log_failure(claim.run_id, ended, error, fence=claim.fence)
             await self._repair_open_calls(turn)
             return await self._finish(turn, RunStatus.FAILED, ended, ctx)
         return await self._finish(turn, RunStatus.COMPLETED, None, ctx)
+
+    async def _disowned(self, claim: Claim) -> bool:
+        """Whether this execution no longer owns its run (a failed read says nothing)."""
+        try:
+            await check_lease(self._pool, claim)
+        except LeaseLost:
+            return True
+        except _DB_ERRORS:
+            return False
+        return False
 
     async def _finish(self, turn: _Turn, status: RunStatus, ended: RunFailure | None,
                       ctx: dict[str, Any]) -> bool:

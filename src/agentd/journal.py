@@ -134,6 +134,10 @@ class Emitter:
             except asyncio.CancelledError:
                 cancelled = True
         if cancelled:
+            if not write.cancelled():
+                # Retrieved, so asyncio does not log it as lost: a fenced-out batch is already
+                # recorded in self._lost, which the owner checks next.
+                write.exception()
             raise asyncio.CancelledError
         write.result()
 

@@ -62,6 +62,7 @@ class EnqueuedRun:
     status: RunStatus
     conversation_id: UUID
     created: bool  # False when an idempotency key returned an earlier run
+    user_message_id: UUID | None = None  # the question it wrote (None for a replay)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +237,8 @@ async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, conten
     if row is None:
         raise ConversationNotFound(str(conversation_id))
     if row["id"] is not None:
-        return EnqueuedRun(row["id"], RunStatus(row["status"]), row["conversation_id"], True)
+        return EnqueuedRun(row["id"], RunStatus(row["status"]), row["conversation_id"], True,
+                           row["user_message_id"])
     if idempotency_key is not None:
         # A retried POST: its first run stands (even when the queue has filled up since).
         first = await find_run_by_idempotency_key(db, account_id, idempotency_key)
@@ -556,6 +558,23 @@ async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID
         cancelled=[row["id"] for row in cancelled],
         drafts=[Draft(row["id"], row["message_id"], row["content"]) for row in cancelled],
         flagged=[row["id"] for row in flagged])
+
+
+async def delete_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID) -> bool:
+    """Stop the conversation as a stop does, then remove it and everything of it, in ONE
+    transaction; False when there is no such conversation (or it is already gone).
+
+    The conversation row is locked first (as enqueue and stop take it): no turn is enqueued or
+    claimed half-way, and a second delete waits, then finds nothing. A worker still running a
+    turn finds its run gone at its next fenced write and stops (LeaseLost).
+    """
+    async with _acquire(pool) as conn, conn.transaction():
+        if await conn.fetchval(*Q.lock_conversation.bind(
+                conversation_id=conversation_id, account_id=account_id)) is None:
+            return False
+        await stop_conversation(conn, account_id=account_id, conversation_id=conversation_id)
+        return await conn.fetchval(*Q.delete_conversation.bind(
+            conversation_id=conversation_id, account_id=account_id)) is not None
 
 
 async def read_events(db: Db, run_id: UUID, *, after_seq: int = 0,

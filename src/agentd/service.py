@@ -12,7 +12,7 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 import asyncpg
@@ -21,12 +21,22 @@ from agentd import approvals, queue
 from agentd import conversations as convs
 from agentd.accounts import Principal
 from agentd.hub import Hub
-from agentd.providers import ModelRef
-from agentd.settings import Settings
+from agentd.providers import ModelRef, parse_model, validate_params
+from agentd.providers.base import UnknownModel
+from agentd.providers.catalog import ModelRefused, check_usable
+from agentd.settings import MAX_MODEL_NAME, Settings
 from agentd.tools import ToolError, ToolRegistry
-from agentd.vocabulary import ApprovalDecision, Channel, RunStatus
+from agentd.vocabulary import (
+    ACTIVE_RUN_STATUSES,
+    ApprovalDecision,
+    Channel,
+    MessageRole,
+    MessageStatus,
+    RunStatus,
+)
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
+LAST = "last"  # retry_of: the conversation's latest turn
 # A full queue drains as turns finish; a client that waits this long finds room more often than
 # not, and never hammers the daemon.
 QUEUE_FULL_RETRY_AFTER_S = 10
@@ -51,15 +61,40 @@ def not_found(what: str) -> ServiceError:
 
 
 @dataclass(frozen=True, slots=True)
+class RunAsk:
+    """A create-run body, checked for shape; what it leaves out is decided with the database."""
+
+    content: str | None  # None: a retry, re-sending the retried message's text
+    model: ModelRef | None  # None: the conversation's model, else default_model
+    params: dict[str, Any] | None  # None: {} (a retry: the retried run's params)
+    on_busy: str
+    retry_of: UUID | Literal["last"] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RunRequest:
     content: str
     model: ModelRef
     params: dict[str, Any]
     on_busy: str
+    retry_of: UUID | None = None
 
     def snapshot(self) -> dict[str, Any]:
         """What the run row stores: all a worker needs, and what idempotency compares."""
-        return {"content": self.content, "model": str(self.model), "params": self.params}
+        out = {"content": self.content, "model": str(self.model), "params": self.params}
+        if self.retry_of is not None:
+            out["retry_of"] = str(self.retry_of)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationChange:
+    """A PATCH (or create) body: None means "not given"; `set_model` because None is a model."""
+
+    title: str | None = None
+    set_model: bool = False
+    model: ModelRef | None = None
+    archived: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +104,7 @@ class CreatedRun:
     conversation_id: UUID
     replayed: bool = False
     drafts: list[queue.Draft] = field(default_factory=list)
+    user_message_id: UUID | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +124,31 @@ def parse_uuid(value: str, what: str) -> UUID:
         raise not_found(what) from None
 
 
+def validate_model(value: Any, settings: Settings) -> ModelRef:
+    """A model a request names: offered by a configured provider and usable now, or a 4xx."""
+    if not isinstance(value, str):
+        raise ServiceError(400, "invalid_model", "model must be a string like provider:model")
+    if len(value) > MAX_MODEL_NAME:
+        raise ServiceError(422, "invalid_model",
+                           f"model names are at most {MAX_MODEL_NAME} characters")
+    if not value.strip():
+        raise ServiceError(422, "unknown_model", "model must name a model, like provider:model")
+    return usable_model(value, settings)
+
+
+def usable_model(name: str, settings: Settings) -> ModelRef:
+    """The model `name` names, if it is on offer and can run now; else a 422 naming it."""
+    try:
+        model = parse_model(name, settings)
+        check_usable(model, settings)
+    except UnknownModel:
+        raise ServiceError(422, "unknown_model", f"unknown model {name!r}: GET /v1/models "
+                                                 f"lists the models on offer") from None
+    except ModelRefused as exc:
+        raise ServiceError(422, exc.code, exc.message, model=name) from None
+    return model
+
+
 class Service:
     def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings,
                  tools: ToolRegistry) -> None:
@@ -98,20 +159,48 @@ class Service:
 
     # conversations -------------------------------------------------------------------------
 
-    async def create_conversation(self, who: Principal, title: str) -> convs.Conversation:
-        return await convs.create_conversation(self.pool, who.account_id, title)
+    async def create_conversation(self, who: Principal,
+                                  change: ConversationChange) -> convs.Conversation:
+        return await convs.create_conversation(self.pool, who.account_id, change.title or "",
+                                               _model_name(change.model))
 
-    async def list_conversations(self, who: Principal,
-                                 limit: int = 100) -> list[convs.Conversation]:
-        return await convs.list_conversations(self.pool, who.account_id, limit)
+    async def list_conversations(self, who: Principal, limit: int = 100, *,
+                                 archived: bool = False) -> list[convs.Conversation]:
+        return await convs.list_conversations(self.pool, who.account_id, limit,
+                                              archived=archived)
 
-    async def rename_conversation(self, who: Principal, conversation_id: UUID,
-                                  title: str) -> convs.Conversation:
-        renamed = await convs.rename_conversation(self.pool, who.account_id, conversation_id,
-                                                  title)
-        if renamed is None:
+    async def update_conversation(self, who: Principal, conversation_id: UUID,
+                                  change: ConversationChange) -> convs.Conversation:
+        """Rename, set or clear the model, archive or restore; the feeds show it live."""
+        updated = await convs.update_conversation(
+            self.pool, who.account_id, conversation_id, title=change.title,
+            set_model=change.set_model, model=_model_name(change.model),
+            archived=change.archived)
+        if updated is None:
             raise not_found("conversation")
-        return renamed
+        return updated
+
+    async def delete_conversation(self, who: Principal, conversation_id: UUID) -> None:
+        """Stop its turns as a stop does, then remove everything of it, in ONE transaction."""
+        if not await queue.delete_conversation(self.pool, account_id=who.account_id,
+                                               conversation_id=conversation_id):
+            raise not_found("conversation")
+
+    async def fork_conversation(self, who: Principal, conversation_id: UUID,
+                                message_id: UUID) -> tuple[convs.Conversation, int]:
+        """A new conversation with the transcript up to `message_id`; (it, messages copied)."""
+        row = await convs.fork_conversation(self.pool, who.account_id, conversation_id,
+                                            message_id)
+        if row is None:
+            raise not_found("conversation")
+        if not row["message_found"]:
+            raise not_found("message")
+        if row["id"] is None:
+            raise ServiceError(409, "message_not_forkable",
+                               f"message {message_id} belongs to a turn that has not ended (or "
+                               f"was handed back as a draft): fork from an earlier message, "
+                               f"or once the turn has ended", message_id=str(message_id))
+        return convs.Conversation.from_record(row), row["copied"]
 
     async def search(self, who: Principal, query: str, limit: int = 50) -> list[asyncpg.Record]:
         """Messages (and titles) containing `query`, newest first, across the caller's account."""
@@ -146,17 +235,39 @@ class Service:
 
     # runs -----------------------------------------------------------------------------------
 
-    async def create_run(self, who: Principal, conversation_id: UUID, req: RunRequest,
+    def _request(self, ask: RunAsk, model: ModelRef, content: str,
+                 params: dict[str, Any] | None, retry_of: UUID | None = None) -> RunRequest:
+        """The run as it will be stored, its params checked for the model it runs on."""
+        params = {} if params is None else params
+        try:
+            validate_params(self.settings.providers[model.provider], params,
+                            max_run_s=self.settings.max_run_s)
+        except ValueError as exc:
+            raise ServiceError(422, "invalid_params", str(exc)) from None
+        return RunRequest(content, model, params, ask.on_busy, retry_of)
+
+    def _conversation_model(self, conversation: convs.Conversation) -> ModelRef:
+        """A run that names no model gets the conversation's, else default_model; usable now."""
+        return usable_model(conversation.model or self.settings.default_model, self.settings)
+
+    async def create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                          idempotency_key: str | None) -> CreatedRun:
         """Enqueue a turn; on_busy decides what happens when the conversation is not idle."""
         if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
             raise ServiceError(400, "invalid_idempotency_key",
                                "Idempotency-Key must be 1-200 printable ASCII characters")
-        if not model_allowed(str(req.model), who.models):
-            raise ServiceError(403, "model_not_allowed",
-                               f"model {str(req.model)!r} is not allowed for this account "
-                               f"(allowed: {', '.join(who.models or ())})",
-                               model=str(req.model))
+        if ask.retry_of is not None:
+            return await self._retry(who, conversation_id, ask, idempotency_key)
+        assert ask.content is not None  # validate_run_request: only a retry may omit it
+        if ask.model is not None:
+            req = self._request(ask, ask.model, ask.content, ask.params)
+        else:
+            conversation = await convs.get_conversation(self.pool, who.account_id,
+                                                        conversation_id)
+            if conversation is None:
+                raise not_found("conversation")
+            req = self._request(ask, self._conversation_model(conversation), ask.content,
+                                ask.params)
         if "tool" in req.params:
             await self._check_tool(req.params["tool"])
         if req.on_busy == "enqueue":
@@ -199,8 +310,78 @@ class Service:
         if tool is None:
             raise ServiceError(422, "invalid_params", f"params.tool: no tool named {name!r}")
 
+    async def _retry(self, who: Principal, conversation_id: UUID, ask: RunAsk,
+                     idempotency_key: str | None) -> CreatedRun:
+        """Re-run (or edit and re-run) the latest turn: a new run, in ONE transaction with the
+        mark that supersedes the old exchange (kept in the transcript, hidden from the model).
+
+        Naming the message makes it a compare-and-set: two devices retrying the same turn get
+        one new run and one 409, and a client that has not seen a newer turn cannot replace it.
+        """
+        named = None if ask.retry_of == LAST else ask.retry_of
+        async with self.pool.acquire() as conn, conn.transaction():
+            if not await convs.lock_conversation(conn, who.account_id, conversation_id):
+                raise not_found("conversation")
+            if idempotency_key is not None:
+                replay = await self._replay_retry(conn, who, conversation_id, idempotency_key,
+                                                  ask, named)
+                if replay is not None:
+                    return replay
+            target = await convs.retry_target(conn, conversation_id, named)
+            retried = _retry_target(target, named)
+            if ask.model is not None:
+                model = ask.model
+            else:
+                conversation = await convs.get_conversation(conn, who.account_id,
+                                                            conversation_id)
+                assert conversation is not None  # locked above
+                model = self._conversation_model(conversation)
+            inherited = ask.params is None
+            params = (target["request"] or {}).get("params") if inherited else ask.params
+            try:
+                req = self._request(ask, model, ask.content or target["content"], params,
+                                    retried)
+            except ServiceError as exc:
+                if inherited and exc.code == "invalid_params":
+                    exc.message += " (the retried turn's params; send params to replace them)"
+                raise
+            if "tool" in req.params:
+                await self._check_tool(req.params["tool"])
+            created = await self._enqueue(conn, who, conversation_id, req, idempotency_key)
+            assert created.user_message_id is not None
+            await convs.supersede_exchange(conn, conversation_id, retried,
+                                           created.user_message_id)
+        return created
+
+    async def _replay_retry(self, conn: asyncpg.Connection, who: Principal,
+                            conversation_id: UUID, key: str, ask: RunAsk,
+                            named: UUID | None) -> CreatedRun | None:
+        """A retry repeated under its Idempotency-Key answers with the first run: what the
+        repeat leaves out is taken from that run, then compared like any replay."""
+        first = await queue.find_run_by_idempotency_key(conn, who.account_id, key)
+        if first is None:
+            return None
+        run = await convs.get_run(conn, who.account_id, first.run_id)
+        stored = (run.request if run is not None else None) or {}
+        if "retry_of" not in stored:
+            raise _idempotency_conflict(first.run_id)
+        try:
+            model = ask.model or parse_model(stored.get("model"), self.settings)
+        except UnknownModel:
+            raise _idempotency_conflict(first.run_id) from None
+        req = RunRequest(
+            ask.content if ask.content is not None else stored.get("content", ""), model,
+            ask.params if ask.params is not None else stored.get("params", {}), ask.on_busy,
+            named or UUID(stored["retry_of"]))
+        return await self._replay(conn, who, conversation_id, key, req)
+
     async def _enqueue(self, db: queue.Db, who: Principal, conversation_id: UUID,
                        req: RunRequest, idempotency_key: str | None) -> CreatedRun:
+        if not model_allowed(str(req.model), who.models):
+            raise ServiceError(403, "model_not_allowed",
+                               f"model {str(req.model)!r} is {NOT_ALLOWED} "
+                               f"(allowed: {', '.join(who.models or ())})",
+                               model=str(req.model))
         try:
             run = await queue.enqueue_run(
                 db, account_id=who.account_id, conversation_id=conversation_id,
@@ -216,7 +397,8 @@ class Service:
                                max_queued=exc.max_queued) from None
         except queue.ConversationNotFound:
             raise not_found("conversation") from None
-        return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created)
+        return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created,
+                          user_message_id=run.user_message_id)
 
     async def _replay(self, conn: asyncpg.Connection, who: Principal, conversation_id: UUID,
                       key: str, req: RunRequest) -> CreatedRun | None:
@@ -302,15 +484,55 @@ class Service:
 
     # presence -------------------------------------------------------------------------------
 
-    async def attach(self, who: Principal, conversation_id: UUID, ttl_s: float) -> UUID:
-        return await convs.attach_presence(self.pool, who.account_id, conversation_id,
-                                           who.device_id, ttl_s)
+    async def attach(self, who: Principal, conversation_id: UUID, ttl_s: float) -> UUID | None:
+        """Register the device as attached; None when the conversation is gone (deleted)."""
+        try:
+            return await convs.attach_presence(self.pool, who.account_id, conversation_id,
+                                               who.device_id, ttl_s)
+        except asyncpg.ForeignKeyViolationError:
+            return None
 
-    async def renew_presence(self, presence_id: UUID, ttl_s: float) -> bool:
+    async def renew_presence(self, presence_id: UUID | None, ttl_s: float) -> bool:
+        if presence_id is None:
+            return False
         return await convs.renew_presence(self.pool, presence_id, ttl_s)
 
-    async def detach(self, presence_id: UUID) -> None:
-        await convs.detach_presence(self.pool, presence_id)
+    async def detach(self, presence_id: UUID | None) -> None:
+        if presence_id is not None:
+            await convs.detach_presence(self.pool, presence_id)
+
+    async def conversation_meta(self, who: Principal,
+                                conversation_id: UUID) -> convs.ConversationMeta | None:
+        """None once the conversation is gone: its feeds end."""
+        return await convs.conversation_meta(self.pool, who.account_id, conversation_id)
+
+
+def _model_name(model: ModelRef | None) -> str | None:
+    return None if model is None else str(model)
+
+
+def _retry_target(row: asyncpg.Record, named: UUID | None) -> UUID:
+    """The message a retry re-runs, or the 404 / 409 that says why there is none."""
+    if row["id"] is None:
+        if named is not None:
+            raise not_found("message")
+        raise ServiceError(409, "nothing_to_retry", "the conversation has no turn to retry")
+    latest_active = row["latest_status"] == MessageStatus.QUEUED or \
+        row["latest_run_status"] in ACTIVE_RUN_STATUSES
+    if latest_active:
+        raise ServiceError(409, "turn_active",
+                           "the latest turn has not ended yet: stop it (or cancel it) first",
+                           message_id=str(row["latest_id"]))
+    if row["role"] != MessageRole.USER or row["superseded_by"] is not None or \
+            row["status"] == MessageStatus.DRAFT or row["id"] != row["latest_id"]:
+        raise ServiceError(409, "nothing_to_retry",
+                           f"message {row['id']} is not the question of the conversation's "
+                           f"latest turn; only that one can be retried or edited",
+                           latest_message_id=str(row["latest_id"]) if row["latest_id"] else None)
+    return row["id"]
+
+
+NOT_ALLOWED = "not allowed for this account"
 
 
 def model_allowed(model: str, patterns: tuple[str, ...] | None) -> bool:

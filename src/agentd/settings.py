@@ -26,6 +26,7 @@ from agentd.tool_settings import (
 from agentd.vocabulary import ApprovalPolicy
 
 ENV_PREFIX = "AGENTD_"
+MAX_MODEL_NAME = 200  # `<provider>:<model>`, as the API accepts it and a conversation stores it
 # The largest limits an operator may set (a larger one is a typo, not a plan).
 MAX_ACCOUNT_RUNNING = 10_000
 MAX_ACCOUNT_QUEUED = 1_000_000
@@ -46,6 +47,9 @@ class ProviderConfig:
     api_key_env: str | None = None
     timeout_s: float = 60.0  # the longest silence (connect, first byte, between events)
     model_path: str | None = None
+    # The models it offers (GET /v1/models, and what enqueue accepts): `<name>:<model>` for each.
+    # Empty for a `local` provider with a model_path: it offers that file, named by its stem.
+    models: tuple[str, ...] = ()
     enabled: bool = True  # false: offered to nobody, refused at enqueue (e.g. the demo model)
     call_timeout_s: float = 300.0  # one model call, from request to its last event
 
@@ -245,14 +249,32 @@ def _boolean(value: Any) -> bool:
 
 def _default_providers() -> dict[str, ProviderConfig]:
     return {
-        "demo": ProviderConfig("demo", "demo"),
+        "demo": ProviderConfig("demo", "demo", models=("demo",)),
         "openai": ProviderConfig("openai", "openai", base_url="https://api.openai.com/v1",
-                                 api_key_env="OPENAI_API_KEY"),
+                                 api_key_env="OPENAI_API_KEY",
+                                 models=("gpt-4.1", "gpt-4.1-mini", "gpt-4o", "gpt-4o-mini")),
         "anthropic": ProviderConfig("anthropic", "anthropic",
                                     base_url="https://api.anthropic.com",
-                                    api_key_env="ANTHROPIC_API_KEY"),
+                                    api_key_env="ANTHROPIC_API_KEY",
+                                    models=("claude-sonnet-4-0", "claude-opus-4-1",
+                                            "claude-3-5-haiku-latest")),
         "local": ProviderConfig("local", "local"),
     }
+
+
+def _model_list(name: str, value: Any, source: str) -> tuple[str, ...]:
+    """`models` as a TOML array, or in the environment a comma-separated list."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(m, str) for m in items):
+        raise SettingsError(f"providers.{name}.models (from {source}) must be a list of "
+                            f"model names")
+    models = tuple(m.strip() for m in items if m.strip())
+    for model in models:
+        if len(f"{name}:{model}") > MAX_MODEL_NAME or any(c.isspace() for c in model):
+            raise SettingsError(f"providers.{name}.models (from {source}): {model!r} is not a "
+                                f"model name (no spaces; `{name}:<model>` at most "
+                                f"{MAX_MODEL_NAME} characters)")
+    return models
 
 
 def _providers(table: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, ProviderConfig]:
@@ -264,25 +286,35 @@ def _providers(table: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Pr
         unknown = set(spec) - known
         if unknown:
             raise SettingsError(f"providers.{name}: unknown keys {sorted(unknown)}")
+        # A table without `models` offers none of the defaults of a provider of another kind.
         base = providers.get(name, ProviderConfig(name, str(spec.get("kind", name))))
+        if "kind" in spec and spec["kind"] != base.kind:
+            base = dataclasses.replace(base, models=())
+        values = dict(spec)
+        if "models" in values:
+            values["models"] = _model_list(name, values["models"], "the config file")
         try:
             providers[name] = dataclasses.replace(base, **{
-                k: _provider_value(k, v) for k, v in spec.items()})
+                k: v if k == "models" else _provider_value(k, v) for k, v in values.items()})
         except (TypeError, ValueError):
             raise SettingsError(f"providers.{name}: invalid value") from None
-    # AGENTD_<PROVIDER>_BASE_URL, _API_KEY_ENV, _TIMEOUT_S, _MODEL_PATH, _ENABLED,
+    # AGENTD_<PROVIDER>_BASE_URL, _API_KEY_ENV, _TIMEOUT_S, _MODEL_PATH, _MODELS, _ENABLED,
     # _CALL_TIMEOUT_S override the file.
     for name, provider in list(providers.items()):
         changes: dict[str, Any] = {}
-        for key in ("base_url", "api_key_env", "timeout_s", "model_path", "enabled",
+        for key in ("base_url", "api_key_env", "timeout_s", "model_path", "models", "enabled",
                     "call_timeout_s"):
             variable = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
             value = env.get(variable)
-            if value is not None:
-                try:
-                    changes[key] = _provider_value(key, value)
-                except ValueError:
-                    raise SettingsError(f"{variable}: {value!r} is not valid") from None
+            if value is None:
+                continue
+            if key == "models":
+                changes[key] = _model_list(name, value, variable)
+                continue
+            try:
+                changes[key] = _provider_value(key, value)
+            except ValueError:
+                raise SettingsError(f"{variable}: {value!r} is not valid") from None
         if changes:
             providers[name] = dataclasses.replace(provider, **changes)
     return providers

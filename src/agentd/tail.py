@@ -48,7 +48,14 @@ async def _ending(pool: asyncpg.Pool, run_id: UUID,
     finalize died midway) gets one synthesized from the row.
     """
     found = await run_status(pool, run_id)
-    if found is None or not found.status.terminal:
+    if found is None:
+        # Deleted with its conversation: nothing more will ever be journaled. The reader gets
+        # an ending that says so, instead of waiting forever on a run that no longer exists.
+        return True, Event(after_seq + 1, EventType.COMPLETE,
+                           {"status": str(RunStatus.CANCELLED),
+                            "error": "the conversation was deleted", "message_id": None,
+                            "deleted": True, "synthesized": True}, datetime.now(UTC))
+    if not found.status.terminal:
         return False, None
     # Re-read from the reader's own last event: a `complete` committed with the status flip
     # is visible now.
@@ -85,7 +92,9 @@ async def run_tail(pool: asyncpg.Pool, hub: Hub, run_id: UUID, after_seq: int, *
                     continue  # more may be waiting behind a full page
                 # A short page is everything committed so far; anything later sends a hint
                 # that the inbox (cleared before the read) keeps, so no second read is needed.
-            if quiet_checks == 0 or not hub.connected:
+            # Checked when the journal is quiet: on a poll, and on a wake that brought nothing
+            # (a deletion wakes the tails of its runs and journals nothing).
+            if not events or quiet_checks == 0 or not hub.connected:
                 ended, synthesized = await _ending(pool, run_id, cursor)
                 if synthesized is not None:
                     yield synthesized
@@ -129,7 +138,8 @@ class FeedCursor:
 
 @dataclass(frozen=True, slots=True)
 class FeedItem:
-    kind: str  # "event" | "run_state" | "lease" | "presence" | "keepalive"
+    kind: str  # "event" | "run_state" | "lease" | "presence" | "conversation" | "deleted"
+    #            | "keepalive"
     cursor: str
     run_id: UUID | None = None
     event: Event | None = None
@@ -138,12 +148,15 @@ class FeedItem:
 
 async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
                             cursor: FeedCursor, *, keepalive_s: float,
-                            lease_reader: Any, presence_reader: Any,
-                            on_idle: Any = None) -> AsyncIterator[FeedItem]:
-    """Every run's events in run order, plus lease and presence changes, after `cursor`.
+                            lease_reader: Any, presence_reader: Any, meta_reader: Any,
+                            meta_seen: Any, on_idle: Any = None) -> AsyncIterator[FeedItem]:
+    """Every run's events in run order, plus lease, presence and conversation changes, after
+    `cursor`; ends with a `deleted` item once the conversation is gone.
 
-    `lease_reader()` / `presence_reader()` return JSON-ready values; an item is yielded when
-    they change. `on_idle()` runs on each quiet poll (presence renewal).
+    `lease_reader()` / `presence_reader()` / `meta_reader()` return JSON-ready values (the
+    last None when the conversation no longer exists); an item is yielded when they change
+    (`meta_seen`: the value the client already has, from its snapshot). `on_idle()` runs on
+    each quiet poll (presence renewal).
     """
     loop = asyncio.get_running_loop()
     last_sent = loop.time()
@@ -183,6 +196,15 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
                 if run_id not in cursor.open:
                     sub.unlisten(Channel.RUN_EVENT, str(run_id))
             if recheck:
+                meta = await meta_reader()
+                if meta is None:
+                    yield FeedItem("deleted", cursor.encode(),
+                                   data={"conversation_id": str(conversation_id)})
+                    return
+                if meta != meta_seen:
+                    meta_seen = meta
+                    progressed = True
+                    yield FeedItem("conversation", cursor.encode(), data=meta)
                 lease = await lease_reader()
                 if lease != lease_seen:
                     lease_seen = lease

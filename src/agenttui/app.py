@@ -19,6 +19,7 @@ from textual.theme import Theme
 from agenttui.client import AgentClient, ApiError, describe
 from agenttui.drafts import DraftLedger
 from agenttui.screens.help import HelpScreen
+from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.main import MainScreen
 from agenttui.screens.pairing import PairingScreen
 from agenttui.settings import DEFAULT_THEME, Settings
@@ -118,7 +119,8 @@ class AgentTUI(App[None]):
         """(keys, description, binding id) of every remappable binding, as mapped now."""
         keymap = getattr(self, "_keymap", {})
         rows = []
-        for bindings in (MainScreen.BINDINGS, Composer.BINDINGS, AgentTUI.BINDINGS):
+        for bindings in (MainScreen.BINDINGS, LifecycleScreen.BINDINGS, Composer.BINDINGS,
+                         AgentTUI.BINDINGS):
             for binding in bindings:
                 assert isinstance(binding, Binding) and binding.id
                 keys = keymap.get(binding.id, binding.key)
@@ -149,6 +151,26 @@ class AgentTUI(App[None]):
                             main.action_export)
         yield SystemCommand("Toggle conversation list", "Show or hide the sidebar",
                             main.action_toggle_sidebar)
+        yield SystemCommand("Choose model", "The model this conversation's turns use",
+                            main.action_choose_model)
+        yield SystemCommand("Fork", "A new conversation with the transcript up to the "
+                            "selected message (Alt+↑/↓ selects)", main.action_fork)
+        yield SystemCommand("Retry", "Run the last question again (the old answer stays, "
+                            "marked superseded)", main.action_retry)
+        yield SystemCommand("Edit and resend", "Change the last question and send it again",
+                            main.action_edit)
+        yield SystemCommand("Cancel queued turn", "The selected queued turn (else the last "
+                            "one): its text goes back to its author", main.action_cancel_queued)
+        archived = main.model is not None and main.model.archived_at is not None
+        yield SystemCommand("Restore conversation" if archived else "Archive conversation",
+                            "Back into the list" if archived else
+                            "Hide it from the list (reversible)",
+                            partial(main.action_archive, not archived))
+        yield SystemCommand("Show conversations" if main.showing_archived else
+                            "Show archived conversations", "Switch the list",
+                            main.action_toggle_archived)
+        yield SystemCommand("Delete conversation", "For every device, after you confirm",
+                            main.action_delete)
         yield SystemCommand("Help", "Keys and how devices share a conversation",
                             self.action_help)
         yield SystemCommand("Pair another device",

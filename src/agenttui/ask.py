@@ -72,8 +72,9 @@ class AskOutcome:
 
 
 async def resolve_conversation(client: AgentClient, conversation: str | None,
-                               text: str) -> tuple[str, bool]:
-    """(conversation id, created?) for --conversation ID | last | (none: a new one)."""
+                               text: str, model: str | None = None) -> tuple[str, bool]:
+    """(conversation id, created?) for --conversation ID | last | (none: a new one, whose
+    later turns keep using `model`)."""
     if conversation == "last":
         items = await client.list_conversations(limit=1)
         if items:
@@ -84,7 +85,7 @@ async def resolve_conversation(client: AgentClient, conversation: str | None,
     title = " ".join(text.split())
     if len(title) > TITLE_CHARS:
         title = title[: TITLE_CHARS - 1] + "…"
-    return (await client.create_conversation(title)).id, True
+    return (await client.create_conversation(title, model=model)).id, True
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ async def ask(client: AgentClient, text: str, *, conversation: str | None = None
             loop.add_signal_handler(signal.SIGINT, interrupts)
             installed = True
     try:
-        conversation_id, created = await resolve_conversation(client, conversation, text)
+        conversation_id, created = await resolve_conversation(client, conversation, text,
+                                                              model)
         if created and err.isatty():
             print(f"agenttui: conversation {conversation_id}", file=err)
         run = await client.create_run(conversation_id, text, model=model, params=params)

@@ -29,6 +29,7 @@ examples:
   agenttui                                   open the TUI (most recent conversation)
   agenttui --conversation 0b6e…              open one conversation
   agenttui ask "summarize the last deploy"   stream one answer to stdout
+  agenttui models                            the models on offer (for ask --model)
   echo "hello" | agenttui ask --conversation last
   agenttui login https://desk:8740 --code 7K3QX-M9V2D --fingerprint SHA256:…
                                              pair with the line `agentd pair` prints
@@ -68,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     ask_parser.add_argument("--conversation", metavar="ID", default=argparse.SUPPRESS,
                             help="continue this conversation ('last' = the most recent); "
                                  "default: a new one")
-    ask_parser.add_argument("--model", help="provider:model for this turn "
-                                            "(default: the daemon's default)")
+    ask_parser.add_argument("--model", help="provider:model for this turn, and for the "
+                                            "conversation when ask creates it (default: the "
+                                            "conversation's model, else the daemon's default; "
+                                            "`agenttui models` lists them)")
     ask_parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                             help="a provider parameter (JSON value), e.g. --param tokens=80")
     ask_parser.add_argument("--tools", action=argparse.BooleanOptionalAction, default=None,
@@ -86,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
                                  "Without it, calls are asked about on the terminal, or "
                                  "denied when stdin is not one")
     ask_parser.add_argument("text", nargs="*", help="the message (default: read stdin)")
+
+    models = commands.add_parser(
+        "models", help="list the models the daemon offers",
+        description="The models of the daemon's configured providers: the name to give "
+                    "`ask --model` (or the TUI's model picker), the provider kind, and whether "
+                    "it can be used now (if not, why).")
+    _common(models, sub=True)
+    models.add_argument("--json", action="store_true", help="the API's JSON, for scripts")
 
     login = commands.add_parser(
         "login", help="pair with a daemon (or store a token) and pin its certificate",
@@ -123,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "ask":
             code = _ask(args)
+        elif args.command == "models":
+            code = _models(args)
         elif args.command == "login":
             code = _login(args)
         else:
@@ -198,6 +211,33 @@ def _ask(args: argparse.Namespace) -> int:
                 return EXIT_UNREACHABLE if exc.status in (0, 502, 503, 504) else EXIT_USAGE
             report(outcome, sys.stderr)
             return outcome.exit_code
+
+    return asyncio.run(run())
+
+
+def _models(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    if not _need_token(settings):
+        return EXIT_USAGE
+
+    async def run() -> int:
+        async with _client(settings) as client:
+            try:
+                models = await client.list_models()
+            except ApiError as exc:
+                print(f"agenttui: {describe(exc)}", file=sys.stderr)
+                return EXIT_UNREACHABLE
+        if args.json:
+            print(json.dumps({"default_model": models.default_model, "models": [
+                {"name": m.name, "provider": m.provider, "kind": m.kind, "usable": m.usable,
+                 "reason": m.reason} for m in models.offers]}, indent=2))
+            return 0
+        width = max((len(m.name) for m in models.offers), default=0)
+        for offer in models.offers:
+            state = "usable" if offer.usable else f"not usable: {offer.reason}"
+            default = " (default)" if offer.name == models.default_model else ""
+            print(f"{offer.name:<{width}}  {offer.kind:<9}  {state}{default}")
+        return 0
 
     return asyncio.run(run())
 

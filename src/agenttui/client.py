@@ -33,15 +33,18 @@ from agenttui.models import (
     CreatedRun,
     Lease,
     Me,
+    Models,
     Run,
     RunEvent,
     SearchHit,
     StopResult,
+    parse_time,
 )
 from agenttui.pinning import certificate_changed, pinned_context
 
 DEFAULT_URL = "http://127.0.0.1:8740"
 RETRYABLE_STATUS = frozenset({502, 503, 504})
+UNSET: Any = object()  # "not given", where None is a value (a conversation's model)
 
 
 # -- errors --------------------------------------------------------------------------------
@@ -68,7 +71,8 @@ class NotFound(ApiError):
 
 
 class Conflict(ApiError):
-    """409: busy conversation (on_busy=reject) or an Idempotency-Key reused differently."""
+    """409: busy conversation (on_busy=reject), an Idempotency-Key reused differently, nothing
+    to retry, a turn still active, a message that cannot be forked from."""
 
 
 class Unavailable(ApiError):
@@ -186,8 +190,27 @@ class RunStateChanged:
     cancel_requested: bool
 
 
+@dataclass(frozen=True, slots=True)
+class ConversationChanged:
+    """The conversation itself changed: its title, model or archive mark, the messages a retry
+    or an edit superseded (message id -> the new question's id), its token totals."""
+
+    title: str
+    model: str | None
+    archived_at: datetime | None
+    superseded: dict[str, str]
+    usage: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationDeleted:
+    """The conversation was deleted (on any device): the feed's last item."""
+
+    conversation_id: str
+
+
 FeedItem = (Snapshot | RunEvent | LeaseChanged | PresenceChanged | RunStateChanged
-            | ConnectionStatus)
+            | ConversationChanged | ConversationDeleted | ConnectionStatus)
 
 
 class _BadCursor(Exception):
@@ -319,12 +342,18 @@ class AgentClient:
     async def me(self) -> Me:
         return Me.from_wire(await self._json("GET", "/v1/me", retries=2))
 
-    async def create_conversation(self, title: str = "") -> Conversation:
-        return Conversation.from_wire(await self._json("POST", "/v1/conversations",
-                                                       json={"title": title}))
+    async def create_conversation(self, title: str = "",
+                                  model: str | None = None) -> Conversation:
+        body: dict[str, Any] = {"title": title}
+        if model:
+            body["model"] = model
+        return Conversation.from_wire(await self._json("POST", "/v1/conversations", json=body))
 
-    async def list_conversations(self, limit: int = 100) -> list[Conversation]:
-        data = await self._json("GET", "/v1/conversations", params={"limit": limit}, retries=2)
+    async def list_conversations(self, limit: int = 100, *,
+                                 archived: bool = False) -> list[Conversation]:
+        """Most recent first; `archived=True` lists only the archived ones."""
+        params = {"limit": limit, "archived": "true" if archived else "false"}
+        data = await self._json("GET", "/v1/conversations", params=params, retries=2)
         return [Conversation.from_wire(c) for c in data["conversations"]]
 
     async def get_conversation(self, conversation_id: str) -> ConversationState:
@@ -332,9 +361,34 @@ class AgentClient:
             await self._json("GET", f"/v1/conversations/{_id(conversation_id)}", retries=2))
 
     async def rename_conversation(self, conversation_id: str, title: str) -> Conversation:
+        return await self.update_conversation(conversation_id, title=title)
+
+    async def update_conversation(self, conversation_id: str, *, title: str | None = None,
+                                  model: str | None = UNSET,
+                                  archived: bool | None = None) -> Conversation:
+        """Change what is given: title, model (None: back to the daemon's default), archived."""
+        body: dict[str, Any] = {}
+        if title is not None:
+            body["title"] = title
+        if model is not UNSET:
+            body["model"] = model
+        if archived is not None:
+            body["archived"] = archived
         return Conversation.from_wire(await self._json(
-            "PATCH", f"/v1/conversations/{_id(conversation_id)}", json={"title": title},
-            retries=2))
+            "PATCH", f"/v1/conversations/{_id(conversation_id)}", json=body, retries=2))
+
+    async def delete_conversation(self, conversation_id: str) -> None:
+        """Stop its running turn and remove it with everything in it (404 when already gone)."""
+        await self._send("DELETE", f"/v1/conversations/{_id(conversation_id)}")
+
+    async def fork_conversation(self, conversation_id: str, message_id: str) -> Conversation:
+        """A new conversation holding the transcript up to and including `message_id`."""
+        return Conversation.from_wire(await self._json(
+            "POST", f"/v1/conversations/{_id(conversation_id)}/fork",
+            json={"message_id": message_id}))
+
+    async def list_models(self) -> Models:
+        return Models.from_wire(await self._json("GET", "/v1/models", retries=2))
 
     async def export_conversation(self, conversation_id: str) -> str:
         """The transcript as Markdown."""
@@ -364,6 +418,28 @@ class AgentClient:
         return CreatedRun.from_wire(response.json(), replayed=bool(
             response.headers.get("Idempotent-Replayed")))
 
+    async def retry(self, conversation_id: str, message_id: str = "last", *,
+                    content: str | None = None, model: str | None = None,
+                    params: Mapping[str, Any] | None = None,
+                    idempotency_key: str | None = None) -> CreatedRun:
+        """Re-run the latest turn (its question's id, or "last"), edited to `content` if given.
+
+        The old exchange stays in the transcript, marked superseded. Retried on network errors
+        under one Idempotency-Key, like any new run.
+        """
+        body: dict[str, Any] = {"retry_of": message_id}
+        if content is not None:
+            body["content"] = content
+        if model:
+            body["model"] = model
+        if params is not None:
+            body["params"] = dict(params)
+        key = idempotency_key or f"agenttui-{uuid.uuid4()}"
+        response = await self._send("POST", f"/v1/conversations/{_id(conversation_id)}/runs",
+                                    json=body, headers={"Idempotency-Key": key}, retries=3)
+        return CreatedRun.from_wire(response.json(), replayed=bool(
+            response.headers.get("Idempotent-Replayed")))
+
     async def get_run(self, run_id: str) -> Run:
         return Run.from_wire(await self._json("GET", f"/v1/runs/{_id(run_id)}", retries=2))
 
@@ -374,6 +450,8 @@ class AgentClient:
             timeout=httpx.Timeout(wait_s + 15.0, connect=5.0), retries=2))
 
     async def cancel_run(self, run_id: str) -> StopResult:
+        """Cancel one run: a queued one ends at once (its text comes back as a draft), a
+        running one is asked to stop."""
         return StopResult.from_wire(await self._json("POST", f"/v1/runs/{_id(run_id)}/cancel",
                                                      retries=3))
 
@@ -565,6 +643,19 @@ class ConversationStream(_ResumableStream):
             self.cursor = sse.id or self.cursor
             yield PresenceChanged(tuple(Attached.from_wire(a) for a in data.get("attached")
                                         or ()))
+            return
+        if sse.event == "conversation":
+            self.cursor = sse.id or self.cursor
+            about = data.get("conversation") or {}
+            yield ConversationChanged(
+                str(about.get("title") or ""), about.get("model"),
+                parse_time(about.get("archived_at")),
+                {str(k): str(v) for k, v in (data.get("superseded") or {}).items()},
+                dict(data.get("usage") or {}))
+            return
+        if sse.event == "deleted":
+            self._done = True  # nothing follows: the conversation is gone
+            yield ConversationDeleted(str(data.get("conversation_id") or self.conversation_id))
             return
         if "seq" not in data or "run_id" not in data:
             self.cursor = sse.id or self.cursor  # a frame type this client does not know

@@ -23,6 +23,8 @@ from agentd.vocabulary import (
 from agenttui.client import (
     ConnectionState,
     ConnectionStatus,
+    ConversationChanged,
+    ConversationDeleted,
     FeedItem,
     LeaseChanged,
     PresenceChanged,
@@ -148,6 +150,10 @@ class Turn:
     error: str | None = None
     last_seq: int = 0
     resolved: bool = False  # the run row was read (status, device, error)
+    answer_id: str | None = None  # the answer's message id, once the server has one
+    superseded: bool = False  # a retry or an edit replaced this exchange (kept, marked)
+    usage: dict[str, Any] | None = None  # the run's token counts, once it reported them
+    model: str | None = None  # the model that answered, when known
 
     @property
     def text(self) -> str:
@@ -180,6 +186,8 @@ class Changes:
     bar: bool = False  # ownership, presence or connection changed
     drafts: bool = False  # a draft for this device's composer is waiting
     approvals: bool = False  # a tool approval was asked or decided
+    conversation: bool = False  # its title, model or archive mark changed
+    deleted: bool = False  # the conversation is gone
 
     def merge(self, other: Changes) -> Changes:
         self.turns |= other.turns
@@ -187,6 +195,8 @@ class Changes:
         self.bar |= other.bar
         self.drafts |= other.drafts
         self.approvals |= other.approvals
+        self.conversation |= other.conversation
+        self.deleted |= other.deleted
         return self
 
 
@@ -198,6 +208,10 @@ class ConversationModel:
         self.me = me
         self.conversation_id = conversation_id
         self.title = ""
+        self.model_name: str | None = None  # the conversation's model; None: the default
+        self.archived_at: datetime | None = None
+        self.usage: dict[str, Any] = {}  # token totals of all its runs
+        self.deleted = False
         self.turns: dict[str, Turn] = {}
         self.order: list[str] = []
         self.lease: Lease | None = None
@@ -231,15 +245,36 @@ class ConversationModel:
             self.attached = item.attached
             self._learn_attached()
             return Changes(bar=True)
+        if isinstance(item, ConversationChanged):
+            return self.apply_conversation(item)
+        if isinstance(item, ConversationDeleted):
+            self.deleted = True
+            return Changes(bar=True, deleted=True)
         if isinstance(item, ConnectionStatus):
             self.connection = item
             return Changes(bar=True)
         return Changes()
 
+    def apply_conversation(self, item: ConversationChanged) -> Changes:
+        """Title, model, archive mark, totals; turns a retry or an edit superseded."""
+        changes = Changes(bar=True, conversation=(item.title, item.model, item.archived_at) != (
+            self.title, self.model_name, self.archived_at))
+        self.title, self.model_name, self.archived_at = item.title, item.model, item.archived_at
+        self.usage = dict(item.usage)
+        for key, turn in self.turns.items():
+            superseded = (turn.question_id or turn.answer_id) in item.superseded
+            if superseded != turn.superseded:
+                turn.superseded = superseded
+                changes.turns.add(key)
+        return changes
+
     def apply_snapshot(self, state: ConversationState, *, resumed: bool) -> Changes:
         """Take the server's word for everything; keep only streamed text it cannot have yet."""
         self.snapshots += 1
         self.title = state.conversation.title
+        self.model_name = state.conversation.model
+        self.archived_at = state.conversation.archived_at
+        self.usage = dict(state.usage)
         self.lease = state.lease
         self.attached = state.attached
         self._learn_lease()
@@ -247,8 +282,11 @@ class ConversationModel:
         runs = {r.id: r for r in state.runs}
         old = self.turns
         turns: dict[str, Turn] = {}
+        key = ""
         for message in state.messages:
-            key = message.run_id or message.id
+            # A message of no run (a fork's copy) belongs with the question before it.
+            if message.run_id or message.role == MessageRole.USER or not key:
+                key = message.run_id or message.id
             turn = turns.get(key)
             if turn is None:
                 turn = _fresh_from(old.get(key), key, message.run_id, keep_stream=resumed)
@@ -351,6 +389,8 @@ class ConversationModel:
                 turn.status = str(status)
             turn.error = payload.get("error") or turn.error
             turn.resolved = True
+            turn.answer_id = _opt(payload.get("message_id")) or turn.answer_id
+            turn.usage = payload.get("usage") or turn.usage
             if turn.status == RunStatus.CANCELLED and not turn.started:
                 # A queued turn a stop cancelled: the server made its question a draft.
                 turn.question_status = MessageStatus.DRAFT
@@ -400,6 +440,8 @@ class ConversationModel:
             turn.status = run.status
         turn.error = run.error or turn.error
         turn.worker_id = turn.worker_id or run.worker_id
+        turn.usage = turn.usage or run.usage
+        turn.model = turn.model or run.model
         return Changes(turns={run.id}, bar=True, drafts=self._offer_draft(turn))
 
     def note_stop(self, result: StopResult) -> Changes:
@@ -563,6 +605,7 @@ def _take_message(turn: Turn, message: Message) -> None:
         turn.question = message.content
         turn.question_id = message.id
         turn.question_status = message.status
+        turn.superseded = message.superseded_by is not None
         if message.status == MessageStatus.COMPLETE:
             turn.started = True
     elif message.role == MessageRole.ASSISTANT and message.tool_calls:
@@ -572,6 +615,10 @@ def _take_message(turn: Turn, message: Message) -> None:
     elif message.role == MessageRole.ASSISTANT:
         turn.answer = message.content
         turn.answer_status = message.status
+        turn.answer_id = message.id
+        turn.usage = message.usage or turn.usage
+        turn.model = message.model or turn.model
+        turn.superseded = turn.superseded or message.superseded_by is not None
     elif message.role == MessageRole.TOOL and message.tool_call_id:
         step = turn.tools.setdefault(message.tool_call_id,
                                      ToolStep(message.tool_call_id, "tool"))

@@ -52,11 +52,18 @@ class Conversation:
     title: str
     created_at: datetime | None
     updated_at: datetime | None
+    model: str | None = None  # what its runs use; None: the daemon's default model
+    archived_at: datetime | None = None
+
+    @property
+    def archived(self) -> bool:
+        return self.archived_at is not None
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Conversation:
         return cls(data["id"], data.get("title") or "", parse_time(data.get("created_at")),
-                   parse_time(data.get("updated_at")))
+                   parse_time(data.get("updated_at")), _opt_str(data.get("model")),
+                   parse_time(data.get("archived_at")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,9 @@ class Message:
     created_at: datetime | None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    superseded_by: str | None = None  # a retry or an edit replaced this exchange
+    model: str | None = None  # on a run's answer: the model that wrote it
+    usage: dict[str, Any] | None = None  # on a run's answer: its token counts
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Message:
@@ -84,7 +94,9 @@ class Message:
                       for c in data.get("tool_calls") or ())
         return cls(data["id"], _enum(MessageRole, data["role"]), data.get("content") or "",
                    _enum(MessageStatus, data["status"]), _opt_str(data.get("run_id")),
-                   parse_time(data.get("created_at")), calls, _opt_str(data.get("tool_call_id")))
+                   parse_time(data.get("created_at")), calls, _opt_str(data.get("tool_call_id")),
+                   _opt_str(data.get("superseded_by")), _opt_str(data.get("model")),
+                   data.get("usage"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +177,7 @@ class ConversationState:
     runs: tuple[Run, ...]
     lease: Lease | None
     attached: tuple[Attached, ...]
+    usage: dict[str, Any] = field(default_factory=dict)  # token totals of all its runs
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> ConversationState:
@@ -172,7 +185,8 @@ class ConversationState:
                    tuple(Message.from_wire(m) for m in data.get("messages") or ()),
                    tuple(Run.from_wire(r) for r in data.get("runs") or ()),
                    Lease.from_wire(data.get("lease")),
-                   tuple(Attached.from_wire(a) for a in data.get("attached") or ()))
+                   tuple(Attached.from_wire(a) for a in data.get("attached") or ()),
+                   dict(data.get("usage") or {}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +226,35 @@ class StopResult:
     def from_wire(cls, data: dict[str, Any]) -> StopResult:
         return cls(tuple(data.get("cancelled") or ()), tuple(data.get("flagged") or ()),
                    tuple(Draft.from_wire(d) for d in data.get("drafts") or ()))
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOffer:
+    """One model a configured provider offers, and whether the daemon can run it now."""
+
+    name: str  # what a run or a conversation names
+    provider: str
+    kind: str
+    usable: bool
+    reason: str | None
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> ModelOffer:
+        return cls(data["name"], data.get("provider") or "", data.get("kind") or "",
+                   bool(data.get("usable")), _opt_str(data.get("reason")))
+
+
+@dataclass(frozen=True, slots=True)
+class Models:
+    """GET /v1/models: what is on offer, and what a conversation without a model uses."""
+
+    offers: tuple[ModelOffer, ...]
+    default_model: str
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> Models:
+        return cls(tuple(ModelOffer.from_wire(m) for m in data.get("models") or ()),
+                   str(data.get("default_model") or ""))
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ __all__ = ["Api", "api", "pytest_runtest_makereport", "spawn_daemon", "started_a
 
 READY_TIMEOUT_S = 60.0
 HTTP_TIMEOUT_S = 30.0
+NO_PROVIDER_KEYS = {"OPENAI_API_KEY": "", "ANTHROPIC_API_KEY": ""}
 
 
 @dataclass
@@ -49,9 +50,14 @@ class Api:
 
 
 @asynccontextmanager
-async def started_api(spawn, pool: asyncpg.Pool, **settings: Any) -> AsyncIterator[Api]:
-    """Start a daemon with `settings`, wait until it is ready, mint tokens for A and B."""
-    daemon = spawn(**settings)
+async def started_api(spawn, pool: asyncpg.Pool, *, env: dict[str, str] | None = None,
+                      **settings: Any) -> AsyncIterator[Api]:
+    """Start a daemon with `settings`, wait until it is ready, mint tokens for A and B.
+
+    The providers' key variables are blank unless `env` sets them: which models are usable must
+    not depend on the machine running the tests.
+    """
+    daemon = spawn(env={**NO_PROVIDER_KEYS, **(env or {})}, **settings)
     await daemon.wait_ready(timeout=READY_TIMEOUT_S)
     token_a, device_a = await create_device_token(pool, account="alice", device="laptop")
     token_b, device_b = await create_device_token(pool, account="bob", device="phone")

@@ -172,15 +172,16 @@ async def db_state(pool: asyncpg.Pool) -> dict[str, Any]:
     """Everything a request could change, minus what a running turn changes on its own."""
     return {
         "conversations": sorted(map(tuple, await pool.fetch(
-            "SELECT id, account_id, title, updated_at FROM conversation"))),
+            "SELECT id, account_id, title, model, archived_at, updated_at FROM conversation"))),
         "runs": sorted(map(tuple, await pool.fetch(
             "SELECT id, conversation_id, status, cancel_requested, idempotency_key"
             " FROM agent_run"))),
         "messages": sorted(map(tuple, await pool.fetch(
-            "SELECT id, run_id, role, status, content FROM message"))),
+            "SELECT id, run_id, role, status, content, superseded_by FROM message"))),
         "presence": await pool.fetchval("SELECT count(*) FROM presence"),
         "devices": sorted(map(tuple, await pool.fetch("SELECT id, revoked_at FROM device"))),
         "pairings": sorted(map(tuple, await pool.fetch("SELECT code_hash, used_at FROM pairing"))),
+        "notes": await pool.fetchval("SELECT count(*) FROM conversation_note"),
     }
 
 

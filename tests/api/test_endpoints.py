@@ -55,6 +55,9 @@ SUCCESS_TESTED = {
     ("DELETE", "/v1/devices/{id}"),
     # Their success needs a tool call waiting for approval: tests/tools/test_approvals.py.
     ("GET", "/v1/runs/{id}/approvals"), ("POST", "/v1/runs/{id}/approvals/{call_id}"),
+    # tests/api/test_lifecycle.py
+    ("DELETE", "/v1/conversations/{id}"), ("POST", "/v1/conversations/{id}/fork"),
+    ("GET", "/v1/models"),
 }
 # The one /v1 call a pairing code authorizes instead of a bearer token.
 UNAUTHENTICATED = {("POST", "/v1/pair")}
@@ -67,8 +70,9 @@ async def spec_operations(client: httpx.AsyncClient) -> set[tuple[str, str]]:
             for method in item if method in METHODS}
 
 
-def valid_request(method: str, path: str) -> dict[str, Any]:
-    """A well-formed request for an operation (bodies and queries a real client would send)."""
+def valid_request(method: str, path: str, message_id: str | None = None) -> dict[str, Any]:
+    """A well-formed request for an operation (bodies and queries a real client would send);
+    `message_id` is the message a fork starts from."""
     if (method, path) == ("POST", "/v1/conversations"):
         return {"json": {"title": "from the table"}}
     if (method, path) == ("PATCH", "/v1/conversations/{id}"):
@@ -82,7 +86,14 @@ def valid_request(method: str, path: str) -> dict[str, Any]:
         return {"params": {"q": "secret"}}
     if (method, path) == ("POST", "/v1/runs/{id}/approvals/{call_id}"):
         return {"json": {"decision": "approve"}}
+    if (method, path) == ("POST", "/v1/conversations/{id}/fork"):
+        return {"json": {"message_id": message_id or str(uuid.uuid4())}}
     return {}
+
+
+def last_if_delete(operation: tuple[str, str]) -> tuple[bool, str, str]:
+    """Sort key running DELETE last: after it, the conversation is gone for the others."""
+    return (operation[0] == "DELETE", *operation)
 
 
 def fill(path: str, conversation_id: str, run_id: str, device_id: str | None = None) -> str:
@@ -188,7 +199,9 @@ async def test_conversation_endpoints_answer_their_documented_shapes(api: Api):
     created = await api.a.post("/v1/conversations", json={"title": "  first  "})
     assert created.status_code == 201
     conversation = assert_json(created)
-    assert set(conversation) == {"id", "title", "created_at", "updated_at"}
+    assert set(conversation) == {"id", "title", "model", "archived_at", "created_at",
+                                 "updated_at"}
+    assert conversation["model"] is None and conversation["archived_at"] is None
     conversation_id = str(assert_uuid(conversation["id"]))
     assert conversation["title"] == "first"
     assert_time(conversation["created_at"])
@@ -392,7 +405,7 @@ async def test_every_v1_endpoint_answers_401_without_a_valid_token(api: Api):
             path = fill(template, conversation_id, turn["run_id"])
             for label, header in credentials.items():
                 headers = {"Authorization": header} if header else {}
-                kwargs = valid_request(method, template)
+                kwargs = valid_request(method, template, str(uuid.uuid4()))
                 kwargs["headers"] = {**kwargs.get("headers", {}), **headers}
                 response = await fetch(anonymous, method, path, **kwargs)
                 assert_error(response, 401, "unauthorized")
@@ -406,6 +419,9 @@ async def test_every_v1_endpoint_answers_401_without_a_valid_token(api: Api):
 
 async def test_other_accounts_ids_are_404_on_every_endpoint_and_change_nothing(api: Api):
     conversation_id = await create_conversation(api.a, "alice's")
+    done = await start_run(api.a, conversation_id, "secret finished turn")
+    await wait_run(api.a, done["run_id"])
+    answered = (await api.a.get(f"/v1/conversations/{conversation_id}")).json()["messages"][-1]
     running = await start_run(api.a, conversation_id, "secret long turn", SLOW)
     await wait_run(api.a, running["run_id"], ("running",))
     queued = await start_run(api.a, conversation_id, "secret queued turn")
@@ -429,7 +445,8 @@ async def test_other_accounts_ids_are_404_on_every_endpoint_and_change_nothing(a
             other_conversation = {"running": conversation_id, "queued": conversation_id,
                                   "missing": targets["missing"], "not a uuid": "not-a-uuid"}
             path = fill(template, other_conversation[label], run_id, devices[label])
-            response = await fetch(api.b, method, path, **valid_request(method, template))
+            response = await fetch(api.b, method, path,
+                                   **valid_request(method, template, answered["id"]))
             assert_error(response, 404, "not_found")
             tried += 1
     assert tried == len(with_id) * len(targets)
@@ -439,9 +456,10 @@ async def test_other_accounts_ids_are_404_on_every_endpoint_and_change_nothing(a
     assert run["status"] == "running" and run["cancel_requested"] is False
 
     # The same requests with the owner's token succeed: the 404s were about ownership alone.
-    for method, template in with_id:
+    for method, template in sorted(with_id, key=last_if_delete):
         path = fill(template, conversation_id, queued["run_id"], str(spare))
-        response = await fetch(api.a, method, path, **valid_request(method, template))
+        response = await fetch(api.a, method, path,
+                               **valid_request(method, template, answered["id"]))
         if (method, template) in NEEDS_PENDING_APPROVAL:
             assert_error(response, 404, "approval_not_found")  # the run is the owner's
             continue
@@ -499,11 +517,56 @@ BAD_INPUT: list[tuple[str, str, str, dict[str, Any], int, str | None]] = [
     ("run: unknown field", "POST", RUNS, {"json": {"content": "x", "stream": True}}, 400,
      "unknown_field"),
     ("run: unknown provider", "POST", RUNS, {"json": {"content": "x", "model": "nope:gpt"}},
-     400, "unknown_model"),
+     422, "unknown_model"),
     ("run: provider without model", "POST", RUNS,
-     {"json": {"content": "x", "model": "openai"}}, 400, "unknown_model"),
+     {"json": {"content": "x", "model": "openai"}}, 422, "unknown_model"),
+    ("run: model the provider does not offer", "POST", RUNS,
+     {"json": {"content": "x", "model": "demo:nonsense"}}, 422, "unknown_model"),
+    ("run: model without its API key", "POST", RUNS,
+     {"json": {"content": "x", "model": "openai:gpt-4o"}}, 422, "model_unavailable"),
+    ("run: model name over 200 characters", "POST", RUNS,
+     {"json": {"content": "x", "model": "openai:" + "m" * 194}}, 422, "invalid_model"),
+    ("run: blank model", "POST", RUNS, {"json": {"content": "x", "model": " "}}, 422,
+     "unknown_model"),
     ("run: model of wrong type", "POST", RUNS, {"json": {"content": "x", "model": 7}}, 400,
      "invalid_model"),
+    ("run: retry_of not a message id", "POST", RUNS,
+     {"json": {"retry_of": "first", "params": FAST}}, 400, "invalid_retry_of"),
+    ("run: retry_of of wrong type", "POST", RUNS, {"json": {"retry_of": 3}}, 400,
+     "invalid_retry_of"),
+    ("run: retry_of an unknown message", "POST", RUNS,
+     {"json": {"retry_of": str(uuid.uuid4())}}, 404, "not_found"),
+    ("run: edit to blank content", "POST", RUNS,
+     {"json": {"retry_of": "last", "content": " "}}, 400, "invalid_content"),
+    ("create: unknown model", "POST", "/v1/conversations", {"json": {"model": "nope:x"}}, 422,
+     "unknown_model"),
+    ("create: model over 200 characters", "POST", "/v1/conversations",
+     {"json": {"model": "m" * 201}}, 422, "invalid_model"),
+    ("update: empty object", "PATCH", "/v1/conversations/{cid}", {"json": {}}, 400,
+     "invalid_body"),
+    ("update: unknown field", "PATCH", "/v1/conversations/{cid}", {"json": {"pinned": True}},
+     400, "invalid_body"),
+    ("update: archived not a boolean", "PATCH", "/v1/conversations/{cid}",
+     {"json": {"archived": "yes"}}, 400, "invalid_archived"),
+    ("update: unknown model", "PATCH", "/v1/conversations/{cid}",
+     {"json": {"model": "demo:other"}}, 422, "unknown_model"),
+    ("update: unusable model", "PATCH", "/v1/conversations/{cid}",
+     {"json": {"model": "anthropic:claude-sonnet-4-0"}}, 422, "model_unavailable"),
+    ("update: model over 200 characters", "PATCH", "/v1/conversations/{cid}",
+     {"json": {"model": "x" * 201}}, 422, "invalid_model"),
+    ("update: model of wrong type", "PATCH", "/v1/conversations/{cid}",
+     {"json": {"model": ["demo"]}}, 400, "invalid_model"),
+    ("list: archived not a boolean", "GET", "/v1/conversations?archived=maybe", {}, 400,
+     "invalid_archived"),
+    ("fork: no body", "POST", "/v1/conversations/{cid}/fork", {}, 400, "invalid_body"),
+    ("fork: no message_id", "POST", "/v1/conversations/{cid}/fork", {"json": {}}, 400,
+     "invalid_body"),
+    ("fork: extra field", "POST", "/v1/conversations/{cid}/fork",
+     {"json": {"message_id": str(uuid.uuid4()), "title": "x"}}, 400, "invalid_body"),
+    ("fork: message_id not an id", "POST", "/v1/conversations/{cid}/fork",
+     {"json": {"message_id": "the last one"}}, 400, "invalid_message_id"),
+    ("fork: unknown message", "POST", "/v1/conversations/{cid}/fork",
+     {"json": {"message_id": str(uuid.uuid4())}}, 404, "not_found"),
     ("run: params not an object", "POST", RUNS, {"json": {"content": "x", "params": [1]}}, 400,
      "invalid_params"),
     ("run: bad on_busy", "POST", RUNS, {"json": {"content": "x", "on_busy": "sometimes"}},
@@ -569,7 +632,7 @@ BAD_INPUT: list[tuple[str, str, str, dict[str, Any], int, str | None]] = [
      "invalid_cursor"),
     ("unknown route", "GET", "/v1/nothing-here", {}, 404, "not_found"),
     ("unknown route outside /v1", "GET", "/nothing-here", {}, 404, "not_found"),
-    ("wrong method", "DELETE", "/v1/conversations/{cid}", {}, 405, "method_not_allowed"),
+    ("wrong method", "PUT", "/v1/conversations/{cid}", {}, 405, "method_not_allowed"),
 ]
 
 

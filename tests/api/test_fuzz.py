@@ -57,6 +57,11 @@ def fuzz_operation(operation: Any, mode: GenerationMode, base_url: str, token: s
     def check(case: Any, use_owned: bool) -> None:
         if use_owned and "id" in (case.path_parameters or {}):
             case.path_parameters["id"] = owned_id
+            if operation.method.upper() == "DELETE":
+                # A delete gets a conversation of its own: the owned one must outlive the run.
+                case.path_parameters["id"] = session.post(
+                    f"{base_url}/v1/conversations", json={"title": "to delete"}, timeout=10,
+                    headers={"Authorization": f"Bearer {token}"}).json()["id"]
         response = case.call(base_url=base_url, session=session, timeout=STREAM_READ_S,
                              headers={"Authorization": f"Bearer {token}"})
         statuses.add(response.status_code)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -245,3 +246,41 @@ async def test_close_while_the_clock_is_flushing_keeps_seq_contiguous(
     assert [r["payload"].get("delta") for r in rows[3:5]] == ["first ", "second"]
     assert rows[-1]["type"] == EventType.COMPLETE and len(rows) == 6
     assert emitter.lost is None
+
+
+async def test_a_cancelled_writer_whose_batch_is_then_fenced_out_leaves_no_lost_exception(
+        pool: asyncpg.Pool) -> None:
+    """The conversation is deleted while a batch waits on the run row and its caller is
+    cancelled (a stop, a lost heartbeat): the batch fails as LeaseLost, recorded for the owner,
+    and asyncio is never left with an exception nobody retrieved (logged as a crash)."""
+    claim = await start_run(pool)
+    emitter = Emitter(pool, claim, flush_interval_s=NEVER_S)
+    await emitter.event(EventType.RUN_STARTED, {"fence": claim.fence})
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        async with pool.acquire() as deleter, deleter.transaction():
+            await deleter.execute("SELECT 1 FROM agent_run WHERE id = $1 FOR UPDATE",
+                                  claim.run_id)
+            calling = asyncio.create_task(emitter.event(EventType.TOOL_CALL, {"call_id": "1"}))
+            await wait_for_blocked_writes(pool, 1)  # its batch is provably in flight
+            calling.cancel()
+            await yield_to_loop()
+            await deleter.execute("DELETE FROM conversation WHERE id = $1",
+                                  claim.conversation_id)
+        with pytest.raises(asyncio.CancelledError):
+            await calling
+        del calling
+
+        async def recorded() -> bool:
+            return emitter.lost is not None
+
+        await wait_for_state(recorded, what="the fenced-out batch to be recorded")
+        assert isinstance(emitter.lost, LeaseLost)
+        gc.collect()
+        await yield_to_loop()
+    finally:
+        loop.set_exception_handler(previous)
+    assert reported == []

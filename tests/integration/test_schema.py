@@ -151,6 +151,28 @@ async def test_an_edited_migration_is_refused(dsn: str, tmp_path: Path) -> None:
         await conn.close()
 
 
+async def test_a_skipped_number_is_fine_but_a_duplicate_or_late_older_migration_is_refused(
+        dsn: str, tmp_path: Path) -> None:
+    for migration in sql_dir().glob("0*.sql"):
+        shutil.copy(migration, tmp_path / migration.name)
+    newest = max(m.version for m in discover())
+    conn = await asyncpg.connect(dsn)
+    try:
+        # A number left free (reserved for a change still in review) is no error.
+        (tmp_path / f"{newest + 2:03d}_later.sql").write_text("CREATE TABLE later (x int);")
+        assert await migrate(conn, tmp_path) == [f"{newest + 2:03d}_later"]
+        # The reserved number arriving after a newer one was applied would run out of order.
+        (tmp_path / f"{newest + 1:03d}_late.sql").write_text("CREATE TABLE late (x int);")
+        with pytest.raises(MigrationError, match=f"older than version {newest + 2}"):
+            await migrate(conn, tmp_path)
+        assert await conn.fetchval("SELECT to_regclass('late')") is None
+        (tmp_path / f"{newest + 2:03d}_twin.sql").write_text("SELECT 1;")
+        with pytest.raises(MigrationError, match="share version"):
+            discover(tmp_path)
+    finally:
+        await conn.close()
+
+
 async def test_every_named_statement_prepares_against_the_migrated_schema(dsn: str) -> None:
     conn = await asyncpg.connect(dsn)
     try:

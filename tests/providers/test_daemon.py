@@ -31,7 +31,7 @@ SECRET = "sk-never-stored-7f3a9c"
 
 
 def daemon_env(fake: FakeServer) -> dict[str, str]:
-    return {"AGENTD_OPENAI_BASE_URL": fake.base_url + "/v1",
+    return {"AGENTD_OPENAI_BASE_URL": fake.base_url + "/v1", "AGENTD_OPENAI_MODELS": "fake",
             "AGENTD_OPENAI_API_KEY_ENV": "FAKE_PROVIDER_KEY", "FAKE_PROVIDER_KEY": SECRET,
             "AGENTD_OPENAI_TIMEOUT_S": "20", "AGENTD_HEARTBEAT_S": "1",
             "AGENTD_LEASE_TTL_S": "10"}
@@ -56,10 +56,12 @@ async def test_enqueue_rejects_unknown_providers_and_bad_params_at_once(
     async with api_client(spawn_daemon, pool, fake) as (_, client, conversation):
         runs = f"/v1/conversations/{conversation}/runs"
         unknown = await client.post(runs, json={"content": "hi", "model": "nope:thing"})
-        assert unknown.status_code == 400, unknown.text
+        assert unknown.status_code == 422, unknown.text
         assert unknown.json()["error"]["code"] == "unknown_model"
         bare = await client.post(runs, json={"content": "hi", "model": "openai"})
-        assert bare.status_code == 400, bare.text
+        assert bare.status_code == 422, bare.text
+        offered = await client.post(runs, json={"content": "hi", "model": "openai:gpt-4o"})
+        assert offered.status_code == 422, offered.text  # not in AGENTD_OPENAI_MODELS here
         bad = await client.post(runs, json={"content": "hi", "model": "openai:fake",
                                             "params": {"tokens": 5}})
         assert bad.status_code == 422, bad.text

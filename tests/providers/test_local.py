@@ -113,6 +113,7 @@ async def test_cancelling_the_consumer_stops_generation() -> None:
 async def test_a_local_turn_through_a_daemon_completes(spawn_daemon: Any,
                                                        pool: asyncpg.Pool) -> None:
     daemon = spawn_daemon(env={"AGENTD_LOCAL_MODEL_PATH": str(MODEL_FILE),
+                               "AGENTD_LOCAL_MODELS": "smollm2",
                                "AGENTD_LOCAL_TIMEOUT_S": "120"})
     await daemon.wait_ready(timeout=60)
     token, _ = await create_device_token(pool, account="alice", device="laptop")

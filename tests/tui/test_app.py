@@ -62,7 +62,7 @@ async def test_message_streams_to_completion(daemon: Daemon, desk: Device,
         assert partial_seen, "the answer never showed up partially: it did not stream"
         assert all(expected.startswith(p) for p in partial_seen)
         assert answer.md.source == expected
-        assert answer.status_text == ""
+        assert answer.status_text == f"{tokens} tokens out · {len(prompt.split())} in"
         assert screen.composer.text == ""
         assert screen.bar.plain.startswith("○ idle")
         assert "attached: desk" in screen.bar.plain and "● live" in screen.bar.plain

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -84,6 +85,41 @@ async def test_ask_exits_nonzero_with_a_message_when_the_run_fails(
     assert proc.returncode == 1
     assert stdout.decode() == " ".join(expected_answer("demo", "break please", 10).split()[:3])
     assert "the run failed" in stderr.decode() and "params.fail" in stderr.decode()
+
+
+async def test_ask_model_picks_the_model_and_models_lists_them(
+        spawn_daemon: SpawnDaemon, desk: Device) -> None:
+    daemon = spawn_daemon(env={"AGENTD_DEMO_MODELS": "demo,echo", "OPENAI_API_KEY": ""})
+    await daemon.wait_ready(timeout=READY_TIMEOUT_S)
+    listed = agenttui("models", url=daemon.url, token=desk.token)
+    out, err = listed.communicate(timeout=RUN_S)
+    assert listed.returncode == 0, err.decode()
+    lines = {line.split()[0]: line for line in out.decode().splitlines()}
+    assert "usable (default)" in lines["demo"] and "usable" in lines["demo:echo"]
+    assert "not usable: no API key" in lines["openai:gpt-4o"]
+    as_json = agenttui("models", "--json", url=daemon.url, token=desk.token)
+    out, _ = as_json.communicate(timeout=RUN_S)
+    assert json.loads(out)["default_model"] == "demo"
+
+    proc = agenttui("ask", "--model", "demo:echo", "--param", "tokens=6", "--param",
+                    "delay_ms=0", "who is this?", url=daemon.url, token=desk.token)
+    out, err = proc.communicate(timeout=RUN_S)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode() == expected_answer("echo", "who is this?", 6)
+    async with client_for(daemon, desk) as api:
+        [conversation] = await api.list_conversations()
+    assert conversation.model == "demo:echo"  # the conversation ask created keeps it
+    # Its next turn, without --model, runs on it too.
+    proc = agenttui("ask", "--conversation", "last", "--param", "tokens=3", "again",
+                    url=daemon.url, token=desk.token)
+    out, err = proc.communicate(timeout=RUN_S)
+    assert proc.returncode == 0 and out.decode() == expected_answer("echo", "again", 3)
+
+    refused = agenttui("ask", "--model", "openai:gpt-4o", "hello", url=daemon.url,
+                       token=desk.token)
+    out, err = refused.communicate(timeout=RUN_S)
+    assert refused.returncode == 2 and out == b""
+    assert "openai:gpt-4o" in err.decode() and "cannot be used now" in err.decode()
 
 
 async def test_ctrl_c_stops_the_run_on_the_server(daemon: Daemon, desk: Device,

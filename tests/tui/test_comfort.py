@@ -13,6 +13,7 @@ from agentd.vocabulary import RunStatus
 from agenttui.app import AgentTUI
 from agenttui.locations import clipboard_file
 from agenttui.screens.help import HelpScreen
+from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.main import MainScreen, last_code_block
 from agenttui.widgets.composer import Composer
 from tests.daemon_harness import Daemon
@@ -22,17 +23,19 @@ NOWHERE = "http://127.0.0.1:9"  # nothing listens there: the app keeps retrying
 
 
 def test_every_binding_has_a_unique_id_and_none_shadows_the_composers_keys() -> None:
-    bindings = [*MainScreen.BINDINGS, *Composer.BINDINGS, *AgentTUI.BINDINGS]
+    bindings = [*MainScreen.BINDINGS, *LifecycleScreen.BINDINGS, *Composer.BINDINGS,
+                *AgentTUI.BINDINGS]
     assert all(isinstance(b, Binding) and b.id for b in bindings)
     ids = [b.id for b in bindings if isinstance(b, Binding)]
     assert len(ids) == len(set(ids))
     editing = {key for b in TextArea.BINDINGS if isinstance(b, Binding)
                for key in b.key.split(",")}
-    screen_keys = {key for b in MainScreen.BINDINGS if isinstance(b, Binding)
-                   for key in b.key.split(",")}
+    screen_keys = {key for b in [*MainScreen.BINDINGS, *LifecycleScreen.BINDINGS]
+                   if isinstance(b, Binding) for key in b.key.split(",")}
     assert not screen_keys & editing, screen_keys & editing
     assert {"stop", "send", "newline", "help", "copy_answer", "copy_code", "search", "export",
-            "new_conversation", "rename_conversation", "quit"} <= set(ids)
+            "new_conversation", "rename_conversation", "quit", "choose_model", "fork",
+            "retry", "edit", "cancel_queued", "select_previous", "select_next"} <= set(ids)
 
 
 def test_last_code_block_takes_the_last_fence() -> None:

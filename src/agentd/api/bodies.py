@@ -1,5 +1,5 @@
-"""Request bodies, checked before any handler logic: strict JSON, storable text, and the run
-and title bodies. Bad input is a 4xx ServiceError with a stable code, never a 500.
+"""Request bodies, checked before any handler logic: strict JSON, storable text, the run,
+conversation and approval bodies. Bad input is a 4xx ServiceError with a stable code, never a 500.
 """
 
 from __future__ import annotations
@@ -7,19 +7,26 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from typing import Any
+from typing import Any, Literal
+from uuid import UUID
 
 from aiohttp import web
 
 from agentd.api import RUNTIME
-from agentd.providers import parse_model, validate_params
-from agentd.providers.base import UnknownModel
-from agentd.service import RunRequest, ServiceError
+from agentd.service import (
+    LAST,
+    ConversationChange,
+    RunAsk,
+    ServiceError,
+    validate_model,
+)
 from agentd.settings import Settings
 from agentd.vocabulary import ApprovalDecision
 
 ON_BUSY = ("enqueue", "reject", "interrupt")
-RUN_FIELDS = {"content", "model", "params", "on_busy"}
+RUN_FIELDS = {"content", "model", "params", "on_busy", "retry_of"}
+CONVERSATION_FIELDS = {"title", "model"}
+UPDATE_FIELDS = {"title", "model", "archived"}
 MAX_TITLE = 500
 MAX_NOTE = 2000
 MAX_CALL_ID = 200
@@ -87,54 +94,60 @@ def storable_text(text: str) -> bool:
     return True
 
 
-def validate_run_request(body: Any, settings: Settings) -> RunRequest:
-    """POST /v1/conversations/{id}/runs: content, model, params (checked against the provider;
-    the service checks that a tool they name exists), on_busy."""
+def validate_run_request(body: Any, settings: Settings) -> RunAsk:
     if not isinstance(body, dict):
         raise ServiceError(400, "invalid_body", "the body must be a JSON object")
     unknown = set(body) - RUN_FIELDS
     if unknown:
         raise ServiceError(400, "unknown_field", f"unknown fields: {', '.join(sorted(unknown))}")
+    retry_of = _retry_of(body.get("retry_of"))
     content = body.get("content")
-    if not isinstance(content, str) or not content.strip():
-        raise ServiceError(400, "invalid_content", "content must be a non-empty string")
-    if len(content) > settings.max_content_chars:
-        raise ServiceError(413, "content_too_large",
-                           f"content is longer than {settings.max_content_chars} characters")
-    if "\x00" in content:
-        raise ServiceError(400, "invalid_content", "content must not contain NUL characters")
-    model_name = body.get("model")
-    if model_name is not None and (not isinstance(model_name, str) or len(model_name) > 200):
-        raise ServiceError(400, "invalid_model", "model must be a string like provider:model")
-    try:
-        model = parse_model(model_name, settings)
-    except UnknownModel as exc:
-        raise ServiceError(400, "unknown_model", str(exc)) from None
-    params = body.get("params", {})
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
+    if content is not None or retry_of is None:
+        if not isinstance(content, str) or not content.strip():
+            raise ServiceError(400, "invalid_content", "content must be a non-empty string")
+        if len(content) > settings.max_content_chars:
+            raise ServiceError(413, "content_too_large",
+                               f"content is longer than {settings.max_content_chars} characters")
+        if "\x00" in content:
+            raise ServiceError(400, "invalid_content", "content must not contain NUL characters")
+    model = validate_model(body["model"], settings) if body.get("model") is not None else None
+    params = body.get("params")
+    if params is not None and not isinstance(params, dict):
         raise ServiceError(400, "invalid_params", "params must be a JSON object")
-    try:
-        validate_params(settings.providers[model.provider], params,
-                        max_run_s=settings.max_run_s)
-    except ValueError as exc:
-        raise ServiceError(422, "invalid_params", str(exc)) from None
     on_busy = body.get("on_busy", "enqueue")
     if on_busy not in ON_BUSY:
         raise ServiceError(400, "invalid_on_busy", f"on_busy must be one of {', '.join(ON_BUSY)}")
-    return RunRequest(content, model, params, on_busy)
+    return RunAsk(content, model, params, on_busy, retry_of)
 
 
-def validate_title(body: Any) -> str:
-    """{"title": "..."} for creating and renaming a conversation."""
-    if not isinstance(body, dict) or set(body) - {"title"}:
-        raise ServiceError(400, "invalid_body", 'the body must be {"title": "..."}')
-    title = body.get("title", "")
-    if not isinstance(title, str) or len(title) > MAX_TITLE or "\x00" in title:
-        raise ServiceError(400, "invalid_title", f"title must be a string of at most "
-                           f"{MAX_TITLE} characters")
-    return title.strip()
+def _retry_of(value: Any) -> UUID | Literal["last"] | None:
+    if value is None or value == LAST:
+        return value
+    try:
+        return UUID(value)
+    except (ValueError, AttributeError, TypeError):
+        raise ServiceError(400, "invalid_retry_of", 'retry_of must be a message id or "last"') \
+            from None
+
+
+def validate_conversation(body: Any, settings: Settings, *,
+                          create: bool) -> ConversationChange:
+    """POST /v1/conversations `{title?, model?}` or PATCH `{title?, model?, archived?}`."""
+    allowed = CONVERSATION_FIELDS if create else UPDATE_FIELDS
+    if not isinstance(body, dict) or set(body) - allowed or (not create and not body):
+        fields = ", ".join(f"{name}?" for name in sorted(allowed))
+        raise ServiceError(400, "invalid_body", f"the body must be an object {{{fields}}}")
+    title = body.get("title", "" if create else None)
+    if title is not None or "title" in body:
+        if not isinstance(title, str) or len(title) > MAX_TITLE or "\x00" in title:
+            raise ServiceError(400, "invalid_title", f"title must be a string of at most "
+                               f"{MAX_TITLE} characters")
+        title = title.strip()
+    archived = body.get("archived")
+    if archived is not None and not isinstance(archived, bool):
+        raise ServiceError(400, "invalid_archived", "archived must be true or false")
+    model = validate_model(body["model"], settings) if body.get("model") is not None else None
+    return ConversationChange(title, "model" in body, model, archived)
 
 
 def validate_approval(body: Any) -> tuple[ApprovalDecision, str | None]:

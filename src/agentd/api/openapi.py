@@ -40,9 +40,22 @@ SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["code", "message"],
         "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}}},
-    "Conversation": {"type": "object", "required": ["id", "title", "created_at", "updated_at"],
-                     "properties": {"id": UUID, "title": {"type": "string"},
-                                    "created_at": TIME, "updated_at": TIME}},
+    "Conversation": {"type": "object",
+                     "required": ["id", "title", "model", "archived_at", "created_at",
+                                  "updated_at"],
+                     "properties": {
+                         "id": UUID, "title": {"type": "string"},
+                         "model": {"type": ["string", "null"],
+                                   "description": "what runs that name no model use; null: "
+                                                  "the daemon's default model"},
+                         "archived_at": {**NULLABLE_TIME, "description": "set while archived "
+                                         "(hidden from the list)"},
+                         "created_at": TIME, "updated_at": TIME}},
+    "Usage": {"type": "object", "description": "token counts, from providers that report them",
+              "properties": {"input_tokens": {"type": "integer"},
+                             "output_tokens": {"type": "integer"},
+                             "runs": {"type": "integer",
+                                      "description": "(totals) runs that reported usage"}}},
     "Message": {"type": "object",
                 "required": ["id", "role", "content", "status", "run_id", "created_at"],
                 "properties": {
@@ -51,7 +64,14 @@ SCHEMAS: dict[str, Any] = {
                     "status": {"enum": [str(s) for s in MessageStatus]},
                     "run_id": {"type": ["string", "null"], "format": "uuid"},
                     "created_at": TIME, "tool_calls": {"type": "array"},
-                    "tool_call_id": {"type": "string"}}},
+                    "tool_call_id": {"type": "string"},
+                    "superseded_by": {"type": ["string", "null"], "format": "uuid",
+                                      "description": "the user message of the retry or edit "
+                                                     "that replaced this exchange (kept, but "
+                                                     "never shown to the model again)"},
+                    "model": {"type": ["string", "null"],
+                              "description": "on a run's answer: the model that wrote it"},
+                    "usage": {**_ref("Usage"), "description": "on a run's answer: its tokens"}}},
     "Run": {"type": "object",
             "required": ["id", "conversation_id", "status", "cancel_requested", "worker_id",
                          "error", "usage", "created_at", "started_at", "finished_at"],
@@ -84,24 +104,59 @@ SCHEMAS: dict[str, Any] = {
         "type": "object", "required": ["device", "since"],
         "properties": {"device": {"type": "string"}, "device_id": UUID, "since": TIME}}},
     "ConversationState": {"allOf": [_ref("Conversation"), {
-        "type": "object", "required": ["messages", "runs", "lease", "attached"],
+        "type": "object", "required": ["messages", "runs", "lease", "attached", "usage"],
         "properties": {"messages": {"type": "array", "items": _ref("Message")},
                        "runs": {"type": "array", "items": _ref("Run")},
-                       "lease": _ref("Lease"), "attached": _ref("Attached")}}]},
+                       "lease": _ref("Lease"), "attached": _ref("Attached"),
+                       "usage": {**_ref("Usage"), "description": "totals of all its runs"}}}]},
     "Draft": {"type": "object", "required": ["run_id", "message_id", "content"],
               "properties": {"run_id": UUID, "message_id": UUID,
                              "content": {"type": "string"}}},
-    "CreateRun": {"type": "object", "required": ["content"], "additionalProperties": False,
+    "CreateRun": {"type": "object", "additionalProperties": False,
+                  "description": "`content` is required unless `retry_of` is given",
                   "properties": {
-                      "content": {"type": "string", "minLength": 1},
-                      "model": {"type": "string",
-                                "description": "`demo` or `<provider>:<model>`"},
+                      "content": {"type": "string", "minLength": 1,
+                                  "description": "the message; with retry_of: the edited text"},
+                      "model": {"type": "string", "maxLength": 200,
+                                "description": "`demo` or `<provider>:<model>` (GET /v1/models);"
+                                               " default: the conversation's model, else the "
+                                               "daemon's default"},
                       "params": {"type": "object", "description": "provider parameters; the "
                                  "demo model takes tokens, delay_ms, tool (any registered "
                                  "tool, MCP ones as `<server>.<tool>`), tool_args (a JSON "
-                                 "object: the call's arguments), fail"},
+                                 "object: the call's arguments), fail. A retry without params "
+                                 "reuses the retried run's"},
                       "on_busy": {"enum": ["enqueue", "reject", "interrupt"],
-                                  "default": "enqueue"}}},
+                                  "default": "enqueue"},
+                      "retry_of": {"anyOf": [UUID, {"const": "last"}],
+                                   "description": "re-run the conversation's latest turn (its "
+                                                  "question's message id, or `last`), with "
+                                                  "`content` to edit it first; the old exchange "
+                                                  "is kept, marked superseded"}}},
+    "CreateConversation": {"type": "object", "additionalProperties": False, "properties": {
+        "title": {"type": "string", "maxLength": 500},
+        "model": {"type": "string", "maxLength": 200}}},
+    "UpdateConversation": {"type": "object", "additionalProperties": False, "minProperties": 1,
+                           "properties": {
+                               "title": {"type": "string", "maxLength": 500},
+                               "model": {"type": ["string", "null"], "maxLength": 200,
+                                         "description": "null: back to the default model"},
+                               "archived": {"type": "boolean"}}},
+    "Fork": {"type": "object", "required": ["message_id"], "additionalProperties": False,
+             "properties": {"message_id": UUID}},
+    "Forked": {"allOf": [_ref("Conversation"), {
+        "type": "object", "required": ["copied_messages", "forked_from"],
+        "properties": {"copied_messages": {"type": "integer"},
+                       "forked_from": {"type": "object", "properties": {
+                           "conversation_id": UUID, "message_id": UUID}}}}]},
+    "ModelOffer": {"type": "object", "required": ["name", "provider", "kind", "usable", "reason"],
+                   "properties": {
+                       "name": {"type": "string", "description": "what a run names"},
+                       "provider": {"type": "string"},
+                       "kind": {"enum": ["demo", "openai", "anthropic", "local"]},
+                       "usable": {"type": "boolean"},
+                       "reason": {"type": ["string", "null"],
+                                  "description": "why it cannot be used now"}}},
     "RunCreated": {"type": "object", "required": ["run_id", "status", "conversation_id"],
                    "properties": {"run_id": UUID, "status": {"enum": [str(s) for s in RunStatus]},
                                   "conversation_id": UUID,
@@ -187,34 +242,66 @@ def build_spec() -> dict[str, Any]:
                              "the account and device"), **_ERRORS}}},
             "/v1/conversations": {
                 "post": {"summary": "create a conversation", "requestBody": {
-                    "required": False, "content": {"application/json": {"schema": {
-                        "type": "object", "additionalProperties": False, "properties": {
-                            "title": {"type": "string", "maxLength": 500}}}}}},
+                    "required": False, "content": {"application/json": {
+                        "schema": _ref("CreateConversation")}}},
                     "responses": {"201": _json(_ref("Conversation"), "created"),
                                   "400": _error("bad input"),
-                                  "413": _error("body over 1 MiB"), **_ERRORS}},
-                "get": {"summary": "list conversations, most recent first", "parameters": [
+                                  "413": _error("body over 1 MiB"),
+                                  "422": _error("unknown or unusable model, or a model name "
+                                                "over 200 characters"), **_ERRORS}},
+                "get": {"summary": "list conversations, most recent first (archived ones only "
+                                   "with archived=true, and then only them)", "parameters": [
                     {"name": "limit", "in": "query",
-                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}],
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+                    {"name": "archived", "in": "query",
+                     "schema": {"enum": ["true", "false"], "default": "false"}}],
                     "responses": {"200": _json({"type": "object", "required": ["conversations"],
                                                 "properties": {"conversations": {
                                                     "type": "array",
                                                     "items": _ref("Conversation")}}},
                                                "conversations"),
-                                  "400": _error("bad limit"), **_ERRORS}}},
+                                  "400": _error("bad limit or archived"), **_ERRORS}}},
             "/v1/conversations/{id}": {
                 "parameters": [_ID],
                 "get": {"summary": "transcript, active and queued runs, lease, attached devices",
                         "responses": {"200": _json(_ref("ConversationState"), "the state"),
                                       "404": _error("no such conversation"), **_ERRORS}},
-                "patch": {"summary": "rename", "requestBody": {
-                    "required": True, "content": {"application/json": {"schema": {
-                        "type": "object", "additionalProperties": False, "properties": {
-                            "title": {"type": "string", "maxLength": 500}}}}}},
-                    "responses": {"200": _json(_ref("Conversation"), "renamed"),
+                "patch": {"summary": "rename, set the model, archive or restore (every attached "
+                                     "device sees it live)", "requestBody": {
+                    "required": True, "content": {"application/json": {
+                        "schema": _ref("UpdateConversation")}}},
+                    "responses": {"200": _json(_ref("Conversation"), "updated"),
                                   "400": _error("bad input"),
                                   "404": _error("no such conversation"),
-                                  "413": _error("body over 1 MiB"), **_ERRORS}}},
+                                  "413": _error("body over 1 MiB"),
+                                  "422": _error("unknown or unusable model, or a model name "
+                                                "over 200 characters"), **_ERRORS}},
+                "delete": {"summary": "stop its running turn, then remove it and everything of "
+                                      "it in one transaction; attached devices get `deleted`",
+                           "responses": {"204": {"description": "deleted"},
+                                         "404": _error("no such conversation (or deleted "
+                                                       "already)"), **_ERRORS}}},
+            "/v1/conversations/{id}/fork": {"post": {
+                "summary": "a new conversation holding the transcript up to and including "
+                           "message_id (ended turns only; the original is untouched)",
+                "parameters": [_ID],
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref("Fork")}}},
+                "responses": {"201": _json(_ref("Forked"), "the new conversation"),
+                              "400": _error("bad input"),
+                              "404": _error("no such conversation, or no such message in it"),
+                              "409": _error("message_not_forkable: its turn has not ended"),
+                              "413": _error("body over 1 MiB"), **_ERRORS}}},
+            "/v1/models": {"get": {
+                "summary": "the models the configured providers offer, and whether each can "
+                           "be used now",
+                "responses": {"200": _json({"type": "object",
+                                            "required": ["models", "default_model"],
+                                            "properties": {
+                                                "models": {"type": "array",
+                                                           "items": _ref("ModelOffer")},
+                                                "default_model": {"type": "string"}}},
+                                           "the models"), **_ERRORS}}},
             "/v1/conversations/{id}/export": {"get": {
                 "summary": "the transcript as Markdown", "parameters": [_ID],
                 "responses": {"200": {"description": "Markdown", "content": {
@@ -241,15 +328,17 @@ def build_spec() -> dict[str, Any]:
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": _ref("CreateRun")}}},
                 "responses": {"202": _json(_ref("RunCreated"), "queued"),
-                              "400": _error("bad input or unknown model"),
+                              "400": _error("bad input"),
                               "403": _error("model_not_allowed: the account may not use "
                                             "this model (the message names it)"),
-                              "404": _error("no such conversation"),
-                              "409": _error("busy (on_busy=reject) or idempotency conflict"),
+                              "404": _error("no such conversation (or retry_of message)"),
+                              "409": _error("busy (on_busy=reject), idempotency conflict, or a "
+                                            "retry: nothing_to_retry / turn_active"),
                               "413": _error("content or body too large"),
-                              "422": _error("invalid params for the model, an unknown tool "
-                                            "(invalid_params) or a tool whose MCP server is "
-                                            "unavailable (tool_unavailable)"),
+                              "422": _error("unknown or unusable model, a model name over 200 "
+                                            "characters, invalid params for the model, an "
+                                            "unknown tool (invalid_params) or a tool whose MCP "
+                                            "server is unavailable (tool_unavailable)"),
                               "429": {**_TOO_MANY, "description": "queue_full: the account "
                                       "is at its queued limit; nothing was written"},
                               **_ERRORS}}},
@@ -260,8 +349,10 @@ def build_spec() -> dict[str, Any]:
                 "responses": {"202": _json(_ref("StopResult"), "stop recorded"),
                               "404": _error("no such conversation"), **_ERRORS}}},
             "/v1/conversations/{id}/events": {"get": {
-                "summary": "SSE: a snapshot, then every run's events, lease and presence "
-                           "changes; resumable with Last-Event-ID or ?cursor=",
+                "summary": "SSE: a snapshot, then every run's events, lease, presence and "
+                           "conversation changes (title, model, archive, superseded messages, "
+                           "token totals); `deleted` ends it; resumable with Last-Event-ID or "
+                           "?cursor=",
                 "parameters": [_ID, {"name": "cursor", "in": "query",
                                      "schema": {"type": "string"}}],
                 "responses": {"200": SSE, "400": _error("bad cursor"),
@@ -277,7 +368,9 @@ def build_spec() -> dict[str, Any]:
                               "400": _error("bad timeout"), "404": _error("no such run"),
                               **_ERRORS}}},
             "/v1/runs/{id}/cancel": {"post": {
-                "summary": "cancel one run", "parameters": [_ID],
+                "summary": "cancel one run: a queued one ends at once and its text comes back "
+                           "as a draft (to the device that asked it); a running one is asked "
+                           "to stop", "parameters": [_ID],
                 "responses": {"202": _json(_ref("StopResult"), "cancel recorded"),
                               "404": _error("no such run"), **_ERRORS}}},
             "/v1/runs/{id}/approvals": {"get": {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from datetime import UTC
 from typing import Any
@@ -18,14 +19,15 @@ from agentd.api.bodies import (
     json_body,
     storable_text,
     validate_approval,
+    validate_conversation,
     validate_run_request,
-    validate_title,
 )
 from agentd.api.errors import error_middleware
 from agentd.api.stream_guard import open_device_stream
 from agentd.export import conversation_markdown
+from agentd.providers.catalog import offers
 from agentd.queue import Event
-from agentd.service import Service, ServiceError, parse_uuid
+from agentd.service import NOT_ALLOWED, Service, ServiceError, model_allowed, not_found, parse_uuid
 from agentd.tail import EPOCH, NIL_UUID, BadCursor, FeedCursor, conversation_feed, run_tail
 from agentd.vocabulary import EventType
 
@@ -44,8 +46,11 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/conversations", create_conversation)
     r.add_get("/v1/conversations", list_conversations)
     r.add_get("/v1/conversations/{id}", get_conversation)
-    r.add_patch("/v1/conversations/{id}", rename_conversation)
+    r.add_patch("/v1/conversations/{id}", update_conversation)
+    r.add_delete("/v1/conversations/{id}", delete_conversation)
+    r.add_post("/v1/conversations/{id}/fork", fork_conversation)
     r.add_get("/v1/conversations/{id}/export", export_conversation)
+    r.add_get("/v1/models", list_models)
     r.add_get("/v1/search", search)
     r.add_post("/v1/conversations/{id}/runs", create_run)
     r.add_post("/v1/conversations/{id}/stop", stop_conversation)
@@ -86,15 +91,21 @@ async def me(request: web.Request) -> web.Response:
 
 
 async def create_conversation(request: web.Request) -> web.Response:
-    title = validate_title(await json_body(request, optional=True))
-    created = await _service(request).create_conversation(principal(request), title)
+    service = _service(request)
+    change = validate_conversation(await json_body(request, optional=True), service.settings,
+                                   create=True)
+    created = await service.create_conversation(principal(request), change)
     return web.json_response(wire.conversation(created), status=201,
                              headers={"Location": f"/v1/conversations/{created.id}"})
 
 
 async def list_conversations(request: web.Request) -> web.Response:
     limit = _int_query(request, "limit", 100, 1, 1000)
-    items = await _service(request).list_conversations(principal(request), limit)
+    archived = request.query.get("archived", "false")
+    if archived not in ("true", "false"):
+        raise ServiceError(400, "invalid_archived", "archived must be true or false")
+    items = await _service(request).list_conversations(principal(request), limit,
+                                                       archived=archived == "true")
     return web.json_response({"conversations": [wire.conversation(c) for c in items]})
 
 
@@ -106,12 +117,49 @@ async def get_conversation(request: web.Request) -> web.Response:
     return web.json_response(wire.conversation_state(state, attached))
 
 
-async def rename_conversation(request: web.Request) -> web.Response:
+async def update_conversation(request: web.Request) -> web.Response:
+    service = _service(request)
     conversation_id = _path_id(request, "conversation")
-    title = validate_title(await json_body(request))
-    renamed = await _service(request).rename_conversation(principal(request), conversation_id,
-                                                          title)
-    return web.json_response(wire.conversation(renamed))
+    change = validate_conversation(await json_body(request), service.settings, create=False)
+    updated = await service.update_conversation(principal(request), conversation_id, change)
+    return web.json_response(wire.conversation(updated))
+
+
+async def delete_conversation(request: web.Request) -> web.Response:
+    conversation_id = _path_id(request, "conversation")
+    # Shielded: a client that hangs up must not cut the stop-and-delete transaction in half.
+    await asyncio.shield(_service(request).delete_conversation(principal(request),
+                                                               conversation_id))
+    return web.Response(status=204)
+
+
+async def fork_conversation(request: web.Request) -> web.Response:
+    conversation_id = _path_id(request, "conversation")
+    body = await json_body(request)
+    if not isinstance(body, dict) or set(body) != {"message_id"}:
+        raise ServiceError(400, "invalid_body", 'the body must be {"message_id": "..."}')
+    try:
+        message_id = UUID(body["message_id"])
+    except (ValueError, AttributeError, TypeError):
+        raise ServiceError(400, "invalid_message_id", "message_id must be a message id") \
+            from None
+    created, copied = await _service(request).fork_conversation(
+        principal(request), conversation_id, message_id)
+    out = {**wire.conversation(created), "copied_messages": copied,
+           "forked_from": {"conversation_id": str(conversation_id),
+                           "message_id": str(message_id)}}
+    return web.json_response(out, status=201,
+                             headers={"Location": f"/v1/conversations/{created.id}"})
+
+
+async def list_models(request: web.Request) -> web.Response:
+    settings = _service(request).settings
+    allowed = principal(request).models
+    # This account's model patterns (agentd account set --models) narrow what it is offered.
+    shown = [o if o.usable is False or model_allowed(o.name, allowed) else
+             dataclasses.replace(o, usable=False, reason=NOT_ALLOWED) for o in offers(settings)]
+    return web.json_response({"models": [wire.model_offer(o) for o in shown],
+                              "default_model": settings.default_model})
 
 
 async def export_conversation(request: web.Request) -> web.Response:
@@ -266,6 +314,9 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     except BaseException:
         stream.release()
         raise
+    if presence_id is None:
+        stream.release()
+        raise not_found("conversation")  # deleted since the snapshot was read
     loop = asyncio.get_running_loop()
     renewed = loop.time()
 
@@ -274,6 +325,10 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
 
     async def read_presence() -> Any:
         return wire.attached(await service.attached(conversation_id))
+
+    async def read_meta() -> Any:
+        meta = await service.conversation_meta(who, conversation_id)
+        return wire.conversation_meta(meta) if meta is not None else None
 
     async def renew() -> None:
         nonlocal presence_id, renewed
@@ -293,7 +348,8 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
             async for item in conversation_feed(
                     service.pool, service.hub, conversation_id, cursor,
                     keepalive_s=service.settings.keepalive_s, lease_reader=read_lease,
-                    presence_reader=read_presence, on_idle=renew):
+                    presence_reader=read_presence, meta_reader=read_meta,
+                    meta_seen=_snapshot_meta(snapshot), on_idle=renew):
                 if item.kind == "event":
                     await sse.send(response, item.cursor, str(item.event.type),
                                    wire.event(item.event, str(item.run_id)))
@@ -307,6 +363,13 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
                 elif item.kind == "presence":
                     await sse.send(response, item.cursor, "presence",
                                    {"type": "presence", "attached": item.data})
+                elif item.kind == "conversation":
+                    await sse.send(response, item.cursor, "conversation",
+                                   {"type": "conversation", **item.data})
+                elif item.kind == "deleted":
+                    # The feed's last frame: the conversation is gone on every device.
+                    await sse.send(response, item.cursor, "deleted",
+                                   {"type": "deleted", **item.data})
                 else:
                     await sse.keepalive(response)
                 if loop.time() - renewed >= PRESENCE_TTL_S / 4:
@@ -318,6 +381,14 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
         stream.release()
         with contextlib.suppress(Exception):
             await asyncio.shield(service.detach(presence_id))
+
+
+def _snapshot_meta(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The conversation frame a client holding this snapshot already knows."""
+    conversation = {key: snapshot[key] for key in ("id", "title", "model", "archived_at")}
+    superseded = {m["id"]: m["superseded_by"] for m in snapshot["messages"]
+                  if m["superseded_by"]}
+    return {"conversation": conversation, "superseded": superseded, "usage": snapshot["usage"]}
 
 
 def _checked_cursor(text: str) -> FeedCursor:

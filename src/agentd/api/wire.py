@@ -5,7 +5,15 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from agentd.conversations import Conversation, ConversationState, Lease, Message, RunRow
+from agentd.conversations import (
+    Conversation,
+    ConversationMeta,
+    ConversationState,
+    Lease,
+    Message,
+    RunRow,
+)
+from agentd.providers.catalog import Offer
 from agentd.queue import Draft, Event
 
 
@@ -17,14 +25,33 @@ def ts(value: datetime | None) -> str | None:
 
 
 def conversation(c: Conversation) -> dict[str, Any]:
-    return {"id": str(c.id), "title": c.title, "created_at": ts(c.created_at),
+    return {"id": str(c.id), "title": c.title, "model": c.model,
+            "archived_at": ts(c.archived_at), "created_at": ts(c.created_at),
             "updated_at": ts(c.updated_at)}
+
+
+def conversation_meta(meta: ConversationMeta) -> dict[str, Any]:
+    """The `conversation` frame of a feed: what changed about the conversation itself."""
+    c = meta.conversation
+    return {"conversation": {"id": str(c.id), "title": c.title, "model": c.model,
+                             "archived_at": ts(c.archived_at)},
+            "superseded": {str(k): str(v) for k, v in meta.superseded.items()},
+            "usage": meta.usage}
+
+
+def model_offer(offer: Offer) -> dict[str, Any]:
+    return {"name": offer.name, "provider": offer.provider, "kind": offer.kind,
+            "usable": offer.usable, "reason": offer.reason}
 
 
 def message(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"id": str(m.id), "role": str(m.role), "content": m.content,
                            "status": str(m.status), "run_id": str(m.run_id) if m.run_id else None,
-                           "created_at": ts(m.created_at)}
+                           "created_at": ts(m.created_at),
+                           "superseded_by": str(m.superseded_by) if m.superseded_by else None}
+    if m.usage is not None:
+        out["usage"] = m.usage
+        out["model"] = m.model
     if m.tool_calls:
         out["tool_calls"] = m.tool_calls
     if m.tool_call_id:
@@ -67,7 +94,8 @@ def conversation_state(state: ConversationState, attached_rows: list[Any]) -> di
             "messages": [message(m) for m in state.messages],
             "runs": [run(r) for r in state.runs],
             "lease": lease(state.lease),
-            "attached": attached(attached_rows)}
+            "attached": attached(attached_rows),
+            "usage": state.usage}
 
 
 def event(e: Event, run_id: str | None = None) -> dict[str, Any]:

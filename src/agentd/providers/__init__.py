@@ -18,7 +18,9 @@ class ModelRef:
     model: str  # what the provider calls the model
 
     def __str__(self) -> str:
-        return self.provider if self.provider == "demo" else f"{self.provider}:{self.model}"
+        if self.provider == "demo" and self.model == "demo":
+            return "demo"
+        return f"{self.provider}:{self.model}"
 
 
 def parse_model(name: str | None, settings: Settings) -> ModelRef:

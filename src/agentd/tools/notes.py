@@ -27,6 +27,9 @@ async def append_note(ctx: ToolContext, text: str) -> dict[str, Any]:
                                        fence=ctx.fence, text=text)
     if note is None:
         mark = await ctx.store.note_fence_mark(ctx.conversation_id)
+        if mark is None or mark <= ctx.fence:
+            raise StaleFence("rejected: this run no longer exists (its conversation was "
+                             "deleted); nothing written")
         raise StaleFence(f"rejected: this run's fence {ctx.fence} is lower than {mark}, which a "
                          "newer execution of this conversation already used; nothing written")
     return {"note_id": note.id, "created_at": note.created_at.isoformat()}

@@ -5,17 +5,15 @@ from __future__ import annotations
 from datetime import datetime
 from uuid import UUID
 
-import asyncpg
-
 from agentd import conversations
 from agentd.conversations import Note
-from agentd.db import database_time
+from agentd.db import Db, database_time
 
 
 class DatabaseToolStore:
     """Implements tools.registry.ToolStore; holds the pool so that tools do not."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: Db) -> None:
         self._pool = pool
 
     async def database_time(self) -> datetime:

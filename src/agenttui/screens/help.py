@@ -22,6 +22,10 @@ ABOUT = """
   device that wrote it.
 - If the connection drops, the client reconnects by itself and resumes from the last event it
   saw: nothing is shown twice or lost. Closing the TUI never stops a turn.
+- **Alt+↑/↓** select a message; then **F3** forks a new conversation up to it, **Ctrl+G** cancels
+  it if it is a queued turn. **F4** retries and **F5** edits the latest turn: the old exchange
+  stays, marked superseded. **F9** picks the conversation's model. Archive and delete are in the
+  command palette; every attached device sees them at once.
 
 Keys are remapped in the config file, under `[keys]` (binding id = keys).
 """

@@ -18,7 +18,6 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
-from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList
 
 from agentd.vocabulary import EventType
@@ -37,6 +36,7 @@ from agenttui.client import (
 from agenttui.conversation import Changes, ConversationModel
 from agenttui.locations import clipboard_file
 from agenttui.models import Conversation, Me, RunEvent
+from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.prompt import TextPrompt
 from agenttui.screens.search import SearchScreen
 from agenttui.settings import export_directory
@@ -69,7 +69,7 @@ def export_name(title: str, conversation_id: str) -> str:
     return f"{slug}-{conversation_id[:8]}.md"
 
 
-class MainScreen(Screen[None]):
+class MainScreen(LifecycleScreen):
     DEFAULT_CSS = """
     MainScreen #body { height: 1fr; }
     MainScreen #chat { width: 1fr; height: 1fr; }
@@ -180,6 +180,8 @@ class MainScreen(Screen[None]):
                                     f"retrying (attempt {attempt})")
                 await asyncio.sleep(delay)
         conversations = await self._refresh_list()
+        with contextlib.suppress(ApiError):  # only for the bar's "model X (default)"
+            self.bar.default_model = (await self.client.list_models()).default_model
         target = self.app.settings.conversation
         if target is None and conversations:
             target = conversations[0].id
@@ -191,7 +193,7 @@ class MainScreen(Screen[None]):
 
     async def _refresh_list(self) -> list[Conversation]:
         try:
-            conversations = await self.client.list_conversations()
+            conversations = await self.client.list_conversations(archived=self.showing_archived)
         except ApiError as exc:
             self.notify(f"Could not list conversations: {describe(exc)}", severity="warning")
             return []
@@ -229,6 +231,11 @@ class MainScreen(Screen[None]):
                         return
                     changes = model.apply(item)
                     await self.render_changes(model, changes)
+                    if changes.deleted:
+                        await self.conversation_gone(model)
+                        return
+                    if changes.conversation:  # renamed, archived or restored elsewhere
+                        self._refresh_list_quietly()
                     if isinstance(item, Snapshot) or (isinstance(item, RunEvent) and
                                                       item.type == EventType.USER_MESSAGE):
                         self.resolve_runs(model)
@@ -262,6 +269,7 @@ class MainScreen(Screen[None]):
                 return
             if changes.rebuild or changes.turns:
                 await self.transcript.sync(model, changes)
+                self.apply_selection(rebuilt=changes.rebuild)
             if changes.rebuild and not model.order:
                 self.transcript.set_empty("No messages yet. Type below and press Enter.")
             if changes.bar or changes.rebuild or changes.turns:
@@ -303,13 +311,15 @@ class MainScreen(Screen[None]):
             return
         try:
             if self.model is None:
-                created = await self.client.create_conversation(title_from(text))
+                # Its runs use the model chosen here (F9), else this device's `model` setting.
+                created = await self.client.create_conversation(
+                    title_from(text), model=self.next_model or settings.model)
                 await self.open_conversation(created.id)
                 await self._refresh_list()
             model = self.model
             assert model is not None
             run = await self.client.create_run(model.conversation_id, text,
-                                               model=settings.model, params=settings.params)
+                                               params=settings.params)
         except ApiError as exc:
             self.composer.put_back(text)
             self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
@@ -388,7 +398,8 @@ class MainScreen(Screen[None]):
     @work(group="conversations", exit_on_error=False)
     async def new_conversation(self) -> None:
         try:
-            created = await self.client.create_conversation("")
+            created = await self.client.create_conversation(
+                "", model=self.next_model or self.app.settings.model)
         except ApiError as exc:
             self.notify(f"Could not create a conversation: {describe(exc)}", severity="error")
             return

@@ -16,6 +16,7 @@ from textual.widgets import Static
 
 from agenttui.client import ConnectionState, ConnectionStatus
 from agenttui.conversation import ConversationModel
+from agenttui.widgets.marks import facts_line
 
 STATE_ICONS = {"idle": "○", "running": "●", "cancelling": "⊘"}
 
@@ -106,6 +107,7 @@ class OwnershipBar(Static):
     def __init__(self, clock: Callable[[], datetime], **kwargs: object) -> None:
         super().__init__("", markup=False, **kwargs)  # type: ignore[arg-type]
         self.clock = clock
+        self.default_model: str | None = None  # the daemon's, for conversations without one
         self.model: ConversationModel | None = None
         self.message: str = ""
         self.plain = ""
@@ -129,6 +131,8 @@ class OwnershipBar(Static):
             text = ownership_line(self.model, self.clock())
             text.append("\n")
             text.append_text(presence_line(self.model, self.link))
+            text.append("  ·  ", style="dim")
+            text.append_text(facts_line(self.model, self.default_model))
             if self.message:
                 text.append(f"\n{self.message}", style="dim")
         if text.plain != self.plain:

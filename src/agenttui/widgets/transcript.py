@@ -15,6 +15,7 @@ from textual.widgets.markdown import MarkdownStream
 
 from agentd.vocabulary import MessageStatus, RunStatus
 from agenttui.conversation import Changes, ConversationModel, ToolStep, Turn
+from agenttui.widgets.marks import SUPERSEDED_NOTE, answer_usage
 
 
 class AnswerView(Vertical):
@@ -57,6 +58,7 @@ class AnswerView(Vertical):
         await self._render_text(turn.text, streaming=turn.running)
         self.md.display = bool(turn.text)
         status, kind = answer_status(turn)
+        status = " · ".join(part for part in (status, answer_usage(turn)) if part)
         self.status_text = status
         self.status_line.update(status)
         self.status_line.display = bool(status)
@@ -128,6 +130,7 @@ class TurnView(Vertical):
     TurnView > .tools { height: auto; padding: 0 0 0 1; }
     TurnView > .tools > .tool { color: $text-muted; height: 1; }
     TurnView > .tools > .tool.-error { color: $warning; }
+    TurnView.-superseded { opacity: 55%; }
     """
 
     def __init__(self, key: str) -> None:
@@ -158,6 +161,7 @@ class TurnView(Vertical):
         self.head.update(head)
         self.head.set_class(kind == "queued", "-queued")
         self.head.set_class(kind == "draft", "-draft")
+        self.set_class(turn.superseded, "-superseded")
         if turn.question != self._question_text:
             self._question_text = turn.question
             self.question.update(Text(turn.question))
@@ -182,6 +186,8 @@ def turn_head(turn: Turn, model: ConversationModel) -> tuple[str, str]:
     """The line above a question: who asked, and its place in the queue or fate as a draft."""
     mine = model.mine(turn)
     who = "you" if mine else (model.device_name(turn.device_id) or "another device")
+    if turn.run_id is None:
+        who = "copied when forked"
     if mine and model.me.device:
         who = f"you · {model.me.device}"
     if turn.question_status == MessageStatus.DRAFT:
@@ -190,6 +196,8 @@ def turn_head(turn: Turn, model: ConversationModel) -> tuple[str, str]:
     position = model.queue_position(turn)
     if position is not None:
         return f"{who} · queued #{position}", "queued"
+    if turn.superseded:
+        return f"{who} · {SUPERSEDED_NOTE}", "superseded"
     return who, ""
 
 
