@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agentd.accounts import LimitChange, set_account_limits
 from agentd.failures import CLIENT_MESSAGES
 from agentd.vocabulary import RunErrorCode
-from tests.api.conftest import Api
+from tests.api.conftest import Api, started_api
 from tests.api.helpers import (
     SLOW,
     assert_error,
@@ -66,6 +66,12 @@ async def test_a_model_outside_the_allowlist_is_403_naming_it(api: Api):
     assert error["model"] == "demo" and "'demo'" in error["message"]
     assert "openai:*" in error["message"]
     assert await db_state(api.pool) == before
+    # Its offer says so too; bob, with no patterns, sees the operator's offer alone.
+    mine = {m["name"]: m for m in (await api.a.get("/v1/models")).json()["models"]}
+    theirs = {m["name"]: m for m in (await api.b.get("/v1/models")).json()["models"]}
+    assert (mine["demo"]["usable"], mine["demo"]["reason"]) == (False, "not allowed for "
+                                                                       "this account")
+    assert (theirs["demo"]["usable"], theirs["demo"]["reason"]) == (True, None)
     await set_account_limits(api.pool, "alice",
                              LimitChange(change_models=True, models=("demo", "local:*")))
     allowed = await api.a.post(f"/v1/conversations/{conversation}/runs",
@@ -167,3 +173,14 @@ async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
 async def families_of(client: httpx.AsyncClient) -> dict[str, Any]:
     response = await client.get("/metrics")
     return {f.name: f.type for f in text_string_to_metric_families(response.text)}
+
+
+async def test_models_on_offer_follow_the_operator_and_the_account(spawn_daemon, pool):
+    async with started_api(spawn_daemon, pool, demo_enabled="false") as api:
+        listed = (await api.a.get("/v1/models")).json()["models"]
+        assert "demo" not in {m["name"] for m in listed}  # switched off: not on offer
+        conversation = await create_conversation(api.a)
+        refused = await api.a.post(f"/v1/conversations/{conversation}/runs",
+                                   json={"content": "hi", "model": "demo"})
+        error = assert_error(refused, 422, "model_unavailable")
+        assert "switched off" in error["message"]
