@@ -1,4 +1,4 @@
--- Fair and bounded: per-account limits, the counts the fair claim reads, and run error codes.
+-- Fair and bounded: per-account limits, the fair claim's bookkeeping, and run error codes.
 
 -- An operator's limits for one account; NULL means the fleet's default (settings
 -- account_max_running, account_max_queued; every model). In the database, so every daemon of a
@@ -10,66 +10,52 @@ ALTER TABLE account
     -- them matches
     ADD COLUMN models text[] CHECK (cardinality(models) BETWEEN 1 AND 100);
 
--- Each account's queued and running turns, counted as they change, and when it was last served:
--- the fair claim orders accounts by it (round robin) and admits a turn only below the account's
--- running limit, the enqueue only below its queued limit. Both lock this row to decide, so two
--- daemons can never together exceed a limit; the trigger below keeps the counts exact.
-CREATE TABLE account_runs (
-    account_id       uuid PRIMARY KEY REFERENCES account (id) ON DELETE CASCADE,
-    queued           integer NOT NULL DEFAULT 0 CHECK (queued >= 0),
-    running          integer NOT NULL DEFAULT 0 CHECK (running >= 0),
-    last_claimed_at  timestamptz
-);
-INSERT INTO account_runs (account_id, queued, running, last_claimed_at)
-SELECT a.id, count(r.id) FILTER (WHERE r.status = 'queued'),
-       count(r.id) FILTER (WHERE r.status = 'running'), max(r.started_at)
-FROM account a LEFT JOIN agent_run r ON r.account_id = a.id
-GROUP BY a.id;
+-- When each account was last served: the fair claim orders accounts by it (round robin).
+ALTER TABLE account ADD COLUMN last_claimed_at timestamptz;
 
-CREATE FUNCTION add_account_runs() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    INSERT INTO account_runs (account_id) VALUES (NEW.id);
-    RETURN NULL;
-END;
-$$;
-CREATE TRIGGER account_runs_row AFTER INSERT ON account
-    FOR EACH ROW EXECUTE FUNCTION add_account_runs();
+-- The limits are decided under a lock on the account's row, by counts read AFTER the lock was
+-- granted: these functions are VOLATILE, so each query in them takes a fresh snapshot (a
+-- statement's own snapshot predates its lock wait and would miss the turns the previous lock
+-- holder just committed). Claims and enqueues of one account serialize on the row; finishes
+-- and stops never touch it (a turn whose ending is not yet committed still counts: never
+-- over the limit, at worst one claim later). FOR NO KEY UPDATE does not conflict with the key
+-- share locks new runs and conversations take on their account.
 
--- Every run entering or leaving `queued` or `running` moves its account's counts, whoever
--- writes it (enqueue, claim, finish, reaper, stop, a deleted conversation); a run entering
--- `running` also marks its account as just served.
-CREATE FUNCTION count_account_runs() RETURNS trigger
-LANGUAGE plpgsql AS $$
+-- How many more turns the account may start now (its max_running, else $2).
+CREATE FUNCTION account_running_room(of_account uuid, default_max integer) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    queued_by integer := 0;
-    running_by integer := 0;
-    served boolean := false;
-    of_account uuid;
+    cap integer;
+    running integer;
 BEGIN
-    IF TG_OP IN ('UPDATE', 'DELETE') THEN
-        of_account := OLD.account_id;
-        queued_by := queued_by - (OLD.status = 'queued')::integer;
-        running_by := running_by - (OLD.status = 'running')::integer;
-    END IF;
-    IF TG_OP IN ('UPDATE', 'INSERT') THEN
-        of_account := NEW.account_id;
-        queued_by := queued_by + (NEW.status = 'queued')::integer;
-        running_by := running_by + (NEW.status = 'running')::integer;
-        served := NEW.status = 'running' AND (TG_OP = 'INSERT' OR OLD.status <> 'running');
-    END IF;
-    IF queued_by <> 0 OR running_by <> 0 THEN
-        UPDATE account_runs
-        SET queued = queued + queued_by, running = running + running_by,
-            last_claimed_at = CASE WHEN served THEN clock_timestamp() ELSE last_claimed_at END
-        WHERE account_id = of_account;
-    END IF;
-    RETURN NULL;
+    SELECT coalesce(a.max_running, default_max) INTO cap
+    FROM account a WHERE a.id = of_account FOR NO KEY UPDATE;
+    SELECT count(*) INTO running
+    FROM agent_run r WHERE r.account_id = of_account AND r.status = 'running';
+    RETURN greatest(cap - running, 0);
 END;
 $$;
-CREATE TRIGGER count_account_runs AFTER INSERT OR DELETE OR UPDATE OF status ON agent_run
-    FOR EACH ROW EXECUTE FUNCTION count_account_runs();
 
+-- Whether the account may queue one more turn (its max_queued, else $2).
+CREATE FUNCTION account_queue_has_room(of_account uuid, default_max integer) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    cap integer;
+    queued integer;
+BEGIN
+    SELECT coalesce(a.max_queued, default_max) INTO cap
+    FROM account a WHERE a.id = of_account FOR NO KEY UPDATE;
+    -- Counting stops at the cap: a deep queue costs no more than a full one.
+    SELECT count(*) INTO queued FROM (
+        SELECT 1 FROM agent_run r
+        WHERE r.account_id = of_account AND r.status = 'queued'
+        LIMIT cap) AS upto;
+    RETURN queued < cap;
+END;
+$$;
+
+-- The running-limit count: an account's running turns.
+CREATE INDEX agent_run_account_running_idx ON agent_run (account_id) WHERE status = 'running';
 -- The fair claim's scan: an account's queued turns in arrival order.
 CREATE INDEX agent_run_account_queued_idx ON agent_run (account_id, created_at, id)
     WHERE status = 'queued';

@@ -12,22 +12,20 @@
 -- A repeated idempotency key inserts nothing (the unique index arbitrates, even mid-flight).
 -- The conversation row is locked first, so runs of one conversation get created_at in commit
 -- order (a conversation feed's watermark relies on it) and on_busy checks serialize with us.
--- Bounded: the account's queued count is read from its account_runs row, locked (after the
--- conversation's), so enqueues of one account serialize there and none can overshoot its
--- max_queued ($8 when the account sets none); over it nothing is written (the conversation's
--- updated_at moves only with a new run). The answer row says which: `room` false = over the
--- limit; no row at all = no such conversation here.
+-- Bounded: account_queue_has_room (sql/009) locks the account's row (after the conversation's)
+-- and counts its queued turns as last committed, so enqueues of one account serialize there and
+-- none can overshoot its max_queued ($8 when the account sets none); over it nothing is written
+-- (the conversation's updated_at moves only with a new run). The answer row says which: `room`
+-- false = over the limit; no row at all = no such conversation here.
 WITH conv AS (
     SELECT id, account_id FROM conversation
     WHERE id = $2::uuid AND account_id = $1::uuid
     FOR NO KEY UPDATE
 ), room AS (
-    SELECT a.queued < coalesce(acc.max_queued, $8::int) AS ok,
-           coalesce(acc.max_queued, $8::int) AS max_queued
+    SELECT account_queue_has_room(conv.account_id, $8::int) AS ok,
+           (SELECT coalesce(max_queued, $8::int) FROM account WHERE id = conv.account_id)
+               AS max_queued
     FROM conv
-    JOIN account_runs a ON a.account_id = conv.account_id
-    JOIN account acc ON acc.id = conv.account_id
-    FOR NO KEY UPDATE OF a
 ), run AS (
     INSERT INTO agent_run (account_id, conversation_id, user_message_id, origin_device_id,
                            request, request_hash, idempotency_key, created_at)
@@ -70,35 +68,50 @@ WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 -- claim_runs --
 -- params: worker_id, lease_ttl_s, limit, default_max_running
 -- Claim in one statement (docs/architecture.md rule 2); SKIP LOCKED so claimers pass over each
--- other, never wait. Fair: accounts take turns, the one served longest ago first (round robin
--- by account_runs.last_claimed_at, one turn of each before a second of any), FIFO within the
--- account; only the oldest queued turn of a conversation with nothing running is eligible
--- (FIFO; one turn at a time per conversation, rule 5); the pre-filter can be fooled by
--- snapshots, the one_running_per_conversation index cannot.
+-- other's turns, never wait for them. Fair: accounts take turns, the one served longest ago
+-- first (round robin by account.last_claimed_at, one turn of each before a second of any),
+-- FIFO within the account; only the oldest queued turn of a conversation with nothing running
+-- is eligible (FIFO; one turn at a time per conversation, rule 5); the pre-filter can be fooled
+-- by snapshots, the one_running_per_conversation index cannot.
 -- Bounded: an account takes at most max_running ($4 when it sets none) minus its running
--- turns. Its account_runs row is locked to decide and read as last committed, so two daemons
--- can never together exceed the limit; the count_account_runs trigger (sql/009) counts the
--- claimed turns before the lock is released.
+-- turns. The snapshot's count only pre-filters; account_running_room (sql/009) decides, under a
+-- lock on the account's row, by a count read after the lock was granted: claimers of one
+-- account serialize there (for the rest of their short transaction), so two daemons can never
+-- together exceed the limit. Accounts are locked in id order: batch claims cannot deadlock.
 -- Stamps a fresh claim_token, a monotonic fence and a deadline on the database clock, and
 -- acquires the conversation lease (which execution owns the conversation): its conditional
 -- UPSERT takes over only a holder whose run is no longer live, and require_conversation_lease
 -- (sql/004) raises a unique violation when it was not acquired, so the whole claim rolls back:
 -- no half claim can commit. Journals run_started (worker, fence, deadline); last_seq is that
 -- event's seq.
-WITH clock AS (
+WITH RECURSIVE queued_accounts AS (
+    -- The accounts with queued turns, one index probe each (a loose scan of the queued index).
+    (SELECT account_id FROM agent_run WHERE status = 'queued' ORDER BY account_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT q.account_id FROM agent_run q
+            WHERE q.status = 'queued' AND q.account_id > seen.account_id
+            ORDER BY q.account_id LIMIT 1)
+    FROM queued_accounts seen
+    WHERE seen.account_id IS NOT NULL
+), clock AS (
     SELECT clock_timestamp() AS now
+), open_accounts AS (
+    SELECT acc.id AS account_id, acc.last_claimed_at,
+           coalesce(acc.max_running, $4::int) - (
+               SELECT count(*) FROM agent_run busy
+               WHERE busy.account_id = acc.id AND busy.status = 'running') AS free
+    FROM queued_accounts qa JOIN account acc ON acc.id = qa.account_id
 ), candidates AS (
     -- Per account below its limit, its oldest eligible turns, numbered in arrival order: as
     -- many as it may still start, at most the batch and 32 more (a claimer passes over the
     -- turns rival claimers are taking right now: SKIP LOCKED below).
-    SELECT next.id, a.account_id, a.last_claimed_at, next.created_at,
-           row_number() OVER (PARTITION BY a.account_id
+    SELECT next.id, oa.account_id, oa.last_claimed_at, next.created_at,
+           row_number() OVER (PARTITION BY oa.account_id
                               ORDER BY next.created_at, next.id) AS nth
-    FROM account_runs a
-    JOIN account acc ON acc.id = a.account_id
+    FROM open_accounts oa
     CROSS JOIN LATERAL (
         SELECT q.id, q.created_at FROM agent_run q
-        WHERE q.account_id = a.account_id AND q.status = 'queued'
+        WHERE q.account_id = oa.account_id AND q.status = 'queued'
           AND NOT EXISTS (
               SELECT 1 FROM agent_run busy
               WHERE busy.conversation_id = q.conversation_id AND busy.status = 'running')
@@ -107,9 +120,9 @@ WITH clock AS (
               WHERE older.conversation_id = q.conversation_id AND older.status = 'queued'
                 AND (older.created_at, older.id) < (q.created_at, q.id))
         ORDER BY q.created_at, q.id
-        LIMIT least($3::int + 32, coalesce(acc.max_running, $4::int) - a.running)
+        LIMIT least($3::int + 32, oa.free)
     ) next
-    WHERE a.queued > 0 AND a.running < coalesce(acc.max_running, $4::int)
+    WHERE oa.free > 0
 ), picked AS (
     -- Round robin: every account's first turn (the account served longest ago first), then
     -- every account's second, and so on.
@@ -120,12 +133,9 @@ WITH clock AS (
     LIMIT $3::int
     FOR UPDATE OF r SKIP LOCKED
 ), slots AS (
-    -- The picked accounts' running counts, locked and read as last committed (a claimer of
-    -- the same account waits here for the other's commit, milliseconds, then counts it).
-    SELECT a.account_id, coalesce(acc.max_running, $4::int) - a.running AS free
-    FROM account_runs a JOIN account acc ON acc.id = a.account_id
-    WHERE a.account_id IN (SELECT account_id FROM picked)
-    FOR NO KEY UPDATE OF a
+    -- The deciding count, per picked account, under its lock (taken in account id order).
+    SELECT ordered.account_id, account_running_room(ordered.account_id, $4::int) AS free
+    FROM (SELECT DISTINCT account_id FROM picked ORDER BY account_id) ordered
 ), admitted AS (
     SELECT p.id
     FROM (SELECT picked.id, picked.account_id,
@@ -148,6 +158,11 @@ WITH clock AS (
     RETURNING r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
               r.request, r.claim_token, r.fence, r.worker_id, r.lease_expires_at,
               r.cancel_requested, r.created_at, r.started_at
+), served AS (
+    -- Round robin's clock: the accounts served now go to the back of the line.
+    UPDATE account acc SET last_claimed_at = clock.now
+    FROM clock
+    WHERE acc.id IN (SELECT account_id FROM claimed)
 ), asked AS (
     UPDATE message m SET status = 'complete'
     FROM claimed
@@ -636,20 +651,27 @@ RETURNING id;
 -- params: name
 -- Accounts with their limits (NULL: the fleet's default) and their queued and running turns
 -- now; one account by name, or all when $1 is NULL.
-SELECT a.id, a.name, a.max_running, a.max_queued, a.models, r.queued, r.running,
-       r.last_claimed_at
-FROM account a JOIN account_runs r ON r.account_id = a.id
+SELECT a.id, a.name, a.max_running, a.max_queued, a.models,
+       (SELECT count(*) FROM agent_run r WHERE r.account_id = a.id AND r.status = 'queued')
+           AS queued,
+       (SELECT count(*) FROM agent_run r WHERE r.account_id = a.id AND r.status = 'running')
+           AS running,
+       a.last_claimed_at
+FROM account a
 WHERE $1::text IS NULL OR a.name = $1::text
 ORDER BY a.name;
 
 -- queue_by_account --
 -- params: limit
 -- What `agentd status` and /metrics show per account: the busiest accounts' queued and running
--- turns (counted as they change: account_runs, sql/009).
-SELECT a.name AS account, r.queued, r.running, a.max_running, a.max_queued
-FROM account_runs r JOIN account a ON a.id = r.account_id
-WHERE r.queued > 0 OR r.running > 0
-ORDER BY r.queued + r.running DESC, a.name
+-- turns, with their own limits (NULL: the fleet's default).
+SELECT a.name AS account, t.queued, t.running, a.max_running, a.max_queued
+FROM (SELECT account_id, count(*) FILTER (WHERE status = 'queued') AS queued,
+             count(*) FILTER (WHERE status = 'running') AS running
+      FROM agent_run WHERE status IN ('queued', 'running')
+      GROUP BY account_id) t
+JOIN account a ON a.id = t.account_id
+ORDER BY t.queued + t.running DESC, a.name
 LIMIT $1::int;
 
 -- running_turns --
