@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -568,6 +568,27 @@ async def post_json(session: aiohttp.ClientSession, url: str,
         if resp.status >= 300:
             raise RuntimeError(f"POST {url}: {resp.status} {text}")
         return json.loads(text)
+
+
+async def post_demo_runs(http: aiohttp.ClientSession, url: str,
+                         conversations: Sequence[uuid.UUID], *, label: str,
+                         params: Mapping[str, Any], concurrency: int,
+                         on_posted: Callable[[str], None]) -> dict[str, str]:
+    """POST one demo run per conversation, `concurrency` at a time; `on_posted(run_id)` runs
+    right after each answer (to attach its clients at once). Returns run id -> its prompt."""
+    gate = asyncio.Semaphore(concurrency)
+    prompts: dict[str, str] = {}
+
+    async def post(i: int, conversation: uuid.UUID) -> None:
+        content = f"{label} {i}"
+        async with gate:
+            created = await post_json(http, f"{url}/v1/conversations/{conversation}/runs",
+                                      {"content": content, "params": dict(params)})
+        prompts[created["run_id"]] = content
+        on_posted(created["run_id"])
+
+    await asyncio.gather(*(post(i, c) for i, c in enumerate(conversations)))
+    return prompts
 
 
 @dataclass(frozen=True, slots=True)

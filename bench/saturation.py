@@ -40,7 +40,7 @@ from harness import (
     params_of,
     peak_concurrent,
     percentiles,
-    post_json,
+    post_demo_runs,
     progress,
     raise_nofile,
     sse_stream,
@@ -131,24 +131,18 @@ async def main() -> int:
                 renewals0 = await counter(database.dsn, RENEWALS)
                 statements0 = await counter(database.dsn, ALL_STATEMENTS)
                 t0 = time.monotonic()
-                gate = asyncio.Semaphore(args.post_concurrency)
                 clients: list[Client] = []
                 watchers: list[asyncio.Task[None]] = []
-                prompts: dict[str, str] = {}
 
-                async def start(i: int, conversation: UUID) -> None:
-                    content = f"saturation {i}"
-                    async with gate:
-                        created = await post_json(
-                            http, f"{daemon.url}/v1/conversations/{conversation}/runs",
-                            {"content": content,
-                             "params": {"tokens": args.tokens, "delay_ms": args.delay_ms}})
-                    prompts[created["run_id"]] = content
-                    client = Client(created["run_id"])
+                def attach(run_id: str) -> None:
+                    client = Client(run_id)
                     clients.append(client)
                     watchers.append(asyncio.create_task(watch(http, daemon.url, client)))
 
-                await asyncio.gather(*(start(i, c) for i, c in enumerate(convs)))
+                prompts = await post_demo_runs(
+                    http, daemon.url, convs, label="saturation",
+                    concurrency=args.post_concurrency,
+                    params={"tokens": args.tokens, "delay_ms": args.delay_ms}, on_posted=attach)
                 progress(f"all {args.runs} posted in {time.monotonic() - t0:.1f} s; streaming")
                 _done, pending = await asyncio.wait(watchers, timeout=args.timeout)
                 for task in pending:

@@ -39,7 +39,7 @@ from harness import (
     params_of,
     peak_concurrent,
     percentiles,
-    post_json,
+    post_demo_runs,
     progress,
     raise_nofile,
     sse_stream,
@@ -115,25 +115,18 @@ async def main() -> int:
                         if database.server_pid else None, own_cpu_seconds(), time.monotonic())
                 progress(f"{args.runs} runs × {args.clients} SSE clients, {args.tokens} tokens "
                          f"{args.delay_ms} ms apart")
-                gate = asyncio.Semaphore(args.post_concurrency)
                 clients: list[Client] = []
                 watchers: list[asyncio.Task[None]] = []
-                prompts: dict[str, str] = {}
 
-                async def start(i: int, conversation: UUID) -> None:
-                    content = f"stream {i}"
-                    async with gate:
-                        created = await post_json(
-                            http, f"{daemon.url}/v1/conversations/{conversation}/runs",
-                            {"content": content,
-                             "params": {"tokens": args.tokens, "delay_ms": args.delay_ms}})
-                    prompts[created["run_id"]] = content
+                def attach(run_id: str) -> None:
                     for _ in range(args.clients):
-                        client = Client(created["run_id"])
+                        client = Client(run_id)
                         clients.append(client)
                         watchers.append(asyncio.create_task(watch(http, daemon.url, client)))
 
-                await asyncio.gather(*(start(i, c) for i, c in enumerate(convs)))
+                prompts = await post_demo_runs(
+                    http, daemon.url, convs, label="stream", concurrency=args.post_concurrency,
+                    params={"tokens": args.tokens, "delay_ms": args.delay_ms}, on_posted=attach)
                 posted_s = time.monotonic() - cpu0[3]
                 progress(f"all {args.runs} runs posted in {posted_s:.1f} s; streaming")
                 _done, pending = await asyncio.wait(watchers, timeout=args.timeout)
