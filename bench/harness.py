@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -81,6 +81,18 @@ def percentiles(values: Iterable[float], digits: int = 3) -> dict[str, Any]:
             "max": round(data[-1], digits), "mean": round(sum(data) / len(data), digits)}
 
 
+def peak_concurrent(runs: Iterable[Mapping[str, Any]]) -> int:
+    """The most runs running at once, from their started_at/finished_at."""
+    runs = list(runs)
+    edges = sorted([(r["started_at"].timestamp(), 1) for r in runs if r["started_at"]]
+                   + [(r["finished_at"].timestamp(), -1) for r in runs if r["finished_at"]])
+    peak = level = 0
+    for _stamp, step in edges:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
 # -- arguments --------------------------------------------------------------------------------
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -102,9 +114,14 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+# Benchmarks load one account far past what one person would: its limits must not be what
+# they measure (bench/fairness.py sets its own).
+UNBOUNDED_ACCOUNT = {"account_max_running": 10_000, "account_max_queued": 1_000_000}
+
+
 def daemon_settings(args: argparse.Namespace, **settings: Any) -> dict[str, Any]:
     """The benchmark's own daemon settings, then --log-level and every --set on top."""
-    out: dict[str, Any] = {**settings, "log_level": args.log_level}
+    out: dict[str, Any] = {**UNBOUNDED_ACCOUNT, **settings, "log_level": args.log_level}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -283,8 +300,11 @@ def _make_workdir(label: str) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def bench_database(args: argparse.Namespace, label: str) -> AsyncIterator[BenchDatabase]:
-    """The run's database: on --dsn's server, or on a throwaway embedded PostgreSQL."""
+async def bench_database(args: argparse.Namespace, label: str, *,
+                         pg_settings: Mapping[str, str] | None = None,
+                         ) -> AsyncIterator[BenchDatabase]:
+    """The run's database: on --dsn's server, or on a throwaway embedded PostgreSQL (started
+    with `pg_settings` on top of its own)."""
     workdir = _make_workdir(label)
     server = None
     try:
@@ -294,7 +314,7 @@ async def bench_database(args: argparse.Namespace, label: str) -> AsyncIterator[
             from agentd.embedded_pg import EmbeddedPostgres
 
             progress("starting a throwaway embedded PostgreSQL")
-            server = EmbeddedPostgres(workdir / "pg", fast=args.pg_fast)
+            server = EmbeddedPostgres(workdir / "pg", fast=args.pg_fast, settings=pg_settings)
             await asyncio.to_thread(server.start)
             admin_dsn = server.dsn("postgres")
             pid_line = (server.data_dir / "postmaster.pid").read_text().split("\n", 1)[0]
@@ -548,6 +568,27 @@ async def post_json(session: aiohttp.ClientSession, url: str,
         if resp.status >= 300:
             raise RuntimeError(f"POST {url}: {resp.status} {text}")
         return json.loads(text)
+
+
+async def post_demo_runs(http: aiohttp.ClientSession, url: str,
+                         conversations: Sequence[uuid.UUID], *, label: str,
+                         params: Mapping[str, Any], concurrency: int,
+                         on_posted: Callable[[str], None]) -> dict[str, str]:
+    """POST one demo run per conversation, `concurrency` at a time; `on_posted(run_id)` runs
+    right after each answer (to attach its clients at once). Returns run id -> its prompt."""
+    gate = asyncio.Semaphore(concurrency)
+    prompts: dict[str, str] = {}
+
+    async def post(i: int, conversation: uuid.UUID) -> None:
+        content = f"{label} {i}"
+        async with gate:
+            created = await post_json(http, f"{url}/v1/conversations/{conversation}/runs",
+                                      {"content": content, "params": dict(params)})
+        prompts[created["run_id"]] = content
+        on_posted(created["run_id"])
+
+    await asyncio.gather(*(post(i, c) for i, c in enumerate(conversations)))
+    return prompts
 
 
 @dataclass(frozen=True, slots=True)

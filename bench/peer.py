@@ -66,6 +66,7 @@ from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
 from harness import (
     BENCH_DSN_ENV,
+    UNBOUNDED_ACCOUNT,
     BenchDatabase,
     bench_database,
     emit,
@@ -85,6 +86,9 @@ PEER_VERSION = "1.6.0"
 PEER_PACKAGES = [f"pgqueuer[asyncpg]=={PEER_VERSION}", "typer", "uvloop", "tqdm", "tabulate"]
 PEER_IMPORTS = ("pgqueuer", "asyncpg", "typer", "uvloop", "tqdm", "tabulate", "pydantic")
 BENCHMARK_MEMBER = f"pgqueuer-{PEER_VERSION}/tools/benchmark.py"
+# One account carries the whole load: its limits are not what this compares.
+UNBOUNDED_RUNNING = UNBOUNDED_ACCOUNT["account_max_running"]
+UNBOUNDED_QUEUED = UNBOUNDED_ACCOUNT["account_max_queued"]
 PEER_DURABILITY = "durable"  # `pgq install`'s default: logged tables, like agentd's
 
 
@@ -378,7 +382,8 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
                             conn, account_id=account_id,
                             conversation_id=conversations[n % len(conversations)],
                             content=content,
-                            request={"content": content, "model": "demo", "params": {}})
+                            request={"content": content, "model": "demo", "params": {}},
+                            default_max_queued=UNBOUNDED_QUEUED)
                 counts["enqueued"] += args.enqueue_batch
                 await asyncio.sleep(0)
 
@@ -388,6 +393,7 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
                     wake.clear()
                     claims = await claim_runs(pool, worker_id=f"peer-bench-{worker}",
                                               lease_ttl_s=settings.lease_ttl_s, limit=batch,
+                                              default_max_running=UNBOUNDED_RUNNING,
                                               hint=notifier.notify)
                     if not claims:
                         counts["empty_claims"] += 1
@@ -478,7 +484,8 @@ async def agentd_drain(dbs: Databases, args: argparse.Namespace, batch: int) -> 
                     await enqueue_run(
                         conn, account_id=account_id,
                         conversation_id=conversations[n % len(conversations)], content=content,
-                        request={"content": content, "model": "demo", "params": {}})
+                        request={"content": content, "model": "demo", "params": {}},
+                        default_max_queued=UNBOUNDED_QUEUED)
         await dbs.checkpoint()
         counts = {"claimed": 0, "finished": 0}
 
@@ -486,7 +493,8 @@ async def agentd_drain(dbs: Databases, args: argparse.Namespace, batch: int) -> 
             while counts["claimed"] < jobs:
                 claims = await claim_runs(pool, worker_id=f"peer-drain-{worker}",
                                           lease_ttl_s=settings.lease_ttl_s, limit=batch,
-                                              hint=notifier.notify)
+                                          default_max_running=UNBOUNDED_RUNNING,
+                                          hint=notifier.notify)
                 if not claims:
                     await asyncio.sleep(0.001)  # a lost race; runs are left
                     continue
@@ -532,7 +540,8 @@ async def agentd_latency(dbs: Databases, args: argparse.Namespace) -> dict[str, 
             while True:
                 wake.clear()
                 claims = await claim_runs(pool, worker_id="peer-latency",
-                                          lease_ttl_s=settings.lease_ttl_s, limit=1)
+                                          lease_ttl_s=settings.lease_ttl_s, limit=1,
+                                          default_max_running=UNBOUNDED_RUNNING)
                 if not claims:
                     await wake.wait(settings.tick_s)
                     continue
@@ -561,7 +570,8 @@ async def agentd_latency(dbs: Databases, args: argparse.Namespace) -> dict[str, 
             run = await enqueue_run(pool, account_id=account_id,
                                     conversation_id=conversations[i], content=content,
                                     request={"content": content, "model": "demo",
-                                             "params": {}})
+                                             "params": {}},
+                                    default_max_queued=UNBOUNDED_QUEUED)
             start = await asyncio.wait_for(asyncio.shield(future_of(run.run_id)), timeout=30)
             if i >= args.latency_warmup:
                 latencies.append((start - before) * 1000)

@@ -37,8 +37,9 @@ from harness import (
     open_pool,
     own_cpu_seconds,
     params_of,
+    peak_concurrent,
     percentiles,
-    post_json,
+    post_demo_runs,
     progress,
     raise_nofile,
     sse_stream,
@@ -94,7 +95,10 @@ async def main() -> int:
     if nofile < needed:
         progress(f"open-file limit {nofile} < {needed}: expect connection errors")
     started = time.monotonic()
-    settings = daemon_settings(args, max_runs=max(args.runs, 16))
+    # One bench device holds every stream: room for all of them and their connections.
+    settings = daemon_settings(args, max_runs=max(args.runs, 16),
+                               streams_per_device=args.runs * args.clients + 10,
+                               max_connections=args.runs * args.clients + args.runs + 100)
     async with bench_database(args, "streams") as database:
         machine = await machine_info(database)
         pool = await open_pool(database.dsn)
@@ -111,25 +115,18 @@ async def main() -> int:
                         if database.server_pid else None, own_cpu_seconds(), time.monotonic())
                 progress(f"{args.runs} runs × {args.clients} SSE clients, {args.tokens} tokens "
                          f"{args.delay_ms} ms apart")
-                gate = asyncio.Semaphore(args.post_concurrency)
                 clients: list[Client] = []
                 watchers: list[asyncio.Task[None]] = []
-                prompts: dict[str, str] = {}
 
-                async def start(i: int, conversation: UUID) -> None:
-                    content = f"stream {i}"
-                    async with gate:
-                        created = await post_json(
-                            http, f"{daemon.url}/v1/conversations/{conversation}/runs",
-                            {"content": content,
-                             "params": {"tokens": args.tokens, "delay_ms": args.delay_ms}})
-                    prompts[created["run_id"]] = content
+                def attach(run_id: str) -> None:
                     for _ in range(args.clients):
-                        client = Client(created["run_id"])
+                        client = Client(run_id)
                         clients.append(client)
                         watchers.append(asyncio.create_task(watch(http, daemon.url, client)))
 
-                await asyncio.gather(*(start(i, c) for i, c in enumerate(convs)))
+                prompts = await post_demo_runs(
+                    http, daemon.url, convs, label="stream", concurrency=args.post_concurrency,
+                    params={"tokens": args.tokens, "delay_ms": args.delay_ms}, on_posted=attach)
                 posted_s = time.monotonic() - cpu0[3]
                 progress(f"all {args.runs} runs posted in {posted_s:.1f} s; streaming")
                 _done, pending = await asyncio.wait(watchers, timeout=args.timeout)
@@ -185,12 +182,7 @@ async def main() -> int:
     window = (last_finish.timestamp() if last_finish else time.time() + offset) - first_start
     in_window = sum(1 for e in events if e["created_at"].timestamp() >= first_start)
     deltas_in_window = sum(1 for e in events if e["type"] == "content_delta")
-    edges = sorted([(r["started_at"].timestamp(), 1) for r in runs if r["started_at"]]
-                   + [(r["finished_at"].timestamp(), -1) for r in runs if r["finished_at"]])
-    peak = level = 0
-    for _stamp, step in edges:
-        level += step
-        peak = max(peak, level)
+    peak = peak_concurrent(runs)
     durations = [(r["finished_at"] - r["started_at"]).total_seconds() for r in runs
                  if r["started_at"] and r["finished_at"]]
     elapsed = cpu1[3] - cpu0[3]

@@ -16,6 +16,7 @@ from typing import Any
 
 from agentd.queue import enqueue_run
 from harness import (
+    UNBOUNDED_ACCOUNT,
     BenchDatabase,
     base_parser,
     bench_database,
@@ -57,7 +58,8 @@ async def measure(database: BenchDatabase, count: int, runs: int, conversations:
                     await enqueue_run(conn, account_id=account_id,
                                       conversation_id=convs[i % conversations], content=content,
                                       request={"content": content, "model": "demo",
-                                               "params": params})
+                                               "params": params},
+                                      default_max_queued=UNBOUNDED_ACCOUNT["account_max_queued"])
             committed = time.monotonic()
             while True:
                 left = await pool.fetchval(

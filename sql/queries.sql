@@ -1,29 +1,43 @@
 -- Every statement agentd sends, by name. Bound parameters only; no SQL is built from input.
 -- Format: a "-- name --" line; a "-- params: a, b" line naming $1, $2, … in order (left out when
 -- the statement takes none); comment lines naming the invariant it protects; the statement.
--- Callers bind by name: db.fetchrow(*Q.heartbeat.bind(run_id=…, claim_token=…, lease_ttl_s=…)).
+-- Callers bind by name: db.fetchrow(*Q.check_lease.bind(run_id=…, claim_token=…)).
 -- All lease comparisons use clock_timestamp() (the database clock, sampled once per statement).
 -- "Rule N" is rule N of docs/architecture.md ("The rules and where they live").
 
 -- enqueue_run --
--- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key
+-- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key, default_max_queued
 -- A run is a row (docs/architecture.md rule 1): the user message, the run, journal seq 1-2 and
 -- the wake commit as ONE statement.
 -- A repeated idempotency key inserts nothing (the unique index arbitrates, even mid-flight).
 -- The conversation row is locked first, so runs of one conversation get created_at in commit
 -- order (a conversation feed's watermark relies on it) and on_busy checks serialize with us.
+-- Bounded: account_queue_has_room (sql/009) locks the account's row (after the conversation's)
+-- and counts its queued turns as last committed, so enqueues of one account serialize there and
+-- none can overshoot its max_queued ($8 when the account sets none); over it nothing is written
+-- (the conversation's updated_at moves only with a new run). The answer row says which: `room`
+-- false = over the limit; no row at all = no such conversation here.
 WITH conv AS (
-    UPDATE conversation SET updated_at = clock_timestamp()
+    SELECT id, account_id FROM conversation
     WHERE id = $2::uuid AND account_id = $1::uuid
-    RETURNING id, account_id
+    FOR NO KEY UPDATE
+), room AS (
+    SELECT account_queue_has_room(conv.account_id, $8::int) AS ok,
+           (SELECT coalesce(max_queued, $8::int) FROM account WHERE id = conv.account_id)
+               AS max_queued
+    FROM conv
 ), run AS (
     INSERT INTO agent_run (account_id, conversation_id, user_message_id, origin_device_id,
                            request, request_hash, idempotency_key, created_at)
     SELECT conv.account_id, conv.id, gen_random_uuid(), $3::uuid, $5::jsonb, $6::text, $7::text,
            clock_timestamp()
-    FROM conv
+    FROM conv, room
+    WHERE room.ok
     ON CONFLICT (account_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, conversation_id, user_message_id, status, created_at
+), touched AS (
+    UPDATE conversation c SET updated_at = clock_timestamp()
+    FROM run WHERE c.id = run.conversation_id
 ), msg AS (
     INSERT INTO message (id, conversation_id, run_id, role, content, status)
     SELECT user_message_id, conversation_id, id, 'user', $4::text, 'queued' FROM run
@@ -38,10 +52,11 @@ WITH conv AS (
             'device', (SELECT name FROM device WHERE id = $3::uuid)))
     ) AS e (seq, type, payload)
 )
-SELECT run.id, run.status, run.conversation_id, run.user_message_id, run.created_at,
+SELECT room.ok AS room, room.max_queued, run.id, run.status, run.conversation_id,
+       run.user_message_id, run.created_at,
        pg_notify('agentd_run_enqueued', run.conversation_id::text),
        pg_notify('agentd_conversation', run.conversation_id::text)
-FROM run;
+FROM conv CROSS JOIN room LEFT JOIN run ON true;
 
 -- find_run_by_idempotency_key --
 -- params: account_id, idempotency_key
@@ -51,33 +66,84 @@ FROM agent_run
 WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 
 -- claim_runs --
--- params: worker_id, lease_ttl_s, limit
+-- params: worker_id, lease_ttl_s, limit, default_max_running
 -- Claim in one statement (docs/architecture.md rule 2); SKIP LOCKED so claimers pass over each
--- other, never wait. Only the oldest queued turn of a conversation with nothing running is
--- eligible (FIFO; one turn at a time per conversation, rule 5); the pre-filter can be fooled by
--- snapshots, the one_running_per_conversation index cannot.
+-- other's turns, never wait for them. Fair: accounts take turns, the one served longest ago
+-- first (round robin by account.last_claimed_at, one turn of each before a second of any),
+-- FIFO within the account; only the oldest queued turn of a conversation with nothing running
+-- is eligible (FIFO; one turn at a time per conversation, rule 5); the pre-filter can be fooled
+-- by snapshots, the one_running_per_conversation index cannot.
+-- Bounded: an account takes at most max_running ($4 when it sets none) minus its running
+-- turns. The snapshot's count only pre-filters; account_running_room (sql/009) decides, under a
+-- lock on the account's row, by a count read after the lock was granted: claimers of one
+-- account serialize there (for the rest of their short transaction), so two daemons can never
+-- together exceed the limit. Accounts are locked in id order: batch claims cannot deadlock.
 -- Stamps a fresh claim_token, a monotonic fence and a deadline on the database clock, and
 -- acquires the conversation lease (which execution owns the conversation): its conditional
 -- UPSERT takes over only a holder whose run is no longer live, and require_conversation_lease
 -- (sql/004) raises a unique violation when it was not acquired, so the whole claim rolls back:
 -- no half claim can commit. Journals run_started (worker, fence, deadline); last_seq is that
 -- event's seq.
-WITH clock AS (
+WITH RECURSIVE queued_accounts AS (
+    -- The accounts with queued turns, one index probe each (a loose scan of the queued index).
+    (SELECT account_id FROM agent_run WHERE status = 'queued' ORDER BY account_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT q.account_id FROM agent_run q
+            WHERE q.status = 'queued' AND q.account_id > seen.account_id
+            ORDER BY q.account_id LIMIT 1)
+    FROM queued_accounts seen
+    WHERE seen.account_id IS NOT NULL
+), clock AS (
     SELECT clock_timestamp() AS now
+), open_accounts AS (
+    SELECT acc.id AS account_id, acc.last_claimed_at,
+           coalesce(acc.max_running, $4::int) - (
+               SELECT count(*) FROM agent_run busy
+               WHERE busy.account_id = acc.id AND busy.status = 'running') AS free
+    FROM queued_accounts qa JOIN account acc ON acc.id = qa.account_id
+), candidates AS (
+    -- Per account below its limit, its oldest eligible turns, numbered in arrival order: as
+    -- many as it may still start, at most the batch and 32 more (a claimer passes over the
+    -- turns rival claimers are taking right now: SKIP LOCKED below).
+    SELECT next.id, oa.account_id, oa.last_claimed_at, next.created_at,
+           row_number() OVER (PARTITION BY oa.account_id
+                              ORDER BY next.created_at, next.id) AS nth
+    FROM open_accounts oa
+    CROSS JOIN LATERAL (
+        SELECT q.id, q.created_at FROM agent_run q
+        WHERE q.account_id = oa.account_id AND q.status = 'queued'
+          AND NOT EXISTS (
+              SELECT 1 FROM agent_run busy
+              WHERE busy.conversation_id = q.conversation_id AND busy.status = 'running')
+          AND NOT EXISTS (
+              SELECT 1 FROM agent_run older
+              WHERE older.conversation_id = q.conversation_id AND older.status = 'queued'
+                AND (older.created_at, older.id) < (q.created_at, q.id))
+        ORDER BY q.created_at, q.id
+        LIMIT least($3::int + 32, oa.free)
+    ) next
+    WHERE oa.free > 0
 ), picked AS (
-    SELECT r.id
-    FROM agent_run r
-    WHERE r.status = 'queued'
-      AND NOT EXISTS (
-          SELECT 1 FROM agent_run busy
-          WHERE busy.conversation_id = r.conversation_id AND busy.status = 'running')
-      AND NOT EXISTS (
-          SELECT 1 FROM agent_run older
-          WHERE older.conversation_id = r.conversation_id AND older.status = 'queued'
-            AND (older.created_at, older.id) < (r.created_at, r.id))
-    ORDER BY r.created_at, r.id
+    -- Round robin: every account's first turn (the account served longest ago first), then
+    -- every account's second, and so on.
+    SELECT r.id, r.account_id, c.created_at
+    FROM candidates c JOIN agent_run r ON r.id = c.id
+    WHERE r.status = 'queued'  -- re-checked on the row as it is once locked
+    ORDER BY c.nth, c.last_claimed_at NULLS FIRST, c.created_at, c.id
     LIMIT $3::int
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF r SKIP LOCKED
+), slots AS (
+    -- The deciding count, per picked account, under its lock (taken in account id order).
+    SELECT ordered.account_id, account_running_room(ordered.account_id, $4::int) AS free
+    FROM (SELECT DISTINCT account_id FROM picked ORDER BY account_id) ordered
+), admitted AS (
+    SELECT p.id
+    FROM (SELECT picked.id, picked.account_id,
+                 row_number() OVER (PARTITION BY picked.account_id
+                                    ORDER BY picked.created_at, picked.id) AS nth
+          FROM picked) p
+    JOIN slots ON slots.account_id = p.account_id
+    WHERE p.nth <= slots.free
 ), claimed AS (
     UPDATE agent_run r
     SET status = 'running',
@@ -87,11 +153,16 @@ WITH clock AS (
         lease_expires_at = clock.now + make_interval(secs => $2::float8),
         last_heartbeat_at = clock.now,
         started_at = clock.now
-    FROM picked, clock
-    WHERE r.id = picked.id AND r.status = 'queued'
+    FROM admitted, clock
+    WHERE r.id = admitted.id AND r.status = 'queued'
     RETURNING r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
               r.request, r.claim_token, r.fence, r.worker_id, r.lease_expires_at,
-              r.cancel_requested
+              r.cancel_requested, r.created_at, r.started_at
+), served AS (
+    -- Round robin's clock: the accounts served now go to the back of the line.
+    UPDATE account acc SET last_claimed_at = clock.now
+    FROM clock
+    WHERE acc.id IN (SELECT account_id FROM claimed)
 ), asked AS (
     UPDATE message m SET status = 'complete'
     FROM claimed
@@ -130,20 +201,95 @@ SELECT c.*, started.seq AS last_seq
 FROM claimed c JOIN started ON started.run_id = c.id
 WHERE require_conversation_lease(EXISTS (SELECT 1 FROM lease WHERE lease.run_id = c.id), c.id);
 
--- heartbeat --
--- params: run_id, claim_token, lease_ttl_s
--- Lease for liveness, fence for correctness (docs/architecture.md rule 3): renew only a lease
--- we still hold. Token + status + unexpired deadline, so a late beat can never revive an
--- execution the reaper may already have judged dead. Zero rows = LeaseLost.
--- Returns the cancel flag: the heartbeat is also the missed-NOTIFY poll for stops (stop is a
--- state: rule 8).
+-- beat --
+-- params: worker_id, host, pid, listen, version, lease_ttl_s, runs_in_flight, max_runs, loop_lag_ms, pool_wait_ms, admitting, run_ids, claim_tokens
+-- One beat per process (docs/architecture.md rule 3): renews the lease of every run the process
+-- holds and its own worker row, in ONE statement, sent on a connection reserved for it so no
+-- load on the pool can delay it. Each run is fenced by its own claim token, status running and a
+-- deadline still ahead of clock_timestamp() when its row is locked, so a late beat can never
+-- revive an expired lease. The beat's moment is statement_timestamp() (the database clock when
+-- the statement arrived, before any check): the new deadline counts from it, never longer than
+-- granted, and last_heartbeat_at is earlier than every check it passed.
+-- Rows locked by someone else are skipped, never waited for: one run held by a slow or frozen
+-- transaction cannot hold up the renewal of all the others. Per run the outcome is `renewed`,
+-- `busy` (locked elsewhere but, as last committed, still ours: renew_leases_waiting retries it
+-- at once) or `lost` (its token, status or deadline says it is no longer ours: stop, write
+-- nothing more). Returns the cancel flags: the beat is also the missed-NOTIFY poll (rule 8).
+-- The worker row (what `agentd status` lists) lives one lease past its last beat.
+WITH clock AS (
+    SELECT statement_timestamp() AS now
+), me AS (
+    INSERT INTO worker AS w (id, host, pid, listen, version, last_beat_at, expires_at,
+                             runs_in_flight, max_runs, loop_lag_ms, pool_wait_ms, admitting)
+    SELECT $1::text, $2::text, $3::int, $4::text, $5::text, clock.now,
+           clock.now + make_interval(secs => $6::float8), $7::int, $8::int, $9::float8,
+           $10::float8, $11::bool
+    FROM clock
+    ON CONFLICT (id) DO UPDATE
+    SET last_beat_at = EXCLUDED.last_beat_at, expires_at = EXCLUDED.expires_at,
+        runs_in_flight = EXCLUDED.runs_in_flight, max_runs = EXCLUDED.max_runs,
+        loop_lag_ms = EXCLUDED.loop_lag_ms, pool_wait_ms = EXCLUDED.pool_wait_ms,
+        admitting = EXCLUDED.admitting, listen = EXCLUDED.listen
+), held AS (
+    SELECT h.run_id, h.claim_token
+    FROM unnest($12::uuid[], $13::uuid[]) AS h (run_id, claim_token)
+), mine AS (
+    SELECT r.id
+    FROM agent_run r JOIN held ON held.run_id = r.id AND held.claim_token = r.claim_token
+    WHERE r.status = 'running' AND r.lease_expires_at > clock_timestamp()
+    FOR NO KEY UPDATE OF r SKIP LOCKED
+), renewed AS (
+    UPDATE agent_run r
+    SET lease_expires_at = clock.now + make_interval(secs => $6::float8),
+        last_heartbeat_at = clock.now
+    FROM mine, clock
+    WHERE r.id = mine.id AND r.status = 'running' AND r.lease_expires_at > clock_timestamp()
+    RETURNING r.id, r.cancel_requested, r.lease_expires_at
+)
+SELECT held.run_id,
+       CASE WHEN renewed.id IS NOT NULL THEN 'renewed'
+            WHEN EXISTS (SELECT 1 FROM agent_run r
+                         WHERE r.id = held.run_id AND r.claim_token = held.claim_token
+                           AND r.status = 'running' AND r.lease_expires_at > clock_timestamp())
+                THEN 'busy'
+            ELSE 'lost' END AS outcome,
+       renewed.cancel_requested, renewed.lease_expires_at
+FROM held LEFT JOIN renewed ON renewed.id = held.run_id;
+
+-- renew_leases_waiting --
+-- params: lease_ttl_s, run_ids, claim_tokens
+-- The beat's second chance for the few runs it found locked (mid-append, mid-stop): the same
+-- fenced renewal, waiting for the row locks this time (bounded by the beat connection's
+-- lock_timeout). A run missing from the result was re-checked after its lock: it is lost.
+-- Clocks as in beat: checked against clock_timestamp(), renewed from statement_timestamp().
 UPDATE agent_run r
-SET lease_expires_at = clock.now + make_interval(secs => $3::float8),
+SET lease_expires_at = clock.now + make_interval(secs => $1::float8),
     last_heartbeat_at = clock.now
-FROM (SELECT clock_timestamp() AS now) clock
-WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
-  AND r.lease_expires_at > clock.now
-RETURNING r.cancel_requested, r.lease_expires_at;
+FROM unnest($2::uuid[], $3::uuid[]) AS held (run_id, claim_token),
+     (SELECT statement_timestamp() AS now) clock
+WHERE r.id = held.run_id AND r.claim_token = held.claim_token AND r.status = 'running'
+  AND r.lease_expires_at > clock_timestamp()
+RETURNING r.id AS run_id, r.cancel_requested, r.lease_expires_at;
+
+-- retire_worker --
+-- params: worker_id
+-- A process that drained and exits leaves the fleet at once (a crashed one expires instead).
+DELETE FROM worker WHERE id = $1::text;
+
+-- purge_dead_workers --
+-- params: older_than_s
+-- Rows of processes that stopped beating long ago; `agentd status` shows live ones anyway.
+DELETE FROM worker WHERE expires_at < clock_timestamp() - make_interval(secs => $1::float8);
+
+-- list_workers --
+-- Every process of the fleet that beat recently, live ones (deadline ahead) first; `live` and
+-- `beat_age_s` by the database clock.
+SELECT w.id, w.host, w.pid, w.listen, w.version, w.started_at, w.last_beat_at, w.expires_at,
+       w.runs_in_flight, w.max_runs, w.loop_lag_ms, w.pool_wait_ms, w.admitting,
+       w.expires_at > clock_timestamp() AS live,
+       extract(epoch FROM clock_timestamp() - w.last_beat_at)::float8 AS beat_age_s
+FROM worker w
+ORDER BY (w.expires_at > clock_timestamp()) DESC, w.host, w.pid, w.id;
 
 -- check_lease --
 -- params: run_id, claim_token
@@ -207,17 +353,21 @@ SELECT answer_open_tool_calls(owner.id) AS answered
 FROM owner;
 
 -- finish_run_fenced --
--- params: run_id, claim_token, status, error, usage, content, message_status, seq
+-- params: run_id, claim_token, status, error, usage, content, message_status, seq, error_code
 -- The worker's terminal write (docs/architecture.md rule 3). Fenced like every other write;
 -- terminal states are sticky (status = 'running' in the WHERE). In the same statement: the
 -- answer message, the one 'complete' event (seq $8, or max+1 for the dispatcher's backstop), the
 -- repair of tool calls left open and the lease release by execution id. The caller sends the
 -- knock that starts the next turn right after the commit.
+-- A `failed` run's answer is the text its journal holds (journal_text, sql/008) with message
+-- status `failed`, whoever calls ($6 and $7 apply to the other endings): the transcript keeps
+-- exactly what every client saw, and no answer when nothing was streamed.
 WITH clock AS (
     SELECT clock_timestamp() AS now
 ), fin AS (
     UPDATE agent_run r
-    SET status = $3::text, error = $4::text, usage = $5::jsonb, finished_at = clock.now
+    SET status = $3::text, error = $4::text, error_code = $9::text, usage = $5::jsonb,
+        finished_at = clock.now
     FROM clock
     WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
       AND r.lease_expires_at > clock.now
@@ -228,9 +378,13 @@ WITH clock AS (
     SELECT answer_open_tool_calls(fin.id) AS calls FROM fin
 ), answer AS (
     INSERT INTO message (conversation_id, run_id, role, content, status)
-    SELECT fin.conversation_id, fin.id, 'assistant', $6::text, $7::text
-    FROM fin, repaired
-    WHERE $6::text IS NOT NULL
+    SELECT fin.conversation_id, fin.id, 'assistant', said.content, said.status
+    FROM fin, repaired,
+         LATERAL (SELECT nullif(journal_text(fin.id), '') AS content, 'failed' AS status
+                  WHERE $3::text = 'failed'
+                  UNION ALL
+                  SELECT $6::text, $7::text WHERE $3::text <> 'failed') said
+    WHERE said.content IS NOT NULL
     RETURNING id
 ), ended AS (
     INSERT INTO run_event (run_id, seq, type, payload)
@@ -238,7 +392,7 @@ WITH clock AS (
            coalesce($8::bigint,
                     (SELECT max(e.seq) + 1 FROM run_event e WHERE e.run_id = fin.id)),
            'complete',
-           jsonb_build_object('status', $3::text, 'error', $4::text,
+           jsonb_build_object('status', $3::text, 'error', $4::text, 'error_code', $9::text,
                               'message_id', (SELECT id FROM answer), 'usage', $5::jsonb)
     FROM fin
 ), released AS (
@@ -257,10 +411,12 @@ FROM fin, repaired;
 -- deadline has passed, re-checked inside this write against the row as it is now (a heartbeat
 -- that landed first wins; SKIP LOCKED passes over a run whose heartbeat is in flight). Never
 -- re-queued: at most once.
--- The caller journals the ending with journal_endings in the same transaction.
+-- The caller journals the ending with journal_endings in the same transaction. What clients
+-- see is the code and a message without internals; the worker's id goes to the reaper's log.
 UPDATE agent_run r
 SET status = 'failed',
-    error = 'lease expired: worker ' || r.worker_id || ' stopped renewing it',
+    error = 'the worker running this turn stopped renewing its lease',
+    error_code = 'lease_expired',
     finished_at = clock.now
 FROM (SELECT clock_timestamp() AS now) clock
 WHERE r.id IN (
@@ -272,45 +428,59 @@ WHERE r.id IN (
         FOR UPDATE SKIP LOCKED)
   AND r.status = 'running'
   AND r.lease_expires_at <= clock.now - make_interval(secs => $1::float8)
-RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.error;
+RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.error,
+          r.error_code, r.worker_id, r.started_at, r.finished_at;
 
 -- journal_endings --
--- params: run_ids, account_ids, conversation_ids, claim_tokens, statuses, errors, draft_ids
+-- params: run_ids, account_ids, conversation_ids, claim_tokens, statuses, errors, draft_ids, error_codes
 -- Finalizers other than the worker (reaper, stop) append 'complete' at max(seq)+1. Run as its
 -- own statement AFTER the fencing UPDATE in the same transaction: READ COMMITTED gives it a
 -- fresh snapshot that sees every append committed before our row lock, and the lock holds off
 -- the rest. one_complete_per_run makes a second ending impossible regardless.
 -- Releases the runs' leases by execution id, answers the tool calls a dead worker left open
--- (answer_open_tool_calls, sql/004) and knocks the queue. A turn a stop cancelled before it
--- started names its handed-back draft, so every stream can return it to its author.
+-- (answer_open_tool_calls, sql/004) and knocks the queue. A run ended `failed` keeps the text
+-- its journal holds (journal_text, sql/008) as its answer with status `failed`, written after
+-- the repair (it reads from it), so the transcript stays in turn order and equals what every
+-- client saw. A turn a stop cancelled before it started names its handed-back draft, so every
+-- stream can return it to its author.
 WITH ended AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::text[],
-                         $6::text[], $7::uuid[]) AS t (run_id, account_id, conversation_id,
-                                                      claim_token, status, error, draft_id)
+                         $6::text[], $7::uuid[], $8::text[])
+        AS t (run_id, account_id, conversation_id, claim_token, status, error, draft_id,
+              error_code)
+), repaired AS (
+    SELECT ended.*, answer_open_tool_calls(ended.run_id) AS repaired_calls FROM ended
+), answer AS (
+    INSERT INTO message (conversation_id, run_id, role, content, status)
+    SELECT repaired.conversation_id, repaired.run_id, 'assistant', said.content, 'failed'
+    FROM repaired, LATERAL (SELECT nullif(journal_text(repaired.run_id), '') AS content) said
+    WHERE repaired.status = 'failed' AND said.content IS NOT NULL
+    RETURNING id, run_id
 ), journal AS (
     INSERT INTO run_event (run_id, seq, type, payload)
-    SELECT ended.run_id,
-           coalesce((SELECT max(e.seq) FROM run_event e WHERE e.run_id = ended.run_id), 0) + 1,
+    SELECT repaired.run_id,
+           coalesce((SELECT max(e.seq) FROM run_event e WHERE e.run_id = repaired.run_id), 0)
+           + 1,
            'complete',
-           jsonb_build_object('status', ended.status, 'error', ended.error, 'message_id', NULL)
-           || CASE WHEN ended.draft_id IS NULL THEN '{}'::jsonb
+           jsonb_build_object('status', repaired.status, 'error', repaired.error,
+                              'error_code', repaired.error_code, 'message_id', answer.id)
+           || CASE WHEN repaired.draft_id IS NULL THEN '{}'::jsonb
                    ELSE jsonb_build_object('draft', jsonb_build_object(
-                       'message_id', ended.draft_id,
-                       'content', (SELECT content FROM message WHERE id = ended.draft_id)))
+                       'message_id', repaired.draft_id,
+                       'content', (SELECT content FROM message WHERE id = repaired.draft_id)))
               END
-    FROM ended
+    FROM repaired LEFT JOIN answer ON answer.run_id = repaired.run_id
 ), released AS (
     DELETE FROM conversation_lease l
     USING ended
     WHERE l.account_id = ended.account_id AND l.conversation_id = ended.conversation_id
       AND l.execution_id = ended.claim_token
 )
-SELECT ended.run_id,
-       answer_open_tool_calls(ended.run_id) AS repaired_calls,
-       pg_notify('agentd_run_event', ended.run_id::text),
-       pg_notify('agentd_run_enqueued', ended.conversation_id::text),
-       pg_notify('agentd_conversation', ended.conversation_id::text)
-FROM ended;
+SELECT repaired.run_id, repaired.repaired_calls, answer.id AS message_id,
+       pg_notify('agentd_run_event', repaired.run_id::text),
+       pg_notify('agentd_run_enqueued', repaired.conversation_id::text),
+       pg_notify('agentd_conversation', repaired.conversation_id::text)
+FROM repaired LEFT JOIN answer ON answer.run_id = repaired.run_id;
 
 -- release_lease --
 -- params: account_id, conversation_id, execution_id
@@ -340,17 +510,17 @@ FOR UPDATE;
 WITH cancelled AS (
     UPDATE agent_run r
     SET status = 'cancelled', error = 'stopped before it started',
-        finished_at = clock_timestamp()
+        error_code = 'stopped_before_start', finished_at = clock_timestamp()
     WHERE r.id = ANY ($1::uuid[]) AND r.status = 'queued'
     RETURNING r.id, r.account_id, r.conversation_id, r.claim_token, r.status, r.error,
-              r.user_message_id, r.created_at
+              r.error_code, r.user_message_id, r.created_at
 ), drafts AS (
     UPDATE message m SET status = 'draft'
     FROM cancelled
     WHERE m.id = cancelled.user_message_id
     RETURNING m.id, m.run_id, m.content
 )
-SELECT c.id, c.account_id, c.conversation_id, c.claim_token, c.status, c.error,
+SELECT c.id, c.account_id, c.conversation_id, c.claim_token, c.status, c.error, c.error_code,
        d.id AS message_id, d.content
 FROM cancelled c JOIN drafts d ON d.run_id = c.id
 ORDER BY c.created_at, c.id;
@@ -445,11 +615,12 @@ RETURNING id, account_id, name, created_at;
 -- authenticate_device --
 -- params: token_hash
 -- Authorize first (docs/architecture.md rule 9): a bearer token resolves to (account, device)
--- only while not revoked; marks it seen.
+-- only while not revoked; marks it seen. Brings the account's model patterns along (NULL: every
+-- model), so an enqueue checks them without another round trip.
 -- last_seen_at moves at most once a minute: writing it on every request put a synchronous
 -- commit, and a row lock that all of a device's requests queue on, in front of every API call.
 WITH found AS (
-    SELECT d.id, d.name, d.account_id, a.name AS account_name
+    SELECT d.id, d.name, d.account_id, a.name AS account_name, a.models
     FROM device d JOIN account a ON a.id = d.account_id
     WHERE d.token_hash = $1::bytea AND d.revoked_at IS NULL
 ), seen AS (
@@ -458,8 +629,69 @@ WITH found AS (
     WHERE d.id = found.id AND d.revoked_at IS NULL
       AND (d.last_seen_at IS NULL OR d.last_seen_at < clock_timestamp() - interval '1 minute')
 )
-SELECT found.id AS device_id, found.name AS device_name, found.account_id, found.account_name
+SELECT found.id AS device_id, found.name AS device_name, found.account_id, found.account_name,
+       found.models
 FROM found;
+
+-- set_account_limits --
+-- params: name, change_running, max_running, change_queued, max_queued, change_models, models
+-- An operator's limits for one account (created when missing). Each changes only when asked
+-- ($2, $4, $6); NULL restores the fleet's default. Running turns are never touched: the next
+-- claim and the next enqueue read the new limits (every daemon of the fleet alike).
+INSERT INTO account AS acc (name, max_running, max_queued, models)
+VALUES ($1::text, CASE WHEN $2::bool THEN $3::int END, CASE WHEN $4::bool THEN $5::int END,
+        CASE WHEN $6::bool THEN $7::text[] END)
+ON CONFLICT (name) DO UPDATE
+SET max_running = CASE WHEN $2::bool THEN EXCLUDED.max_running ELSE acc.max_running END,
+    max_queued = CASE WHEN $4::bool THEN EXCLUDED.max_queued ELSE acc.max_queued END,
+    models = CASE WHEN $6::bool THEN EXCLUDED.models ELSE acc.models END
+RETURNING id;
+
+-- list_account_limits --
+-- params: name
+-- Accounts with their limits (NULL: the fleet's default) and their queued and running turns
+-- now; one account by name, or all when $1 is NULL.
+SELECT a.id, a.name, a.max_running, a.max_queued, a.models,
+       (SELECT count(*) FROM agent_run r WHERE r.account_id = a.id AND r.status = 'queued')
+           AS queued,
+       (SELECT count(*) FROM agent_run r WHERE r.account_id = a.id AND r.status = 'running')
+           AS running,
+       a.last_claimed_at
+FROM account a
+WHERE $1::text IS NULL OR a.name = $1::text
+ORDER BY a.name;
+
+-- queue_by_account --
+-- params: limit
+-- What `agentd status` and /metrics show per account: the busiest accounts' queued and running
+-- turns, with their own limits (NULL: the fleet's default).
+SELECT a.name AS account, t.queued, t.running, a.max_running, a.max_queued
+FROM (SELECT account_id, count(*) FILTER (WHERE status = 'queued') AS queued,
+             count(*) FILTER (WHERE status = 'running') AS running
+      FROM agent_run WHERE status IN ('queued', 'running')
+      GROUP BY account_id) t
+JOIN account a ON a.id = t.account_id
+ORDER BY t.queued + t.running DESC, a.name
+LIMIT $1::int;
+
+-- running_turns --
+-- params: limit
+-- Who owns which running conversation: the device that asked, the worker executing it and
+-- the lease left by the database clock (negative: expired, awaiting the reaper).
+SELECT r.id AS run_id, r.conversation_id, c.title, a.name AS account, d.name AS device,
+       r.worker_id, r.started_at, r.cancel_requested,
+       extract(epoch FROM r.lease_expires_at - clock_timestamp())::float8 AS lease_left_s
+FROM agent_run r
+JOIN conversation c ON c.id = r.conversation_id
+JOIN account a ON a.id = r.account_id
+LEFT JOIN device d ON d.id = r.origin_device_id
+WHERE r.status = 'running'
+ORDER BY r.started_at, r.id
+LIMIT $1::int;
+
+-- count_attached_devices --
+-- Devices holding a conversation stream open anywhere in the fleet (each counted once).
+SELECT count(DISTINCT device_id) FROM presence WHERE expires_at > clock_timestamp();
 
 -- list_devices --
 -- Operators see every credential, never a token.
@@ -680,7 +912,7 @@ LIMIT 1;
 -- params: run_id
 -- A tail's truth check when the journal is quiet: a terminal run without a journaled
 -- `complete` gets one synthesized from this row.
-SELECT status, error FROM agent_run WHERE id = $1::uuid;
+SELECT status, error, error_code FROM agent_run WHERE id = $1::uuid;
 
 -- search_messages --
 -- params: account_id, pattern, limit

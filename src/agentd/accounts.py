@@ -1,16 +1,21 @@
-"""Accounts and device credentials: bearer tokens are minted here and stored only as hashes."""
+"""Accounts, their limits (running, queued, models) and device credentials: bearer tokens are
+minted here and stored only as hashes."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
+import re
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
 
 from agentd.queries import Q
 from agentd.queue import Db
+from agentd.settings import MAX_ACCOUNT_QUEUED, MAX_ACCOUNT_RUNNING
 
 TOKEN_PREFIX = "agd_"
 
@@ -23,6 +28,34 @@ class Principal:
     account_name: str
     device_id: UUID
     device_name: str
+    models: tuple[str, ...] | None = None  # the account's model patterns; None: every model
+
+
+@dataclass(frozen=True, slots=True)
+class AccountLimits:
+    """An account's limits (None: the fleet's default) and its turns right now."""
+
+    id: UUID
+    name: str
+    max_running: int | None
+    max_queued: int | None
+    models: tuple[str, ...] | None
+    queued: int
+    running: int
+    last_claimed_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class LimitChange:
+    """What `agentd account set` changes: only the limits whose `change_*` is set, each to its
+    value (None: back to the fleet's default)."""
+
+    change_running: bool = False
+    max_running: int | None = None
+    change_queued: bool = False
+    max_queued: int | None = None
+    change_models: bool = False
+    models: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +97,9 @@ async def authenticate(db: Db, token: str) -> Principal | None:
         # Same work on the miss path, so timing says nothing about near-miss tokens.
         hmac.compare_digest(digest, digest)
         return None
+    models = row["models"]
     return Principal(row["account_id"], row["account_name"], row["device_id"],
-                     row["device_name"])
+                     row["device_name"], tuple(models) if models is not None else None)
 
 
 async def list_devices(db: Db) -> list[DeviceInfo]:
@@ -122,3 +156,78 @@ async def revoked_devices_among(db: Db, device_ids: list[UUID]) -> set[UUID]:
     """Which of these devices may no longer stream (revoked, or gone with their account)."""
     rows = await db.fetch(*Q.revoked_devices_among.bind(device_ids=device_ids))
     return {row["id"] for row in rows}
+
+
+# limits ----------------------------------------------------------------------------------------
+
+RESET = "default"  # `--max-running default`: back to the fleet's default
+ALL_MODELS = ("*", "all")  # `--models all`: every model (the default)
+_PATTERN = re.compile(r"^[A-Za-z0-9._\-*?\[\]!/]+(:[A-Za-z0-9._\-*?\[\]!/:@+]+)?$")
+MAX_PATTERNS = 100
+
+
+def parse_limit_change(*, max_running: str | None, max_queued: str | None,
+                       models: str | None, providers: Iterable[str]) -> LimitChange:
+    """`agentd account set`'s options as a LimitChange; ValueError names the bad one."""
+    change = LimitChange()
+    if max_running is not None:
+        change = dataclasses.replace(change, change_running=True, max_running=_limit(
+            "--max-running", max_running, MAX_ACCOUNT_RUNNING))
+    if max_queued is not None:
+        change = dataclasses.replace(change, change_queued=True, max_queued=_limit(
+            "--max-queued", max_queued, MAX_ACCOUNT_QUEUED))
+    if models is not None:
+        change = dataclasses.replace(change, change_models=True,
+                                     models=_model_patterns(models, set(providers)))
+    return change
+
+
+def _limit(key: str, text: str, high: int) -> int | None:
+    if text.strip().lower() == RESET:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{key} must be a whole number from 0 to {high:,} or 'default', "
+                         f"got {text!r}") from None
+    if not 0 <= value <= high:
+        raise ValueError(f"{key} must be from 0 to {high:,} (or 'default'), got {value:,}")
+    return value
+
+
+def _model_patterns(text: str, providers: set[str]) -> tuple[str, ...] | None:
+    """`openai:*,local:*` -> the patterns; `all` -> None (every model)."""
+    if text.strip().lower() in ALL_MODELS:
+        return None
+    patterns = tuple(p.strip() for p in text.split(","))
+    if not patterns or len(patterns) > MAX_PATTERNS or any(not p for p in patterns):
+        raise ValueError(f"--models must be 1 to {MAX_PATTERNS} comma-separated patterns such "
+                         f"as 'openai:*,demo' (or 'all'), got {text!r}")
+    for pattern in patterns:
+        if len(pattern) > 200 or not _PATTERN.match(pattern):
+            raise ValueError(f"--models: {pattern!r} is not a model pattern "
+                             f"(`<provider>:<model>`, `*` and `?` allowed, or `demo`)")
+        provider = pattern.partition(":")[0]
+        if not any(ch in provider for ch in "*?[") and provider not in providers:
+            raise ValueError(f"--models: {pattern!r} names the provider {provider!r}, which "
+                             f"is not configured (known: {', '.join(sorted(providers))})")
+    return patterns
+
+
+async def set_account_limits(db: Db, name: str, change: LimitChange) -> AccountLimits:
+    """Change an account's limits (creating the account if missing); returns them as now set."""
+    await db.fetchval(*Q.set_account_limits.bind(
+        name=name, change_running=change.change_running, max_running=change.max_running,
+        change_queued=change.change_queued, max_queued=change.max_queued,
+        change_models=change.change_models,
+        models=list(change.models) if change.models is not None else None))
+    [limits] = await account_limits(db, name)
+    return limits
+
+
+async def account_limits(db: Db, name: str | None = None) -> list[AccountLimits]:
+    """One account's limits and turns (by name), or every account's."""
+    return [AccountLimits(r["id"], r["name"], r["max_running"], r["max_queued"],
+                          tuple(r["models"]) if r["models"] is not None else None,
+                          r["queued"], r["running"], r["last_claimed_at"])
+            for r in await db.fetch(*Q.list_account_limits.bind(name=name))]

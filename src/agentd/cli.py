@@ -1,4 +1,5 @@
-"""`agentd`: serve, pair, migrate, token create|list|revoke, status, doctor, install-service.
+"""`agentd`: serve, pair, migrate, token create|list|revoke, account set|show, status, doctor,
+install-service.
 
 A stable contract: scripts and tests drive these commands and parse their output.
 """
@@ -76,8 +77,37 @@ def _parser() -> argparse.ArgumentParser:
     db_options(revoke)
     revoke.add_argument("device_id", help="the device id shown by `agentd token list`")
 
-    status = commands.add_parser("status", help="queue depth, running turns, live workers")
+    account = commands.add_parser("account", help="per-account limits: running, queued, "
+                                  "models")
+    account_cmds = account.add_subparsers(dest="account_command", required=True,
+                                          metavar="ACTION")
+    limits = account_cmds.add_parser(
+        "set", help="set an account's limits (created if missing)",
+        description="Set limits for one account, in the database: every daemon of the fleet "
+                    "enforces them from its next claim or enqueue (running turns are never "
+                    "cut short). Only the options given change; 'default' restores the "
+                    "fleet's default (account_max_running, account_max_queued, every model).")
+    db_options(limits)
+    limits.add_argument("name", help="the account")
+    limits.add_argument("--max-running", metavar="N", help="turns of the account running at "
+                        "once across the fleet (0-10000, or 'default')")
+    limits.add_argument("--max-queued", metavar="M", help="turns it may have queued; over "
+                        "this an enqueue answers 429 (0-1000000, or 'default')")
+    limits.add_argument("--models", metavar="PATTERNS", help="comma-separated model patterns "
+                        "it may use, e.g. 'openai:*,local:*,demo' (or 'all')")
+    show = account_cmds.add_parser("show", help="accounts, their limits and their turns now")
+    db_options(show)
+    show.add_argument("name", nargs="?", help="one account (default: all)")
+
+    status = commands.add_parser(
+        "status", help="the fleet at a glance: workers, queue by account, running turns",
+        description="Live workers (from their heartbeats: host, pid, runs in flight, last beat, "
+                    "event-loop lag, pool wait), queue depth by account with their limits, and "
+                    "who owns which running conversation (the device that asked, the worker, "
+                    "the lease left). Read from the database: any machine of the fleet shows "
+                    "the same.")
     db_options(status)
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     doctor = commands.add_parser("doctor", help="check this installation and say what to fix")
     db_options(doctor)
 
@@ -135,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(settings.log_level if args.command == "serve" else "warning")
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
         "serve": _serve, "pair": _pair, "migrate": _migrate, "token": _token,
-        "status": _status, "doctor": _doctor}
+        "account": _account, "status": _status, "doctor": _doctor}
     try:
         code = asyncio.run(handlers[args.command](settings, args))
     except EmbeddedPgError as exc:
@@ -230,14 +260,53 @@ async def _token(settings: Settings, args: argparse.Namespace) -> int:
     return await _with_pool(settings, work)
 
 
-async def _status(settings: Settings, _args: argparse.Namespace) -> int:
-    from agentd.queue import queue_status
+async def _account(settings: Settings, args: argparse.Namespace) -> int:
+    from agentd import accounts
+
+    change = None
+    if args.account_command == "set":
+        try:
+            change = accounts.parse_limit_change(max_running=args.max_running,
+                                                 max_queued=args.max_queued,
+                                                 models=args.models,
+                                                 providers=settings.providers)
+        except ValueError as exc:
+            _fail(str(exc))  # before any database is touched
+        if not (change.change_running or change.change_queued or change.change_models):
+            _fail("nothing to set: give --max-running, --max-queued or --models")
+        if len(args.name) > 200 or not args.name.strip():
+            _fail("the account name must be 1-200 characters")
 
     async def work(pool: Any) -> int:
-        status = await queue_status(pool)
-        print(f"queued: {status.queued}\nrunning: {status.running}\n"
-              f"expired leases awaiting the reaper: {status.expired}\n"
-              f"live workers: {', '.join(status.workers) or '-'}")
+        if change is not None:
+            shown = [await accounts.set_account_limits(pool, args.name, change)]
+        else:
+            shown = await accounts.account_limits(pool, args.name)
+            if args.name and not shown:
+                _fail(f"no account named {args.name!r}", 1)
+        print(f"{'account':24} {'max running':>14} {'max queued':>14} {'running':>8} "
+              f"{'queued':>8}  models")
+        for a in shown:
+            running = _own_or_default(a.max_running, settings.account_max_running)
+            queued = _own_or_default(a.max_queued, settings.account_max_queued)
+            models = ",".join(a.models) if a.models is not None else "all (default)"
+            print(f"{a.name[:24]:24} {running:>14} {queued:>14} {a.running:>8} "
+                  f"{a.queued:>8}  {models}")
+        return 0
+
+    return await _with_pool(settings, work)
+
+
+def _own_or_default(own: int | None, default: int) -> str:
+    return f"{default} (default)" if own is None else str(own)
+
+
+async def _status(settings: Settings, args: argparse.Namespace) -> int:
+    from agentd.fleet_status import as_json, as_text, read_fleet_status
+
+    async def work(pool: Any) -> int:
+        status = await read_fleet_status(pool, settings)
+        print(as_json(status) if args.json else as_text(status))
         return 0
 
     return await _with_pool(settings, work)
@@ -248,7 +317,7 @@ async def _doctor(settings: Settings, _args: argparse.Namespace) -> int:
 
     problems = 0
     for check in await run_checks(settings):
-        mark = "ok  " if check.ok else "FAIL"
+        mark = "FAIL" if not check.ok else "warn" if check.warn else "ok  "
         print(f"[{mark}] {check.name}: {check.detail}")
         problems += not check.ok
     return 1 if problems else 0

@@ -72,6 +72,7 @@ class RunRow:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    error_code: str | None = None  # with `error`, for a run that failed (RunErrorCode)
 
     @classmethod
     def from_record(cls, r: Any) -> RunRow:
@@ -319,3 +320,9 @@ async def list_notes(db: Db, conversation_id: UUID, limit: int) -> list[Note]:
     """The latest `limit` notes, oldest first."""
     return [Note(r["id"], r["text"], r["run_id"], r["created_at"]) for r in await db.fetch(
         *Q.list_notes.bind(conversation_id=conversation_id, limit=limit))]
+
+
+async def count_attached_devices(db: Db) -> int:
+    """Devices holding a conversation stream open anywhere in the fleet (each once)."""
+    count: int = await db.fetchval(Q.count_attached_devices.sql)
+    return count

@@ -8,6 +8,7 @@ lease), so every pooled session gets bounded lock and statement timeouts.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeAlias
@@ -65,10 +66,12 @@ async def create_pool(dsn: str, *, min_size: int = 2, max_size: int = 20,
 
 
 async def connect(dsn: str, *, application_name: str = "agentd",
-                  **kwargs: Any) -> asyncpg.Connection:
-    """A single connection with the same codecs as the pool (the hub's, migrations', tests')."""
-    conn = await asyncpg.connect(
-        dsn, server_settings={"application_name": application_name}, **kwargs)
+                  timeouts: DbTimeouts | None = None, **kwargs: Any) -> asyncpg.Connection:
+    """A single connection with the same codecs as the pool (the hub's, migrations', tests',
+    the heartbeat's, which also bounds its waits with `timeouts`)."""
+    settings = server_settings(timeouts, application_name) if timeouts is not None else \
+        {"application_name": application_name}
+    conn = await asyncpg.connect(dsn, server_settings=settings, **kwargs)
     await _init_connection(conn)
     return conn
 
@@ -82,6 +85,20 @@ async def database_time(db: Db) -> datetime:
     """The database clock: the one time agentd trusts (docs/architecture.md, rule 10)."""
     now: datetime = await db.fetchval(Q.database_clock.sql)
     return now
+
+
+async def clock_offset(db: Db, samples: int = 5) -> float:
+    """Seconds to add to this machine's clock to read the database's (measured around the
+    quickest of a few round trips). Only for figures such as stream lag: leases never use it."""
+    best: tuple[float, float] | None = None
+    for _ in range(samples):
+        before = time.time()
+        now = await database_time(db)
+        after = time.time()
+        if best is None or after - before < best[0]:
+            best = (after - before, now.timestamp() - (before + after) / 2)
+    assert best is not None
+    return best[1]
 
 
 async def server_version(db: Db) -> str:

@@ -1,8 +1,11 @@
-"""The claim loop: take a concurrency slot, then claim, then run the turn in its own task.
+"""The claim loop: take a concurrency slot, wait until the load admits more, then claim, then
+run the turn in its own task.
 
 The semaphore is acquired before the claim (rule 2), so a saturated process never strands a run
-it has no capacity for. Idle, it waits on the hub's run_enqueued hint with the tick as timeout.
-However a turn's task ends, the dispatcher makes sure its run is finalized (the backstop).
+it has no capacity for; admission by capacity (load.py) holds back while the event loop lags or
+the pool waits, so overload leaves turns queued instead of claiming ones it cannot keep alive.
+Idle, it waits on the hub's run_enqueued hint with the tick as timeout. However a turn's task
+ends, the dispatcher makes sure its run is finalized (the backstop).
 """
 
 from __future__ import annotations
@@ -14,27 +17,33 @@ from collections.abc import Awaitable, Callable
 
 import asyncpg
 
+from agentd.failures import RunFailure, failure, log_failure
 from agentd.hub import Hub
+from agentd.load import LoadMonitor
+from agentd.metrics import Metrics
 from agentd.queue import Claim, Hint, LeaseLost, SeqConflict, claim_runs, finish_run
 from agentd.settings import Settings
-from agentd.vocabulary import Channel, RunStatus
+from agentd.vocabulary import Channel, RunErrorCode, RunStatus
 
 log = logging.getLogger("agentd.dispatcher")
 
 RunTurn = Callable[[Claim], Awaitable[bool]]
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
-DRAIN_ERROR = "agentd stopped before the turn finished (drain budget exhausted)"
+DRAIN_FAILURE = failure(RunErrorCode.SHUTDOWN)
 
 
 class Dispatcher:
     def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings, worker_id: str,
-                 run_turn: RunTurn, hint: Hint | None = None) -> None:
+                 run_turn: RunTurn, load: LoadMonitor, metrics: Metrics,
+                 hint: Hint | None = None) -> None:
         self._pool = pool
         self._hint = hint
         self._hub = hub
         self._settings = settings
         self._worker_id = worker_id
         self._run_turn = run_turn
+        self._load = load
+        self._metrics = metrics
         self._slots = asyncio.Semaphore(settings.max_runs)
         self._loop_task: asyncio.Task[None] | None = None
         self._draining = False
@@ -72,22 +81,33 @@ class Dispatcher:
         async with self._hub.subscribe(Channel.RUN_ENQUEUED) as wake:
             while True:
                 await self._slots.acquire()
+                try:
+                    await self._load.admitted()
+                except asyncio.CancelledError:
+                    self._slots.release()
+                    raise
                 wake.clear()  # hints from here on are kept for the idle wait below
                 try:
-                    claims = await claim_runs(self._pool, worker_id=self._worker_id,
-                                              lease_ttl_s=self._settings.lease_ttl_s, limit=1,
-                                              hint=self._hint)
+                    claims = await claim_runs(
+                        self._pool, worker_id=self._worker_id,
+                        lease_ttl_s=self._settings.lease_ttl_s, limit=1,
+                        default_max_running=self._settings.account_max_running, hint=self._hint)
                 except _DB_ERRORS as exc:
                     self._slots.release()
                     log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
                     await wake.wait(self._settings.tick_s)
                     continue
+                self._metrics.claim_batch.observe(len(claims))
                 if not claims:
                     self._slots.release()
                     await wake.wait(self._settings.tick_s)
                     continue
                 for claim in claims:
                     self.claimed += 1
+                    self._metrics.claimed.inc()
+                    if claim.created_at is not None and claim.started_at is not None:
+                        self._metrics.enqueue_to_start.observe(
+                            (claim.started_at - claim.created_at).total_seconds())
                     task = asyncio.create_task(self._run_and_release(claim),
                                                name=f"run-{claim.run_id}")
                     self.in_flight.add(task)
@@ -95,29 +115,30 @@ class Dispatcher:
 
     async def _run_and_release(self, claim: Claim) -> None:
         finalized = False
-        reason = "the turn ended without finalizing"
+        ended = failure(RunErrorCode.INTERNAL_ERROR)
+        error: BaseException | None = None
         try:
             finalized = await self._run_turn(claim)
         except asyncio.CancelledError:
-            reason = DRAIN_ERROR if self._draining else "the turn was cancelled"
+            if self._draining:
+                ended = DRAIN_FAILURE
         except Exception as exc:
-            log.exception("turn crashed", extra={"run_id": str(claim.run_id)})
-            reason = f"internal error: {type(exc).__name__}: {exc}"
+            error = exc
         finally:
             try:
                 if not finalized:
-                    await asyncio.shield(self._backstop(claim, reason))
+                    await asyncio.shield(self._backstop(claim, ended, error))
             finally:
                 self._slots.release()
 
-    async def _backstop(self, claim: Claim, reason: str) -> None:
+    async def _backstop(self, claim: Claim, ended: RunFailure,
+                        error: BaseException | None) -> None:
         """Finalize failed behind the fence; zero rows means someone already ended it."""
         for _attempt in range(3):
             try:
-                await finish_run(self._pool, claim, RunStatus.FAILED, seq=None, error=reason,
-                                 hint=self._hint)
-                log.warning("run finalized by the backstop",
-                            extra={"run_id": str(claim.run_id), "error": reason})
+                await finish_run(self._pool, claim, RunStatus.FAILED, seq=None,
+                                 error=ended.message, error_code=ended.code, hint=self._hint)
+                log_failure(claim.run_id, ended, error, finalized_by="the backstop")
                 return
             except SeqConflict:
                 continue  # an append landed between our snapshot and our lock: re-read

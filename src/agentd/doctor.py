@@ -14,17 +14,22 @@ class Check:
     name: str
     ok: bool
     detail: str
+    warn: bool = False  # worth knowing, not a fault (e.g. a provider with no key: not offered)
 
 
 async def run_checks(settings: Settings) -> list[Check]:
     from agentd import db as dbmod
     from agentd.hub import Hub
     from agentd.migrate import pending
+    from agentd.providers.catalog import provider_checks
     from agentd.queue import notify_conversation
     from agentd.runtime import open_database
     from agentd.vocabulary import Channel
 
     checks = [Check("python", sys.version_info >= (3, 11), sys.version.split()[0])]
+    # Model providers: offered only when usable; the reasons name what to fix.
+    checks += [Check(f"provider {c.provider}", c.ok, c.detail, warn=c.ok and not c.usable)
+               for c in provider_checks(settings)]
     if not settings.dsn:
         from agentd.embedded_pg import EmbeddedPgError, find_binaries
 

@@ -1,7 +1,11 @@
 """Runs one claimed turn: model stream ⇄ tools, journaled behind the fence, finalized once.
 
-A heartbeat task renews the lease every heartbeat_s and re-reads the cancel flag; a cancel NOTIFY
-triggers that beat at once. On LeaseLost everything stops and nothing more is written.
+The process's heartbeat (heartbeat.LeaseKeeper) keeps the lease and reports the cancel flag and a
+lost lease; on LeaseLost everything stops and nothing more is written. A turn is bounded: past
+max_run_s it ends `failed` with `deadline_exceeded`, and each model call past its provider's
+call_timeout_s with `provider_timeout`. A failed turn keeps the text it streamed
+(finish_run_fenced stores the journal's text with status `failed`); clients get a stable code
+and a short message (failures.py), the log gets the detail.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import UTC
 from typing import Any
@@ -25,8 +30,11 @@ from agentd.approvals import (
     request_approval,
 )
 from agentd.conversations import transcript_for_run
+from agentd.failures import RunFailure, classify, failure, log_failure
+from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.hub import Hub, Subscription
 from agentd.journal import Emitter
+from agentd.metrics import Metrics
 from agentd.providers import ModelRef, ProviderRegistry, parse_model
 from agentd.providers.base import (
     ProviderError,
@@ -41,7 +49,6 @@ from agentd.queue import (
     answer_open_tool_calls,
     check_lease,
     finish_run,
-    heartbeat,
     insert_message,
 )
 from agentd.settings import Settings
@@ -54,6 +61,7 @@ from agentd.vocabulary import (
     EventType,
     MessageRole,
     MessageStatus,
+    RunErrorCode,
     RunStatus,
 )
 
@@ -65,7 +73,8 @@ NOT_RUN_STOPPED = "not run: the turn was stopped while the call waited for appro
 
 
 class TooManyToolSteps(ProviderError):
-    pass
+    def __init__(self, message: str) -> None:
+        super().__init__(message, RunErrorCode.TOOL_STEPS_EXCEEDED)
 
 
 @dataclass
@@ -74,6 +83,9 @@ class _Turn:
 
     claim: Claim
     emitter: Emitter
+    held: HeldRun
+    max_run_s: float
+    started: float = field(default_factory=time.monotonic)
     text: list[str] = field(default_factory=list)
     open_calls: dict[str, str] = field(default_factory=dict)  # call id -> tool name
     awaiting: set[str] = field(default_factory=set)  # open calls waiting for an approval
@@ -89,16 +101,25 @@ class _Turn:
     def usage(self) -> dict[str, int]:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
 
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def deadline_left(self) -> float:
+        """Seconds until max_run_s from the turn's start (never negative)."""
+        return max(0.0, self.max_run_s - self.elapsed())
+
 
 class TurnRunner:
     """Executes claims for one worker; `run` returns True once the terminal write landed."""
 
-    def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings,
+    def __init__(self, pool: asyncpg.Pool, hub: Hub, keeper: LeaseKeeper, settings: Settings,
                  providers: ProviderRegistry, tools: ToolRegistry,
-                 hint: Hint | None = None) -> None:
+                 hint: Hint | None = None, metrics: Metrics | None = None) -> None:
         self._pool = pool
         self._hint = hint
         self._hub = hub
+        self._keeper = keeper
+        self._metrics = metrics or Metrics()
         self._settings = settings
         self._providers = providers
         self._tools = tools
@@ -106,8 +127,10 @@ class TurnRunner:
 
     async def run(self, claim: Claim) -> bool:
         ctx = {"run_id": str(claim.run_id), "fence": claim.fence}
-        # Subscribe before the first beat so a stop committed in between still wakes us.
-        async with self._hub.subscribe(Channel.RUN_CANCEL, str(claim.run_id)) as cancel_sub:
+        # Held before the first read, so a stop committed in between still reaches us (the
+        # heartbeat listens for stops of every run it holds).
+        held = self._keeper.hold(claim)
+        try:
             try:
                 # Seed 000: the granted deadline must still be ahead before any work starts.
                 # A read, not a renewal: the claim just granted a full lease, and a write here
@@ -118,20 +141,19 @@ class TurnRunner:
                 return False
             emitter = Emitter(self._pool, claim,
                               flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint)
-            turn = _Turn(claim, emitter)
-            cancel, lost = asyncio.Event(), asyncio.Event()
-            if beat.cancel_requested or claim.cancel_requested:
-                cancel.set()
-            beating = asyncio.create_task(self._keep_lease(claim, cancel_sub, cancel, lost))
+            turn = _Turn(claim, emitter, held, self._settings.max_run_s)
+            if beat.cancel_requested:
+                held.cancel.set()
             try:
-                return await self._execute(turn, cancel, lost, ctx)
-            except LeaseLost:
-                log.warning("lease lost; stopped and wrote nothing more", extra=ctx)
+                return await self._execute(turn, held.cancel, held.lost, ctx)
+            except LeaseLost as exc:
+                if emitter.lost is not None or exc.action != "heartbeat":
+                    self._metrics.fenced_writes.inc()  # a write was refused, not only a beat
+                log.warning("lease lost; stopped and wrote nothing more",
+                            extra={**ctx, "during": exc.action})
                 return False
-            finally:
-                beating.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await beating
+        finally:
+            self._keeper.release(claim.run_id)
 
     async def _execute(self, turn: _Turn, cancel: asyncio.Event, lost: asyncio.Event,
                        ctx: dict[str, Any]) -> bool:
@@ -140,7 +162,8 @@ class TurnRunner:
         generating = asyncio.create_task(self._generate(turn))
         stops = [asyncio.create_task(cancel.wait()), asyncio.create_task(lost.wait())]
         try:
-            await asyncio.wait([generating, *stops], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait([generating, *stops], timeout=turn.deadline_left(),
+                                         return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in stops:
                 task.cancel()
@@ -150,10 +173,20 @@ class TurnRunner:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await generating
         if lost.is_set() or emitter.lost is not None:
-            raise LeaseLost(claim.run_id, "heartbeat")
-        if generating.cancelled() or (cancel.is_set() and not _finished_ok(generating)):
+            raise emitter.lost or LeaseLost(claim.run_id, "heartbeat")
+        if cancel.is_set() and not _finished_ok(generating):
             await self._repair_open_calls(turn)
             await emitter.event(EventType.CANCEL_REQUESTED, {"partial": bool(turn.text)})
+            return await self._finish(turn, RunStatus.CANCELLED, None, ctx)
+        if not done:
+            # Past max_run_s: the stream is closed, what it said is kept, the calls repaired.
+            ended = failure(RunErrorCode.DEADLINE_EXCEEDED)
+            self._metrics.deadline_failures.inc()
+            log_failure(claim.run_id, ended, None, max_run_s=self._settings.max_run_s)
+            await self._repair_open_calls(turn)
+            return await self._finish(turn, RunStatus.FAILED, ended, ctx)
+        if generating.cancelled():
+            await self._repair_open_calls(turn)
             return await self._finish(turn, RunStatus.CANCELLED, None, ctx)
         error = generating.exception()
         if isinstance(error, LeaseLost):
@@ -164,12 +197,10 @@ class TurnRunner:
             # foreign key says so) is a lost lease, not a crash: stop quietly.
             raise LeaseLost(claim.run_id, f"turn step ({type(error).__name__})") from error
         if error is not None:
-            if not isinstance(error, ProviderError):
-                log.exception("turn crashed", exc_info=error, extra=ctx)
+            ended = classify(error)
+            log_failure(claim.run_id, ended, error, fence=claim.fence)
             await self._repair_open_calls(turn)
-            message = str(error) if isinstance(error, ProviderError) else \
-                f"internal error: {type(error).__name__}: {error}"
-            return await self._finish(turn, RunStatus.FAILED, message, ctx)
+            return await self._finish(turn, RunStatus.FAILED, ended, ctx)
         return await self._finish(turn, RunStatus.COMPLETED, None, ctx)
 
     async def _disowned(self, claim: Claim) -> bool:
@@ -182,38 +213,24 @@ class TurnRunner:
             return False
         return False
 
-    async def _finish(self, turn: _Turn, status: RunStatus, error: str | None,
+    async def _finish(self, turn: _Turn, status: RunStatus, ended: RunFailure | None,
                       ctx: dict[str, Any]) -> bool:
         await turn.emitter.close()
         answer = turn.answer
         complete = status == RunStatus.COMPLETED
+        turn.held.finishing = True  # a beat that finds the run ended from here on is no news
         await finish_run(
             self._pool, turn.claim, status, seq=turn.emitter.next_seq,
+            # A failed turn's answer is its journal's text, taken by the terminal write itself.
             content=answer if (answer or complete) else None,
             message_status=MessageStatus.COMPLETE if complete else MessageStatus.PARTIAL,
-            hint=self._hint,
-            error=error, usage=turn.usage)
-        log.info("run finished", extra={**ctx, "status": str(status), "error": error,
+            hint=self._hint, error=ended.message if ended else None,
+            error_code=ended.code if ended else None, usage=turn.usage)
+        self._metrics.run_seconds.labels(status=str(status)).observe(turn.elapsed())
+        log.info("run finished", extra={**ctx, "status": str(status),
+                                        "error_code": ended.code if ended else None,
                                         "journal_rows": turn.emitter.rows_written})
         return True
-
-    async def _keep_lease(self, claim: Claim, cancel_sub: Subscription, cancel: asyncio.Event,
-                          lost: asyncio.Event) -> None:
-        """Renew every heartbeat_s; a cancel hint beats at once. Stops only when cancelled."""
-        while True:
-            await cancel_sub.wait(self._settings.heartbeat_s)
-            try:
-                beat = await heartbeat(self._pool, claim, self._settings.lease_ttl_s)
-            except LeaseLost:
-                lost.set()
-                return
-            except _DB_ERRORS as exc:
-                # Keep trying: the deadline, checked by the database, decides if we lost it.
-                log.warning("heartbeat failed; retrying",
-                            extra={"run_id": str(claim.run_id), "error": str(exc)})
-                continue
-            if beat.cancel_requested:
-                cancel.set()
 
     async def _generate(self, turn: _Turn) -> None:
         claim = turn.claim
@@ -224,21 +241,33 @@ class TurnRunner:
         messages = [_chat_message(r) for r in await transcript_for_run(
             self._pool, claim.conversation_id, claim.user_message_id)]
         specs = await self._tools.specs()
+        call_timeout_s = self._settings.providers[ref.provider].call_timeout_s
         for step in range(self._settings.max_tool_steps + 1):
             calls: list[ToolCallRequest] = []
             # aclosing: a cancel landing while we journal a delta still closes the provider's
             # stream (and its upstream connection) at once, not when the generator is collected.
             stream = provider.stream(ref.model, messages, specs, params)
-            async with contextlib.aclosing(stream):
-                async for item in stream:
-                    if isinstance(item, TextDelta):
-                        turn.text.append(item.text)
-                        await turn.emitter.delta(item.text)
-                    elif isinstance(item, ToolCallRequest):
-                        calls.append(item)
-                    elif isinstance(item, Usage):
-                        turn.input_tokens += item.input_tokens
-                        turn.output_tokens += item.output_tokens
+            bound = asyncio.timeout(call_timeout_s)
+            try:
+                async with bound, contextlib.aclosing(stream):
+                    async for item in stream:
+                        if isinstance(item, TextDelta):
+                            if not turn.text:
+                                self._metrics.first_token.observe(turn.elapsed())
+                            turn.text.append(item.text)
+                            await turn.emitter.delta(item.text)
+                        elif isinstance(item, ToolCallRequest):
+                            calls.append(item)
+                        elif isinstance(item, Usage):
+                            turn.input_tokens += item.input_tokens
+                            turn.output_tokens += item.output_tokens
+            except TimeoutError:
+                if not bound.expired():
+                    raise
+                raise ProviderError(f"{ref}: one model call took longer than "
+                                    f"providers.{ref.provider}.call_timeout_s "
+                                    f"({call_timeout_s:g} s)",
+                                    RunErrorCode.PROVIDER_TIMEOUT) from None
             if not calls:
                 return
             if step == self._settings.max_tool_steps:

@@ -2,7 +2,7 @@
 
 The statements are the only SQL agentd sends; modules look them up by name, never build SQL.
 Each statement declares its parameters in $1..$n order (`-- params: run_id, claim_token`), so a
-call reads `await db.fetchrow(*Q.heartbeat.bind(run_id=…, claim_token=…, lease_ttl_s=…))`.
+call reads `await db.fetchrow(*Q.check_lease.bind(run_id=…, claim_token=…))`.
 """
 
 from __future__ import annotations

@@ -48,6 +48,14 @@ class ConversationNotFound(LookupError):
     pass
 
 
+class QueueFull(Exception):
+    """The account already has as many turns queued as it may (nothing was written)."""
+
+    def __init__(self, max_queued: int) -> None:
+        super().__init__(f"the account already has {max_queued} turns queued")
+        self.max_queued = max_queued
+
+
 @dataclass(frozen=True, slots=True)
 class EnqueuedRun:
     run_id: UUID
@@ -73,12 +81,51 @@ class Claim:
     lease_expires_at: datetime
     cancel_requested: bool
     last_seq: int
+    created_at: datetime | None = None  # when it was enqueued (database clock)
+    started_at: datetime | None = None  # when this claim started it (database clock)
 
 
 @dataclass(frozen=True, slots=True)
 class Beat:
     cancel_requested: bool
     lease_expires_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReport:
+    """What a process says about itself with every beat (its row of the `worker` table)."""
+
+    worker_id: str
+    host: str
+    pid: int
+    listen: str | None = None
+    version: str | None = None
+    runs_in_flight: int = 0
+    max_runs: int = 0
+    loop_lag_ms: float = 0.0  # the worst since the previous beat
+    pool_wait_ms: float = 0.0
+    admitting: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRow:
+    """A process of the fleet as its last beat described it; live by the database clock."""
+
+    id: str
+    host: str
+    pid: int
+    listen: str | None
+    version: str | None
+    started_at: datetime
+    last_beat_at: datetime
+    expires_at: datetime
+    runs_in_flight: int
+    max_runs: int
+    loop_lag_ms: float
+    pool_wait_ms: float
+    admitting: bool
+    live: bool
+    beat_age_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +188,26 @@ class Ending:
     status: RunStatus
     error: str | None
     draft_id: UUID | None = None  # a queued turn's text a stop handed back
+    error_code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reaped:
+    """A run the reaper finalized: enough for its log line and its metrics."""
+
+    run_id: UUID
+    worker_id: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunEnding:
+    """A run's status and, when it failed, its client-facing error and code."""
+
+    status: RunStatus
+    error: str | None
+    error_code: str | None
 
 
 def request_hash(conversation_id: UUID, content: str, request: dict[str, Any]) -> str:
@@ -151,24 +218,36 @@ def request_hash(conversation_id: UUID, content: str, request: dict[str, Any]) -
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+DEFAULT_MAX_QUEUED = 1000  # an account's queued turns, when neither it nor settings say
+DEFAULT_MAX_RUNNING = 16
+
+
 async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, content: str,
                       request: dict[str, Any], device_id: UUID | None = None,
-                      idempotency_key: str | None = None) -> EnqueuedRun:
-    """Write message + run + journal seq 1-2 + wake in one statement (rule 1)."""
+                      idempotency_key: str | None = None,
+                      default_max_queued: int = DEFAULT_MAX_QUEUED) -> EnqueuedRun:
+    """Write message + run + journal seq 1-2 + wake in one statement (rule 1). Raises
+    QueueFull (nothing written) when the account is at its queued limit, ConversationNotFound
+    when the conversation is not the account's."""
     digest = request_hash(conversation_id, content, request)
     row = await db.fetchrow(*Q.enqueue_run.bind(
         account_id=account_id, conversation_id=conversation_id, device_id=device_id,
         content=content, request=request, request_hash=digest,
-        idempotency_key=idempotency_key))
-    if row is not None:
+        idempotency_key=idempotency_key, default_max_queued=default_max_queued))
+    if row is None:
+        raise ConversationNotFound(str(conversation_id))
+    if row["id"] is not None:
         return EnqueuedRun(row["id"], RunStatus(row["status"]), row["conversation_id"], True,
                            row["user_message_id"])
     if idempotency_key is not None:
+        # A retried POST: its first run stands (even when the queue has filled up since).
         first = await find_run_by_idempotency_key(db, account_id, idempotency_key)
         if first is not None:
             if first.request_hash != digest:
                 raise IdempotencyConflict(first.run_id)
             return EnqueuedRun(first.run_id, first.status, first.conversation_id, False)
+    if not row["room"]:
+        raise QueueFull(row["max_queued"])
     raise ConversationNotFound(str(conversation_id))
 
 
@@ -188,7 +267,8 @@ def _claim_from_row(row: asyncpg.Record) -> Claim:
         user_message_id=row["user_message_id"], origin_device_id=row["origin_device_id"],
         request=row["request"] or {}, claim_token=row["claim_token"], fence=row["fence"],
         worker_id=row["worker_id"], lease_expires_at=row["lease_expires_at"],
-        cancel_requested=row["cancel_requested"], last_seq=row["last_seq"] or 0)
+        cancel_requested=row["cancel_requested"], last_seq=row["last_seq"] or 0,
+        created_at=row["created_at"], started_at=row["started_at"])
 
 
 class _Borrowed:
@@ -232,14 +312,17 @@ async def notify_conversation(db: Db, payload: str) -> None:
 
 
 async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int = 1,
+                     default_max_running: int = DEFAULT_MAX_RUNNING,
                      hint: Hint | None = None) -> list[Claim]:
-    """Claim up to `limit` runs in one statement (rule 2). Losing a race claims nothing."""
+    """Claim up to `limit` runs in one statement (rule 2), fairly across accounts and within
+    their running limits (at most one per account). Losing a race claims nothing."""
     try:
         # One statement commits whole or not at all. Losing the conversation raises a unique
         # violation: from one_running_per_conversation when a snapshot fooled the pre-filter,
         # or from require_conversation_lease when a live execution holds the lease.
         rows = await db.fetch(*Q.claim_runs.bind(worker_id=worker_id, lease_ttl_s=lease_ttl_s,
-                                                 limit=limit))
+                                                 limit=limit,
+                                                 default_max_running=default_max_running))
     except asyncpg.UniqueViolationError:
         # Another claimer won the conversation (DESIGN §5b); our runs stay queued.
         return []
@@ -248,13 +331,78 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
     return claims
 
 
+@dataclass(frozen=True, slots=True)
+class BeatResult:
+    """What one beat learned: renewed runs (with their cancel flags), runs it must retry
+    because another transaction held their row, and runs that are no longer ours."""
+
+    renewed: dict[UUID, Beat]
+    busy: list[UUID]
+    lost: list[UUID]
+
+
+async def beat(db: Db, worker: WorkerReport, held: Sequence[Claim],
+               lease_ttl_s: float) -> BeatResult:
+    """One process's beat: renew every lease in `held` and the worker's own row, in ONE
+    statement; rows locked elsewhere are skipped (`busy`), never waited for."""
+    rows = await db.fetch(*Q.beat.bind(
+        worker_id=worker.worker_id, host=worker.host, pid=worker.pid, listen=worker.listen,
+        version=worker.version, lease_ttl_s=lease_ttl_s, runs_in_flight=worker.runs_in_flight,
+        max_runs=worker.max_runs, loop_lag_ms=worker.loop_lag_ms,
+        pool_wait_ms=worker.pool_wait_ms, admitting=worker.admitting,
+        run_ids=[c.run_id for c in held], claim_tokens=[c.claim_token for c in held]))
+    result = BeatResult({}, [], [])
+    for row in rows:
+        if row["outcome"] == "renewed":
+            result.renewed[row["run_id"]] = Beat(row["cancel_requested"],
+                                                 row["lease_expires_at"])
+        elif row["outcome"] == "busy":
+            result.busy.append(row["run_id"])
+        else:
+            result.lost.append(row["run_id"])
+    return result
+
+
+async def renew_leases_waiting(db: Db, held: Sequence[Claim],
+                               lease_ttl_s: float) -> dict[UUID, Beat]:
+    """Renew these leases, waiting for their row locks; a run missing from the answer is lost.
+    Raises asyncpg.LockNotAvailableError when a lock is held past the session's lock_timeout."""
+    rows = await db.fetch(*Q.renew_leases_waiting.bind(
+        lease_ttl_s=lease_ttl_s, run_ids=[c.run_id for c in held],
+        claim_tokens=[c.claim_token for c in held]))
+    return {row["run_id"]: Beat(row["cancel_requested"], row["lease_expires_at"])
+            for row in rows}
+
+
 async def heartbeat(db: Db, claim: Claim, lease_ttl_s: float) -> Beat:
-    """Renew the lease; raises LeaseLost when this execution no longer owns the run."""
-    row = await db.fetchrow(*Q.heartbeat.bind(run_id=claim.run_id, claim_token=claim.claim_token,
-                                              lease_ttl_s=lease_ttl_s))
-    if row is None:
+    """Renew one lease (a beat holding just this run, reported under the claim's worker id);
+    raises LeaseLost when this execution no longer owns the run."""
+    host, _, rest = claim.worker_id.partition(":")
+    pid = rest.partition(":")[0]
+    result = await beat(db, WorkerReport(claim.worker_id, host,
+                                         int(pid) if pid.isdigit() else 0, runs_in_flight=1),
+                        [claim], lease_ttl_s)
+    renewed = result.renewed.get(claim.run_id)
+    if renewed is None and result.busy:
+        renewed = (await renew_leases_waiting(db, [claim], lease_ttl_s)).get(claim.run_id)
+    if renewed is None:
         raise LeaseLost(claim.run_id, "heartbeat")
-    return Beat(row["cancel_requested"], row["lease_expires_at"])
+    return renewed
+
+
+async def retire_worker(db: Db, worker_id: str) -> None:
+    """A drained process leaves the fleet's list at once."""
+    await db.execute(*Q.retire_worker.bind(worker_id=worker_id))
+
+
+async def list_workers(db: Db) -> list[WorkerRow]:
+    """The fleet's processes that beat recently, live ones first."""
+    return [WorkerRow(**dict(row)) for row in await db.fetch(Q.list_workers.sql)]
+
+
+async def purge_dead_workers(db: Db, *, older_than_s: float) -> int:
+    result = await db.execute(*Q.purge_dead_workers.bind(older_than_s=older_than_s))
+    return int(result.split()[-1])
 
 
 async def check_lease(db: Db, claim: Claim) -> Beat:
@@ -312,7 +460,7 @@ async def answer_open_tool_calls(db: Db, claim: Claim) -> int:
 async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None,
                      content: str | None = None,
                      message_status: MessageStatus = MessageStatus.COMPLETE,
-                     error: str | None = None,
+                     error: str | None = None, error_code: str | None = None,
                      usage: dict[str, Any] | None = None,
                      hint: Hint | None = None) -> UUID | None:
     """The worker's terminal write, fenced; returns the answer's message id (None if no text).
@@ -326,7 +474,7 @@ async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None
         row = await db.fetchrow(*Q.finish_run_fenced.bind(
             run_id=claim.run_id, claim_token=claim.claim_token, status=str(status),
             error=error, usage=usage, content=content, message_status=str(message_status),
-            seq=seq))
+            seq=seq, error_code=error_code))
     except asyncpg.UniqueViolationError as exc:
         raise SeqConflict(claim.run_id, "terminal write") from exc
     if row is None:
@@ -348,21 +496,27 @@ async def journal_endings(conn: asyncpg.Connection, endings: Sequence[Ending]) -
         conversation_ids=[e.conversation_id for e in endings],
         claim_tokens=[e.claim_token for e in endings],
         statuses=[str(e.status) for e in endings], errors=[e.error for e in endings],
-        draft_ids=[e.draft_id for e in endings]))
+        draft_ids=[e.draft_id for e in endings], error_codes=[e.error_code for e in endings]))
 
 
 def _ending(row: asyncpg.Record) -> Ending:
     return Ending(row["id"], row["account_id"], row["conversation_id"], row["claim_token"],
-                  RunStatus(row["status"]), row["error"])
+                  RunStatus(row["status"]), row["error"], error_code=row["error_code"])
 
 
-async def reap_expired(pool: Db, *, grace_s: float = 0.0, limit: int = 100) -> list[UUID]:
+async def reap_expired_runs(pool: Db, *, grace_s: float = 0.0,
+                            limit: int = 100) -> list[Reaped]:
     """Finalize runs whose lease passed (re-checked in the write) as failed; never re-queue."""
     async with _acquire(pool) as conn, conn.transaction():
         rows = await conn.fetch(*Q.reap_expired_runs.bind(grace_s=grace_s, limit=limit))
-        endings = [_ending(row) for row in rows]
-        await journal_endings(conn, endings)
-    return [e.run_id for e in endings]
+        await journal_endings(conn, [_ending(row) for row in rows])
+    return [Reaped(row["id"], row["worker_id"], row["started_at"], row["finished_at"])
+            for row in rows]
+
+
+async def reap_expired(pool: Db, *, grace_s: float = 0.0, limit: int = 100) -> list[UUID]:
+    """reap_expired_runs, answering only the run ids."""
+    return [r.run_id for r in await reap_expired_runs(pool, grace_s=grace_s, limit=limit)]
 
 
 async def release_lease(db: Db, *, account_id: UUID, conversation_id: UUID,
@@ -431,15 +585,54 @@ async def read_events(db: Db, run_id: UUID, *, after_seq: int = 0,
     return [Event(r["seq"], EventType(r["type"]), r["payload"], r["created_at"]) for r in rows]
 
 
-async def run_status(db: Db, run_id: UUID) -> tuple[RunStatus, str | None] | None:
+async def run_status(db: Db, run_id: UUID) -> RunEnding | None:
     """A run's status and error, or None if there is no such run."""
     row = await db.fetchrow(*Q.run_status.bind(run_id=run_id))
-    return (RunStatus(row["status"]), row["error"]) if row is not None else None
+    if row is None:
+        return None
+    return RunEnding(RunStatus(row["status"]), row["error"], row["error_code"])
 
 
 async def queue_status(db: Db) -> QueueStatus:
     row = await db.fetchrow(Q.queue_status.sql)
     return QueueStatus(row["queued"], row["running"], row["expired"], list(row["workers"]))
+
+
+@dataclass(frozen=True, slots=True)
+class AccountQueue:
+    """One account's turns now, with its own limits (None: the fleet's default)."""
+
+    account: str
+    queued: int
+    running: int
+    max_running: int | None
+    max_queued: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunningTurn:
+    """A running conversation: who asked, which worker runs it, the lease left."""
+
+    run_id: UUID
+    conversation_id: UUID
+    title: str
+    account: str
+    device: str | None
+    worker_id: str
+    started_at: datetime
+    cancel_requested: bool
+    lease_left_s: float
+
+
+async def queue_by_account(db: Db, *, limit: int = 50) -> list[AccountQueue]:
+    """The busiest accounts' queued and running turns."""
+    return [AccountQueue(**dict(r)) for r in
+            await db.fetch(*Q.queue_by_account.bind(limit=limit))]
+
+
+async def running_turns(db: Db, *, limit: int = 200) -> list[RunningTurn]:
+    """Every running turn of the fleet (oldest first): owner device, worker, lease left."""
+    return [RunningTurn(**dict(r)) for r in await db.fetch(*Q.running_turns.bind(limit=limit))]
 
 
 async def trim_journal(db: Db, *, older_than_s: float) -> int:

@@ -22,17 +22,22 @@ from urllib.parse import urlsplit
 import asyncpg
 from aiohttp import web
 
+from agentd import __version__
 from agentd import db as dbmod
 from agentd.accounts import create_device_token
 from agentd.dispatcher import Dispatcher
 from agentd.embedded_pg import EmbeddedPostgres, default_data_root
 from agentd.executor import TurnRunner
+from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
 from agentd.limits import AddressRateLimiter, ConnectionGuard, GuardedSite, StreamSlots
 from agentd.listen import bind_listen_sockets
+from agentd.load import LoadMonitor
+from agentd.metrics import Metrics
 from agentd.migrate import migrate
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
+from agentd.queue import WorkerReport
 from agentd.reaper import reap_forever, sweep
 from agentd.revocation import RevocationWatch
 from agentd.settings import Settings, is_loopback_host
@@ -44,6 +49,9 @@ from agentd.tools.mcp import McpTools
 log = logging.getLogger("agentd.runtime")
 
 LOCAL_ACCOUNT = "local"
+# Test-only: with this variable set to N seconds, SIGUSR1 blocks the event loop for N seconds
+# (a worker that stops making progress while its process lives on, unlike SIGSTOP).
+BLOCK_LOOP_ENV = "AGENTD_TESTHOOK_BLOCK_LOOP_S"
 
 
 def new_worker_id() -> str:
@@ -130,7 +138,11 @@ class Runtime:
     worker_id: str
     providers: ProviderRegistry
     dispatcher: Dispatcher | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+    load: LoadMonitor | None = None
+    keeper: LeaseKeeper | None = None
     draining: bool = False
+    clock_offset_s: float = 0.0  # database clock minus ours (for lag figures, never leases)
     started_at: float = field(default_factory=time.time)
     tools: ToolRegistry = field(default_factory=ToolRegistry)  # built-ins and MCP servers
     # Reaching us from other machines: the certificate served (None: plain HTTP) and the limits.
@@ -216,17 +228,29 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     mcp = McpTools(settings.mcp)  # each server starts when a run first needs it
     tools = default_tools(settings.tool_policies, sources=[mcp])
     runtime = Runtime(settings, pool, hub, worker_id, providers, tools=tools)
+    runtime.clock_offset_s = await dbmod.clock_offset(pool)
     runtime.certificate = certificate
     runtime.connection_guard = ConnectionGuard(max_connections=settings.max_connections,
                                                header_timeout_s=settings.header_timeout_s)
     # Half a keepalive: a revocation whose hint was lost still ends streams within one.
     runtime.revocations = RevocationWatch(pool, hub, poll_s=settings.keepalive_s / 2)
     runtime.revocations.start()
+    metrics = runtime.metrics
+    load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
+                       max_pool_wait_s=settings.max_pool_wait_ms / 1000)
+    runtime.load = load
+    keeper = LeaseKeeper(database.dsn, hub, settings, metrics,
+                         report=lambda: _worker_report(runtime))
+    runtime.keeper = keeper
     notifier = Notifier(pool)
     notifier.start()
-    runner = TurnRunner(pool, hub, settings, providers, tools, hint=notifier.notify)
-    dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, hint=notifier.notify)
+    runner = TurnRunner(pool, hub, keeper, settings, providers, tools, hint=notifier.notify,
+                        metrics=metrics)
+    dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, load, metrics,
+                            hint=notifier.notify)
     runtime.dispatcher = dispatcher
+    _watch_process(runtime)
+    _install_test_hooks()
     app_runner = web.AppRunner(build_app(runtime), access_log=None, shutdown_timeout=1.0,
                                handler_cancellation=True,
                                keepalive_timeout=settings.idle_timeout_s,
@@ -234,7 +258,9 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                                # are drained this long at most, not aiohttp's 10 s.
                                lingering_time=2.0)
     await app_runner.setup()
-    reaping = asyncio.create_task(reap_forever(pool, settings), name="agentd-reaper")
+    load.start()
+    keeper.start()
+    reaping = asyncio.create_task(reap_forever(pool, settings, metrics), name="agentd-reaper")
     try:
         ssl_context = server_context(certificate) if certificate else None
         sites = [GuardedSite(app_runner, sock, guard=runtime.connection_guard,
@@ -268,7 +294,61 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
             await reaping
         await app_runner.cleanup()
         await runtime.revocations.close()
+        # After the drain: the turns still in flight until now needed their beats.
+        await keeper.close(retire=True)
+        await load.close()
         await notifier.close()
         await hub.close()
         await providers.close()
         await mcp.close()
+
+
+def _worker_report(runtime: Runtime) -> WorkerReport:
+    """What this process says about itself with every beat (its row in `agentd status`)."""
+    host, pid, _ = runtime.worker_id.rsplit(":", 2)
+    dispatcher, load = runtime.dispatcher, runtime.load
+    lag_s, wait_s = load.take_peaks() if load is not None else (0.0, 0.0)
+    return WorkerReport(
+        worker_id=runtime.worker_id, host=host, pid=int(pid), listen=runtime.settings.listen,
+        version=__version__,
+        runs_in_flight=len(dispatcher.in_flight) if dispatcher is not None else 0,
+        max_runs=runtime.settings.max_runs, loop_lag_ms=round(lag_s * 1000, 3),
+        pool_wait_ms=round(wait_s * 1000, 3),
+        admitting=not (load is not None and load.holding_back) and not runtime.draining)
+
+
+def _watch_process(runtime: Runtime) -> None:
+    """Figures other objects keep, shown by /metrics when it is scraped."""
+    metrics = runtime.metrics
+    metrics.read_at_scrape(metrics.in_flight, lambda: len(runtime.dispatcher.in_flight)
+                           if runtime.dispatcher is not None else 0)
+    metrics.read_at_scrape(metrics.pool_size, runtime.pool.get_size)
+    metrics.read_at_scrape(metrics.hub_connected, lambda: int(runtime.hub.connected))
+    metrics.read_at_scrape(metrics.hub_subscribers, runtime.hub.subscriber_count)
+    metrics.total_at_scrape("agentd_hub_reconnects", "LISTEN reconnections.",
+                            lambda: runtime.hub.reconnects)
+    metrics.total_at_scrape("agentd_hub_notifications", "NOTIFY hints received.",
+                            lambda: runtime.hub.notifications)
+    metrics.read_at_scrape(metrics.streams_open, lambda: runtime.stream_slots.total)
+    guard = runtime.connection_guard
+    if guard is not None:
+        metrics.read_at_scrape(metrics.connections_open, lambda: guard.open)
+        metrics.total_at_scrape("agentd_connections_refused",
+                                "Connections refused at max_connections.", lambda: guard.refused)
+        metrics.total_at_scrape("agentd_header_timeouts",
+                                "Connections closed for a slow request head.",
+                                lambda: guard.head_timeouts)
+
+
+def _install_test_hooks() -> None:
+    """SIGUSR1 blocks the event loop when the test-only variable asks for it (never otherwise)."""
+    seconds = float(os.environ.get(BLOCK_LOOP_ENV) or 0)
+    if seconds <= 0:
+        return
+
+    def block() -> None:
+        log.warning("test hook: blocking the event loop", extra={"seconds": seconds})
+        time.sleep(seconds)  # on purpose: the whole loop stops, as a runaway computation would
+        log.warning("test hook: the event loop runs again")
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, block)

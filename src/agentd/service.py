@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fnmatch
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -36,16 +37,22 @@ from agentd.vocabulary import (
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
 LAST = "last"  # retry_of: the conversation's latest turn
+# A full queue drains as turns finish; a client that waits this long finds room more often than
+# not, and never hammers the daemon.
+QUEUE_FULL_RETRY_AFTER_S = 10
 
 
 class ServiceError(Exception):
-    """An answer for the client: HTTP status, a stable code and a human message."""
+    """An answer for the client: HTTP status, a stable code and a human message; a 429 or 503
+    also says when to retry (Retry-After)."""
 
-    def __init__(self, status: int, code: str, message: str, **details: Any) -> None:
+    def __init__(self, status: int, code: str, message: str, *,
+                 retry_after_s: int | None = None, **details: Any) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
         self.details = details
 
 
@@ -233,7 +240,8 @@ class Service:
         """The run as it will be stored, its params checked for the model it runs on."""
         params = {} if params is None else params
         try:
-            validate_params(self.settings.providers[model.provider], params)
+            validate_params(self.settings.providers[model.provider], params,
+                            max_run_s=self.settings.max_run_s)
         except ValueError as exc:
             raise ServiceError(422, "invalid_params", str(exc)) from None
         return RunRequest(content, model, params, ask.on_busy, retry_of)
@@ -369,13 +377,24 @@ class Service:
 
     async def _enqueue(self, db: queue.Db, who: Principal, conversation_id: UUID,
                        req: RunRequest, idempotency_key: str | None) -> CreatedRun:
+        if not model_allowed(str(req.model), who.models):
+            raise ServiceError(403, "model_not_allowed",
+                               f"model {str(req.model)!r} is {NOT_ALLOWED} "
+                               f"(allowed: {', '.join(who.models or ())})",
+                               model=str(req.model))
         try:
             run = await queue.enqueue_run(
                 db, account_id=who.account_id, conversation_id=conversation_id,
                 content=req.content, request=req.snapshot(), device_id=who.device_id,
-                idempotency_key=idempotency_key)
+                idempotency_key=idempotency_key,
+                default_max_queued=self.settings.account_max_queued)
         except queue.IdempotencyConflict as exc:
             raise _idempotency_conflict(exc.run_id) from None
+        except queue.QueueFull as exc:
+            raise ServiceError(429, "queue_full",
+                               f"this account already has {exc.max_queued} turns queued; post "
+                               "again once some have run", retry_after_s=QUEUE_FULL_RETRY_AFTER_S,
+                               max_queued=exc.max_queued) from None
         except queue.ConversationNotFound:
             raise not_found("conversation") from None
         return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created,
@@ -511,6 +530,15 @@ def _retry_target(row: asyncpg.Record, named: UUID | None) -> UUID:
                            f"latest turn; only that one can be retried or edited",
                            latest_message_id=str(row["latest_id"]) if row["latest_id"] else None)
     return row["id"]
+
+
+NOT_ALLOWED = "not allowed for this account"
+
+
+def model_allowed(model: str, patterns: tuple[str, ...] | None) -> bool:
+    """Whether an account whose model patterns are `patterns` (None: every model) may run
+    `model` (`demo`, `openai:gpt-4o`); patterns are shell-style (`openai:*`, `local:smol*`)."""
+    return patterns is None or any(fnmatch.fnmatchcase(model, p) for p in patterns)
 
 
 def _idempotency_conflict(run_id: UUID) -> ServiceError:

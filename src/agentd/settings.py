@@ -27,6 +27,10 @@ from agentd.vocabulary import ApprovalPolicy
 
 ENV_PREFIX = "AGENTD_"
 MAX_MODEL_NAME = 200  # `<provider>:<model>`, as the API accepts it and a conversation stores it
+# The largest limits an operator may set (a larger one is a typo, not a plan).
+MAX_ACCOUNT_RUNNING = 10_000
+MAX_ACCOUNT_QUEUED = 1_000_000
+MAX_RUN_S = 86_400
 
 
 class SettingsError(ValueError):
@@ -41,11 +45,13 @@ class ProviderConfig:
     kind: str  # demo | openai | anthropic | local
     base_url: str | None = None
     api_key_env: str | None = None
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0  # the longest silence (connect, first byte, between events)
     model_path: str | None = None
     # The models it offers (GET /v1/models, and what enqueue accepts): `<name>:<model>` for each.
     # Empty for a `local` provider with a model_path: it offers that file, named by its stem.
     models: tuple[str, ...] = ()
+    enabled: bool = True  # false: offered to nobody, refused at enqueue (e.g. the demo model)
+    call_timeout_s: float = 300.0  # one model call, from request to its last event
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +67,10 @@ class Settings:
     reap_grace_s: float = 5.0
     tick_s: float = 10.0
     max_runs: int = 16
+    # Admission by capacity: claim only while the event loop's lag and the pool's wait stayed
+    # below these over the last second (a process that lags cannot keep its leases).
+    max_loop_lag_ms: int = 250
+    max_pool_wait_ms: int = 250
     drain_s: float = 25.0
     flush_ms: int = 250
     pool_max: int = 20
@@ -69,6 +79,12 @@ class Settings:
     default_model: str = "demo"
     max_tool_steps: int = 8
     approval_timeout_s: float = 600.0  # an undecided `ask` tool call is denied after this
+    # Fair and bounded (docs/operations.md, "Per-account limits"): what an account that sets
+    # none of its own gets (`agentd account set` overrides them per account, in the database),
+    # and a turn's deadline from its claim.
+    account_max_running: int = 16
+    account_max_queued: int = 1000
+    max_run_s: float = 600.0
     max_content_chars: int = 100_000
     log_level: str = "info"
     # Reaching agentd from other machines (docs/operations.md, "Attach from another machine").
@@ -92,7 +108,8 @@ class Settings:
     def validate(self) -> Settings:
         positive = ("lease_ttl_s", "heartbeat_s", "reap_interval_s", "tick_s", "flush_ms",
                     "keepalive_s", "pairing_ttl_s", "header_timeout_s", "body_timeout_s",
-                    "idle_timeout_s", "approval_timeout_s")
+                    "idle_timeout_s", "approval_timeout_s", "max_loop_lag_ms",
+                    "max_pool_wait_ms")
         for key in positive:
             if getattr(self, key) <= 0:
                 raise SettingsError(f"{key} ({_env(key)}) must be > 0")
@@ -129,10 +146,18 @@ class Settings:
                                 f"or https://, got {self.public_url!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError("log_level (AGENTD_LOG_LEVEL) must be debug|info|warning|error")
+        for key, low, high in (("account_max_running", 1, MAX_ACCOUNT_RUNNING),
+                               ("account_max_queued", 1, MAX_ACCOUNT_QUEUED),
+                               ("max_run_s", 1, MAX_RUN_S)):
+            if not low <= getattr(self, key) <= high:
+                raise SettingsError(f"{key} ({_env(key)}) must be between {low} and {high:,}")
         for provider in self.providers.values():
             if provider.kind not in ("demo", "openai", "anthropic", "local"):
                 raise SettingsError(f"providers.{provider.name}.kind must be demo, openai, "
                                     f"anthropic or local, got {provider.kind!r}")
+            for key in ("timeout_s", "call_timeout_s"):
+                if not getattr(provider, key) > 0:
+                    raise SettingsError(f"providers.{provider.name}.{key} must be > 0")
         return self
 
     @property
@@ -270,27 +295,37 @@ def _providers(table: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Pr
             values["models"] = _model_list(name, values["models"], "the config file")
         try:
             providers[name] = dataclasses.replace(base, **{
-                k: (float(v) if k == "timeout_s" else v if k == "models" else str(v))
-                for k, v in values.items()})
+                k: v if k == "models" else _provider_value(k, v) for k, v in values.items()})
         except (TypeError, ValueError):
             raise SettingsError(f"providers.{name}: invalid value") from None
-    # AGENTD_<PROVIDER>_BASE_URL, _API_KEY_ENV, _TIMEOUT_S, _MODEL_PATH, _MODELS override the file.
+    # AGENTD_<PROVIDER>_BASE_URL, _API_KEY_ENV, _TIMEOUT_S, _MODEL_PATH, _MODELS, _ENABLED,
+    # _CALL_TIMEOUT_S override the file.
     for name, provider in list(providers.items()):
         changes: dict[str, Any] = {}
-        for key in ("base_url", "api_key_env", "timeout_s", "model_path", "models"):
+        for key in ("base_url", "api_key_env", "timeout_s", "model_path", "models", "enabled",
+                    "call_timeout_s"):
             variable = f"{ENV_PREFIX}{name.upper()}_{key.upper()}"
             value = env.get(variable)
             if value is None:
                 continue
-            if key == "timeout_s":
-                changes[key] = float(value)
-            elif key == "models":
+            if key == "models":
                 changes[key] = _model_list(name, value, variable)
-            else:
-                changes[key] = value
+                continue
+            try:
+                changes[key] = _provider_value(key, value)
+            except ValueError:
+                raise SettingsError(f"{variable}: {value!r} is not valid") from None
         if changes:
             providers[name] = dataclasses.replace(provider, **changes)
     return providers
+
+
+def _provider_value(key: str, value: Any) -> Any:
+    if key in ("timeout_s", "call_timeout_s"):
+        return float(value)
+    if key == "enabled":
+        return _boolean(value)
+    return str(value)
 
 
 def load_settings(config_file: Path | None = None, *, env: Mapping[str, str] | None = None,

@@ -55,9 +55,8 @@ async def _ending(pool: asyncpg.Pool, run_id: UUID,
                            {"status": str(RunStatus.CANCELLED),
                             "error": "the conversation was deleted", "message_id": None,
                             "deleted": True, "synthesized": True}, datetime.now(UTC))
-    if not found[0].terminal:
+    if not found.status.terminal:
         return False, None
-    status, error = found
     # Re-read from the reader's own last event: a `complete` committed with the status flip
     # is visible now.
     tail = await read_events(pool, run_id, after_seq=max(after_seq - 1, 0), limit=PAGE)
@@ -65,7 +64,8 @@ async def _ending(pool: asyncpg.Pool, run_id: UUID,
     if journaled is not None:
         return journaled.seq <= after_seq, None
     return True, Event(after_seq + 1, EventType.COMPLETE,
-                       {"status": str(status), "error": error, "message_id": None,
+                       {"status": str(found.status), "error": found.error,
+                        "error_code": found.error_code, "message_id": None,
                         "synthesized": True}, datetime.now(UTC))
 
 

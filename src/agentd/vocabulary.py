@@ -25,10 +25,30 @@ TERMINAL_RUN_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunSta
 ACTIVE_RUN_STATUSES = frozenset({RunStatus.QUEUED, RunStatus.RUNNING})
 
 
+class RunErrorCode(StrEnum):
+    """Why a run ended without its answer: a stable code clients can act on. The run's `error`
+    beside it is a short message fit for any client; the detail is in the daemon's log."""
+
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # the turn ran past max_run_s
+    PROVIDER_ERROR = "provider_error"  # the model provider failed (nothing more specific)
+    PROVIDER_TIMEOUT = "provider_timeout"  # a model call took too long or went silent
+    PROVIDER_UNAVAILABLE = "provider_unavailable"  # unreachable, or failing on its side (5xx)
+    PROVIDER_AUTH = "provider_auth"  # the provider refused the daemon's credentials
+    PROVIDER_RATE_LIMITED = "provider_rate_limited"  # the provider is rate limiting us
+    PROVIDER_REJECTED = "provider_rejected"  # the provider refused the request (4xx)
+    MODEL_UNAVAILABLE = "model_unavailable"  # the model cannot run on this daemon now
+    TOOL_STEPS_EXCEEDED = "tool_steps_exceeded"  # more tool rounds than max_tool_steps
+    LEASE_EXPIRED = "lease_expired"  # its worker stopped renewing the lease (crashed, frozen)
+    SHUTDOWN = "shutdown"  # the daemon stopped before the turn finished (drain budget)
+    INTERNAL_ERROR = "internal_error"  # a bug: the log has the traceback
+    STOPPED_BEFORE_START = "stopped_before_start"  # a stop cancelled it while queued
+
+
 class MessageStatus(StrEnum):
     QUEUED = "queued"  # a user turn waiting for its run
     COMPLETE = "complete"  # a user turn that ran, or a finished assistant answer
-    PARTIAL = "partial"  # an assistant answer cut short (cancel, failure) and kept
+    PARTIAL = "partial"  # an assistant answer a stop cut short, kept
+    FAILED = "failed"  # what a failed turn had streamed, kept as every client saw it
     CANCELLED = "cancelled"  # a tool result synthesized for a call a cancel interrupted
     DRAFT = "draft"  # a queued user turn a stop handed back to its author
 

@@ -291,7 +291,9 @@ async def _follow_events(client: AgentClient, run_id: str, out: TextIO, err: Tex
                 status = RunStatus(status)
             except ValueError:
                 pass
-            return status, item.payload.get("error"), wrote
+            error, code = item.payload.get("error"), item.payload.get("error_code")
+            # The daemon's short message and its stable code (the detail is in its log).
+            return status, f"{error} ({code})" if error and code else error, wrote
     return None, "the stream ended without an outcome", wrote
 
 

@@ -397,8 +397,10 @@ class ConversationModel:
             elif turn.question_status == MessageStatus.QUEUED:
                 turn.question_status = MessageStatus.COMPLETE
             if turn.answer is None and (turn.live_text or turn.status == RunStatus.COMPLETED):
-                turn.answer_status = MessageStatus.COMPLETE \
-                    if turn.status == RunStatus.COMPLETED else MessageStatus.PARTIAL
+                # As the server stores it: a failed turn's streamed text is kept as `failed`.
+                turn.answer_status = {RunStatus.COMPLETED: MessageStatus.COMPLETE,
+                                      RunStatus.FAILED: MessageStatus.FAILED}.get(
+                    turn.status, MessageStatus.PARTIAL)
             changes.bar = True
             changes.approvals = any(step.approval is not None for step in turn.tools.values())
             changes.drafts = self._offer_draft(turn)

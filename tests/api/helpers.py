@@ -21,7 +21,7 @@ RFC3339_Z = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?Z$")
 TERMINAL = ("completed", "failed", "cancelled")
 WAIT_S = 60.0
 FAST = {"tokens": 3, "delay_ms": 0}
-SLOW = {"tokens": 1000, "delay_ms": 1000}  # runs for many minutes unless stopped
+SLOW = {"tokens": 500, "delay_ms": 1000}  # runs for minutes (within max_run_s) unless stopped
 
 
 def assert_uuid(value: Any, what: str = "id") -> UUID:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import uuid
 from typing import Any
 
 import httpx
 import schemathesis
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentd.accounts import create_device_token, revoke_device
 from agentd.runtime import Runtime, build_app
@@ -163,26 +163,24 @@ async def test_health_readiness_and_prometheus_metrics(api: Api):
 
 
 async def read_metrics(client: httpx.AsyncClient) -> dict[str, float]:
-    """Parse the Prometheus text exposition; every sample must have its HELP and TYPE."""
+    """Scrape /metrics and parse it with prometheus-client's own parser: sample name (with its
+    labels, `name{k="v"}`) -> value. Every family has its HELP text."""
     response = await client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain"), response.headers
     samples: dict[str, float] = {}
-    described: set[str] = set()
-    typed: set[str] = set()
-    for line in response.text.splitlines():
-        if line.startswith("# HELP "):
-            described.add(line.split()[2])
-        elif line.startswith("# TYPE "):
-            assert line.split()[3] in ("gauge", "counter"), line
-            typed.add(line.split()[2])
-        elif line:
-            match = re.fullmatch(r"([a-z_][a-z0-9_]*) (-?[0-9.e+]+)", line)
-            assert match, f"not a Prometheus sample: {line!r}"
-            samples[match[1]] = float(match[2])
-    assert set(samples) == described == typed, response.text
+    families = list(text_string_to_metric_families(response.text))
+    for family in families:
+        assert family.documentation, f"{family.name} has no HELP"
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    types = {f.name: f.type for f in families}
+    assert types["agentd_event_loop_lag_seconds"] == "histogram", types
+    assert types["agentd_pool_wait_seconds"] == "histogram", types
     for name in ("agentd_runs_queued", "agentd_runs_running", "agentd_leases_expired",
-                 "agentd_in_flight", "agentd_claimed_total", "agentd_hub_connected"):
+                 "agentd_in_flight", "agentd_claimed_total", "agentd_hub_connected",
+                 "agentd_heartbeats_total", "agentd_event_loop_lag_seconds_count"):
         assert name in samples, f"{name} missing from /metrics"
     return samples
 

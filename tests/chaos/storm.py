@@ -340,15 +340,14 @@ async def check(pool: asyncpg.Pool, log: StormLog) -> Verdict:
         if record is None:
             failures["unfollowed"].append(str(rid))
             continue
-        stored = answers.get(rid)
-        if stored is None:
-            stored = "".join(e["payload"]["delta"] for e in journal
-                             if e["type"] == "content_delta")
-        if "".join(record.text) != stored or record.status != run["status"] \
-                or record.completes != 1:
+        # The transcript keeps what every client saw, however the run ended (a reaped or
+        # drained run's streamed text is stored as a `failed` answer); no text, no answer.
+        stored = answers.get(rid, "")
+        journaled = "".join(e["payload"]["delta"] for e in journal
+                            if e["type"] == "content_delta")
+        if "".join(record.text) != stored or stored != journaled \
+                or record.status != run["status"] or record.completes != 1:
             client_text = "".join(record.text)
-            journaled = "".join(e["payload"]["delta"] for e in journal
-                                if e["type"] == "content_delta")
             at = next((i for i, (a, b) in enumerate(zip(client_text, stored, strict=False))
                        if a != b), min(len(client_text), len(stored)))
             failures["text_mismatch"].append(

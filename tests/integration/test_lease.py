@@ -14,6 +14,7 @@ import asyncpg
 import pytest
 
 from agentd.conversations import conversation_state
+from agentd.failures import CLIENT_MESSAGES
 from agentd.queries import Q
 from agentd.queue import (
     Claim,
@@ -25,7 +26,7 @@ from agentd.queue import (
     release_lease,
     stop_conversation,
 )
-from agentd.vocabulary import EventType, RunStatus
+from agentd.vocabulary import EventType, RunErrorCode, RunStatus
 from tests.integration.helpers import (
     Tenant,
     connections,
@@ -157,7 +158,8 @@ async def test_a_claim_that_meets_a_live_lease_holder_commits_nothing(pool: asyn
 
     assert await claim_runs(pool, worker_id="newcomer", lease_ttl_s=LONG_S, limit=5) == []
     with pytest.raises(asyncpg.UniqueViolationError, match="lease is held by a live execution"):
-        await pool.fetch(*Q.claim_runs.bind(worker_id="raw", lease_ttl_s=LONG_S, limit=5))
+        await pool.fetch(*Q.claim_runs.bind(worker_id="raw", lease_ttl_s=LONG_S, limit=5,
+                                            default_max_running=16))
     assert (await run_row(pool, blocked.run_id), await journal(pool, blocked.run_id),
             await lease_row(pool, other)) == before
     assert before[0]["status"] == RunStatus.QUEUED
@@ -278,12 +280,15 @@ async def test_lost_process_lets_the_lease_lapse_and_the_reaper_journals_failed(
 
     run = await run_row(pool, claim.run_id)
     assert run["status"] == RunStatus.FAILED and run["finished_at"] is not None
-    assert "host:123:abc" in run["error"]
+    # Clients see a code and a message without internals (the worker's id is in the log).
+    assert (run["error_code"], run["error"]) == \
+        ("lease_expired", CLIENT_MESSAGES[RunErrorCode.LEASE_EXPIRED])
     events = await journal(pool, claim.run_id)
     assert [e["seq"] for e in events] == [1, 2, 3, 4]  # run_started came with the claim
     assert events[-1]["type"] == EventType.COMPLETE
     assert events[-1]["payload"]["status"] == RunStatus.FAILED
-    assert events[-1]["payload"]["error"] == run["error"]
+    assert (events[-1]["payload"]["error"], events[-1]["payload"]["error_code"]) == \
+        (run["error"], run["error_code"])
     assert await lease_row(pool, tenant.conversation_id) is None
 
     # At most once: the lost turn is never re-queued; the next turn runs instead.

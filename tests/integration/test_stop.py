@@ -90,7 +90,8 @@ async def test_stop_cancels_queued_turns_with_drafts_and_flags_the_running_turn(
     answer = await pool.fetchrow("SELECT * FROM message WHERE id = $1", message_id)
     assert (answer["content"], answer["status"]) == ("half an ans", MessageStatus.PARTIAL)
     assert (await journal(pool, running.run_id))[-1]["payload"] == {
-        "status": "cancelled", "error": None, "message_id": str(message_id), "usage": None}
+        "status": "cancelled", "error": None, "error_code": None,
+        "message_id": str(message_id), "usage": None}
 
 
 async def test_stop_hands_drafts_back_in_the_order_they_were_queued(pool: asyncpg.Pool) -> None:

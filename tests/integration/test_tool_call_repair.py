@@ -12,14 +12,16 @@ import pytest
 from agentd.queue import (
     Claim,
     LeaseLost,
+    NewEvent,
     answer_open_tool_calls,
+    append_events,
     claim_runs,
     finish_run,
     insert_message,
     reap_expired,
     stop_conversation,
 )
-from agentd.vocabulary import MessageRole, MessageStatus, RunStatus
+from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
 from tests.integration.helpers import enqueue, new_tenant, wait_lease_expired
 
 CALLS = [{"id": "call_a", "name": "calculator", "arguments": {"expression": "1+1"}},
@@ -88,3 +90,49 @@ async def test_the_terminal_write_answers_open_calls_before_the_answer(
     assert message_id is not None
     assert await transcript(pool, claim.run_id) == [*ANSWERED,
                                                     ("assistant", None, "partial")]
+
+
+async def stream_text(pool: asyncpg.Pool, claim: Claim, *pieces: str) -> str:
+    """Journal content deltas behind the fence, as the emitter would; returns their text."""
+    await append_events(pool, claim, [NewEvent(claim.last_seq + 1 + i, EventType.CONTENT_DELTA,
+                                               {"delta": piece})
+                                      for i, piece in enumerate(pieces)])
+    return "".join(pieces)
+
+
+async def test_a_reaped_turn_keeps_its_streamed_text_after_its_repaired_calls(
+        pool: asyncpg.Pool) -> None:
+    claim = await claim_with_open_calls(pool, lease_ttl_s=0.05)
+    text = await stream_text(pool, claim, "Let me ", "check… ", "é 🙂")
+    await wait_lease_expired(pool, claim.run_id)
+    assert await reap_expired(pool) == [claim.run_id]
+    # The answer comes after the tool results: the next request is well-formed.
+    assert await transcript(pool, claim.run_id) == [*ANSWERED, ("assistant", None, "failed")]
+    answer = await pool.fetchrow("SELECT id, content FROM message WHERE run_id = $1"
+                                 " AND role = 'assistant' AND tool_calls IS NULL", claim.run_id)
+    assert answer["content"] == text
+    complete = await pool.fetchval("SELECT payload FROM run_event WHERE run_id = $1"
+                                   " AND type = 'complete'", claim.run_id)
+    assert complete["message_id"] == str(answer["id"])
+
+
+async def test_a_failed_ending_stores_the_journals_text_whatever_the_caller_passes(
+        pool: asyncpg.Pool) -> None:
+    # The dispatcher's backstop passes no text; a worker might pass text the journal lacks.
+    for given in (None, "text no client ever saw"):
+        claim = await claim_with_open_calls(pool)
+        text = await stream_text(pool, claim, "partial ", "answer")
+        message_id = await finish_run(pool, claim, RunStatus.FAILED, seq=None, content=given,
+                                      error="boom")
+        stored = await pool.fetchrow("SELECT id, content, status FROM message WHERE run_id = $1"
+                                     " AND role = 'assistant' AND tool_calls IS NULL",
+                                     claim.run_id)
+        assert (stored["id"], stored["content"], stored["status"]) == \
+            (message_id, text, MessageStatus.FAILED)
+
+
+async def test_a_failed_turn_that_streamed_nothing_stores_no_answer(pool: asyncpg.Pool) -> None:
+    claim = await claim_with_open_calls(pool, lease_ttl_s=0.05)
+    await wait_lease_expired(pool, claim.run_id)
+    assert await reap_expired(pool) == [claim.run_id]
+    assert await transcript(pool, claim.run_id) == ANSWERED

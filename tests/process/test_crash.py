@@ -1,10 +1,11 @@
 """Rules 3-4: a worker killed with -9 mid-turn is reaped `failed` by another process once its
-lease passes, its conversation moves on, and nothing ever runs the dead turn again.
+lease passes, its conversation moves on, and nothing ever runs the dead turn again; what it had
+streamed stays in the transcript as a `failed` answer.
 """
 
 from __future__ import annotations
 
-from agentd.vocabulary import EventType, RunStatus
+from agentd.vocabulary import EventType, MessageStatus, RunStatus
 from tests.process.helpers import (
     assert_journal_sound,
     assistant_messages,
@@ -14,6 +15,7 @@ from tests.process.helpers import (
     new_conversation,
     of_type,
     run_row,
+    streamed_text,
     wait_status,
     wait_streaming,
 )
@@ -42,7 +44,7 @@ async def test_killed_worker_is_reaped_failed_and_the_next_turn_runs(spawn_daemo
     await reaper.wait_ready()
 
     dead = await wait_status(pool, long.run_id, RunStatus.FAILED, timeout=15)
-    assert "lease expired" in dead["error"]
+    assert dead["error_code"] == "lease_expired"
     assert dead["finished_at"] >= dead["lease_expires_at"], "reaped before its lease passed"
     journal = await events(pool, long.run_id)
     assert_journal_sound(journal)
@@ -71,5 +73,36 @@ async def test_killed_worker_is_reaped_failed_and_the_next_turn_runs(spawn_daemo
     [started] = of_type(journal, EventType.RUN_STARTED)
     assert started["payload"]["worker_id"] == doomed.worker_id
     assert len(of_type(journal, EventType.COMPLETE)) == 1
-    assert await assistant_messages(pool, long.run_id) == []
     assert reaper.running
+
+
+async def test_kill_9_mid_stream_keeps_the_streamed_text_as_a_failed_answer(spawn_daemon, pool):
+    """What every client saw of the dead turn stays in the transcript: the reaper stores the
+    journal's text as the answer, status `failed`, and the ending names it."""
+    doomed = spawn_daemon(name="doomed", **LEASE)
+    await doomed.wait_ready()
+    account = await new_account(pool)
+    conversation = await new_conversation(pool, account)
+    turn = await enqueue_demo(pool, account, conversation, "say a lot", tokens=2000,
+                              delay_ms=10)
+    await wait_streaming(pool, turn.run_id, timeout=10, min_deltas=3)
+    doomed.kill()
+    assert await doomed.wait_exit(5) == -9
+    reaper = spawn_daemon(name="reaper", reap_interval_s=0.2, reap_grace_s=0, **LEASE)
+    await reaper.wait_ready()
+    await wait_status(pool, turn.run_id, RunStatus.FAILED, timeout=15)
+
+    journal = await events(pool, turn.run_id)
+    assert_journal_sound(journal)
+    text = streamed_text(journal)
+    assert len(text) > 10 and turn.expected.startswith(text)
+    [answer] = await assistant_messages(pool, turn.run_id)
+    assert (answer["content"], answer["status"]) == (text, MessageStatus.FAILED)
+    [complete] = of_type(journal, EventType.COMPLETE)
+    assert complete["payload"]["message_id"] == str(answer["id"])
+    # The next turn's model request sees the kept text as the assistant's answer, in order.
+    transcript = await pool.fetch(
+        "SELECT role, status FROM message WHERE conversation_id = $1 ORDER BY position",
+        conversation)
+    assert [(m["role"], m["status"]) for m in transcript] == [
+        ("user", "complete"), ("assistant", "failed")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from agentd.dispatcher import DRAIN_ERROR
+from agentd.dispatcher import DRAIN_FAILURE
 from agentd.vocabulary import EventType, RunStatus
 from tests.daemon_harness import poll_until
 from tests.process.helpers import (
@@ -19,6 +19,7 @@ from tests.process.helpers import (
     new_conversation,
     of_type,
     run_row,
+    streamed_text,
 )
 
 DRAIN_S = 2.0
@@ -69,12 +70,18 @@ async def test_sigterm_drains_short_turns_fails_long_ones_and_exits_zero(spawn_d
         assert (answer["content"], answer["status"]) == (t.expected, "complete")
     for t in long:  # outlived the budget: failed, with a journaled ending
         row = await run_row(pool, t.run_id)
-        assert (row["status"], row["error"]) == (RunStatus.FAILED, DRAIN_ERROR)
+        assert (row["status"], row["error"], row["error_code"]) == \
+            (RunStatus.FAILED, DRAIN_FAILURE.message, "shutdown")
         journal = await events(pool, t.run_id)
         assert_journal_sound(journal)
         [complete] = of_type(journal, EventType.COMPLETE)
         assert complete["payload"]["status"] == RunStatus.FAILED
-        assert complete["payload"]["error"] == DRAIN_ERROR
+        assert (complete["payload"]["error"], complete["payload"]["error_code"]) == \
+            (DRAIN_FAILURE.message, "shutdown")
+        # What it had streamed when the budget ran out stays, as its failed answer.
+        [kept] = await assistant_messages(pool, t.run_id)
+        assert (kept["content"], kept["status"]) == (streamed_text(journal), "failed")
+        assert complete["payload"]["message_id"] == str(kept["id"])
     for t in (*short, *long):  # executed once, never handed back to the queue
         journal = await events(pool, t.run_id)
         assert_journal_sound(journal)

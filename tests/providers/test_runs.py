@@ -18,12 +18,15 @@ import asyncpg
 import pytest
 
 from agentd.executor import TurnRunner
+from agentd.failures import CLIENT_MESSAGES
+from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
+from agentd.metrics import Metrics
 from agentd.providers import ProviderRegistry
-from agentd.queue import claim_runs, reap_expired
+from agentd.queue import WorkerReport, claim_runs, reap_expired
 from agentd.settings import Settings, load_settings
-from agentd.tools import default_tools
-from agentd.vocabulary import EventType, RunStatus
+from agentd.tools import Tool, ToolRegistry, default_tools
+from agentd.vocabulary import EventType, RunErrorCode, RunStatus
 from tests.integration.helpers import assert_journal_sound, enqueue, new_tenant
 from tests.process.helpers import wait_streaming
 from tests.providers.fake_servers import (
@@ -49,13 +52,18 @@ def settings_for(tmp_path: Path, env: Mapping[str, str]) -> Settings:
 
 
 @asynccontextmanager
-async def worker(dsn: str, pool: asyncpg.Pool, settings: Settings) -> AsyncIterator[TurnRunner]:
+async def worker(dsn: str, pool: asyncpg.Pool, settings: Settings,
+                 tools: ToolRegistry | None = None) -> AsyncIterator[TurnRunner]:
     hub = Hub(dsn)
     await hub.start()
     providers = ProviderRegistry(settings)
+    keeper = LeaseKeeper(dsn, hub, settings, Metrics(),
+                         report=lambda: WorkerReport(WORKER, "provider-test", 0))
+    keeper.start()
     try:
-        yield TurnRunner(pool, hub, settings, providers, default_tools())
+        yield TurnRunner(pool, hub, keeper, settings, providers, tools or default_tools())
     finally:
+        await keeper.close()
         await providers.close()
         await hub.close()
 
@@ -129,35 +137,77 @@ async def test_bad_tool_arguments_become_a_tool_error_result_and_the_turn_goes_o
         result["error"]
 
 
+def failure_logged(caplog: pytest.LogCaptureFixture, run_id: Any) -> str:
+    """The daemon log's line for a failed run, found by its run id (the detail lives there)."""
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "agentd.failures" and getattr(r, "run_id", None) == str(run_id)]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def assert_client_error(row: Any, journal: list[Any], code: str) -> None:
+    """The run's error is the stable code and its short client message, on the row and in
+    the journaled `complete` alike."""
+    assert (row["error_code"], row["error"]) == (code, CLIENT_MESSAGES[RunErrorCode(code)])
+    complete = of_type(journal, EventType.COMPLETE)[0]
+    assert (complete["error"], complete["error_code"]) == (row["error"], code)
+
+
 async def test_max_tool_steps_per_turn_is_enforced(
-        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     fake.script(sse(openai_tool_calls([("call_x", "clock", ["{}"])], usage=(10, 1))))
     settings = settings_for(tmp_path, openai_env(fake, AGENTD_MAX_TOOL_STEPS="2"))
     row, journal = await run_turn(dsn, pool, settings, "openai:fake")
     assert row["status"] == RunStatus.FAILED
-    assert "more than 2 tool steps" in row["error"]
+    assert_client_error(row, journal, "tool_steps_exceeded")
+    assert "more than 2 tool steps" in failure_logged(caplog, row["id"])
     assert len(fake.received) == 3
     assert len(of_type(journal, EventType.TOOL_RESULT)) == 2
     assert row["usage"] == {"input_tokens": 30, "output_tokens": 3}
 
 
 async def test_a_provider_that_hangs_fails_the_run_with_a_timeout_error(
-        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     fake.script(hang())
     settings = settings_for(tmp_path, openai_env(fake, AGENTD_OPENAI_TIMEOUT_S="1"))
     row, journal = await run_turn(dsn, pool, settings, "openai:fake")
     assert row["status"] == RunStatus.FAILED
-    assert "openai: timed out" in row["error"]
-    assert of_type(journal, EventType.COMPLETE)[0]["error"] == row["error"]
+    assert_client_error(row, journal, "provider_timeout")
+    assert "openai: timed out" in failure_logged(caplog, row["id"])
 
 
-async def test_an_unknown_model_fails_the_run_lazily_with_the_servers_message(
-        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+async def test_a_model_call_past_its_call_timeout_fails_even_while_it_streams(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Never silent for timeout_s, so only the whole call's bound can end it.
+    fake.script(endless(lambda i: openai_chunk({"content": f" w{i}"}), interval_s=0.05))
+    settings = settings_for(tmp_path, openai_env(fake, AGENTD_OPENAI_CALL_TIMEOUT_S="1.5"))
+    row, journal = await run_turn(dsn, pool, settings, "openai:fake")
+    assert row["status"] == RunStatus.FAILED
+    assert_client_error(row, journal, "provider_timeout")
+    assert "call_timeout_s" in failure_logged(caplog, row["id"])
+    streamed = "".join(p["delta"] for p in of_type(journal, EventType.CONTENT_DELTA))
+    assert streamed.startswith(" w0 w1")
+    assert (await answer(pool, row["id"]))[-1] == ("assistant", streamed, "failed")
+    await fake.wait_client_gone(within=15)
+
+
+async def test_an_unknown_model_fails_the_run_with_a_code_and_the_servers_words_in_the_log(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     fake.script(status(404, {"error": {"message": "model 'nope' not found, try pulling it"}}))
     settings = settings_for(tmp_path, openai_env(fake))
-    row, _ = await run_turn(dsn, pool, settings, "openai:nope")
+    row, journal = await run_turn(dsn, pool, settings, "openai:nope")
     assert row["status"] == RunStatus.FAILED
-    assert "HTTP 404" in row["error"] and "model 'nope' not found" in row["error"]
+    assert_client_error(row, journal, "provider_rejected")
+    logged = failure_logged(caplog, row["id"])
+    assert "HTTP 404" in logged and "model 'nope' not found" in logged
+    # What every client sees carries no internals: no URL, no key variable, no provider words.
+    shown = json.dumps([row["error"], of_type(journal, EventType.COMPLETE)])
+    for secret in (fake.base_url, "127.0.0.1", "AGENTD_TEST_UNSET_KEY", "not found", "404"):
+        assert secret not in shown, secret
 
 
 async def test_anthropic_turn_with_a_tool_step_completes(
@@ -216,6 +266,39 @@ async def test_a_lost_lease_closes_the_upstream_stream_and_writes_nothing_more(
         assert run.run_id in await reap_expired(pool, grace_s=0, limit=10)
         await fake.wait_client_gone(within=15)
         assert await asyncio.wait_for(running, 30) is False  # stood down, finalized nothing
-    row = await pool.fetchrow("SELECT status, error FROM agent_run WHERE id = $1", run.run_id)
-    assert row["status"] == RunStatus.FAILED and "lease expired" in row["error"]
+    row = await pool.fetchrow("SELECT status, error_code FROM agent_run WHERE id = $1",
+                              run.run_id)
+    assert (row["status"], row["error_code"]) == (RunStatus.FAILED, "lease_expired")
     await assert_journal_sound(pool, run.run_id)
+
+
+async def never_answers(_args: dict[str, Any], _ctx: Any) -> Any:
+    await asyncio.Event().wait()  # a tool stuck on something that never comes
+
+
+async def test_a_turn_past_its_deadline_fails_keeping_its_text_and_answering_its_open_call(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    fake.script(sse([openai_chunk({"role": "assistant", "content": "Let me check. "}),
+                     *openai_tool_calls([("call_s", "stuck", ["{}"])])[1:]]))
+    settings = settings_for(tmp_path, openai_env(fake, AGENTD_MAX_RUN_S="2"))
+    tools = ToolRegistry([Tool("stuck", "never answers", {"type": "object"}, never_answers)])
+    tenant = await new_tenant(pool)
+    run = await enqueue(pool, tenant.account_id, tenant.conversation_id, "look it up",
+                        request={"content": "look it up", "model": "openai:fake", "params": {}})
+    [claim] = await claim_runs(pool, worker_id=WORKER, lease_ttl_s=settings.lease_ttl_s)
+    async with worker(dsn, pool, settings, tools) as runner:
+        assert await asyncio.wait_for(runner.run(claim), 30)
+    row = await pool.fetchrow("SELECT * FROM agent_run WHERE id = $1", run.run_id)
+    journal = await assert_journal_sound(pool, run.run_id)
+    assert row["status"] == RunStatus.FAILED
+    assert_client_error(row, journal, "deadline_exceeded")
+    failure_logged(caplog, row["id"])  # the operator's line, keyed by the run id
+    # The text every client saw is kept, after the open call's `cancelled` answer: the next
+    # turn's request to the model is well-formed.
+    assert await answer(pool, run.run_id) == [
+        ("user", "look it up", "complete"), ("assistant", "", "complete"),
+        ("tool", '{"error": "cancelled"}', "cancelled"),
+        ("assistant", "Let me check. ", "failed")]
+    [result] = of_type(journal, EventType.TOOL_RESULT)
+    assert (result["call_id"], result["error"]) == ("call_s", "cancelled")

@@ -14,6 +14,7 @@ import time
 import asyncpg
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentd.settings import Settings
 from tests.daemon_harness import poll_until
@@ -178,9 +179,10 @@ async def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up(
 
     await poll_until(served, 10, interval=0.1, what="room again under the cap")
     metrics = (await daemon.request("GET", "/metrics")).text
-    refusals = next(line for line in metrics.splitlines()
-                    if line.startswith("agentd_connections_refused_total "))
-    assert int(refusals.split()[1]) >= 1
+    refusals = next(sample.value for family in text_string_to_metric_families(metrics)
+                    for sample in family.samples
+                    if sample.name == "agentd_connections_refused_total")
+    assert refusals >= 1
 
 
 async def test_operational_detail_only_for_loopback_or_a_token(

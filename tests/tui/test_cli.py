@@ -84,7 +84,9 @@ async def test_ask_exits_nonzero_with_a_message_when_the_run_fails(
     stdout, stderr = proc.communicate(timeout=RUN_S)
     assert proc.returncode == 1
     assert stdout.decode() == " ".join(expected_answer("demo", "break please", 10).split()[:3])
-    assert "the run failed" in stderr.decode() and "params.fail" in stderr.decode()
+    assert "the run failed: the model provider failed (provider_error)" in stderr.decode()
+    assert "params.fail" not in stderr.decode()  # the detail is for the operator's log
+    await daemon.wait_for_log("params.fail", timeout=10)
 
 
 async def test_ask_model_picks_the_model_and_models_lists_them(

@@ -87,3 +87,37 @@ def test_check_usable_names_the_model_and_says_which_refusal(
     assert "openai:gpt-4o" in unusable.value.message
     with pytest.raises(ModelRefused, match="unknown"):
         check_usable(parse_model("demo:x" + "y" * 300, settings), settings)
+
+
+def test_a_switched_off_provider_is_offered_to_nobody_and_refused(tmp_path: Path) -> None:
+    settings = settings_with(tmp_path, "[providers.demo]\nenabled = false\n",
+                             AGENTD_OPENAI_ENABLED="no")
+    names = set(by_name(settings))
+    assert "demo" not in names and not any(n.startswith("openai:") for n in names)
+    with pytest.raises(ModelRefused) as refused:
+        check_usable(parse_model("demo", settings), settings)
+    assert refused.value.code == "model_unavailable"
+    assert "switched off" in refused.value.message
+    assert settings_with(tmp_path, "", AGENTD_DEMO_ENABLED="1").providers["demo"].enabled
+    with pytest.raises(SettingsError, match="AGENTD_DEMO_ENABLED"):
+        settings_with(tmp_path, "", AGENTD_DEMO_ENABLED="perhaps")
+
+
+def test_doctor_names_what_keeps_each_provider_from_running(tmp_path: Path,
+                                                           monkeypatch) -> None:
+    monkeypatch.delenv("AGENTD_TEST_CATALOG_KEY", raising=False)
+    settings = settings_with(
+        tmp_path, '[providers.demo]\nenabled = false\n[providers.openai]\n'
+                  'api_key_env = "AGENTD_TEST_CATALOG_KEY"\n',
+        AGENTD_DEFAULT_MODEL="openai:gpt-4o")
+    checks = {c.provider: c for c in catalog.provider_checks(settings)}
+    assert checks["demo"].ok and "switched off" in checks["demo"].detail
+    # The default model's provider cannot run: a fault, naming the variable to set.
+    assert not checks["openai"].ok and not checks["openai"].usable
+    assert "AGENTD_TEST_CATALOG_KEY is not set" in checks["openai"].detail
+    # Another unusable provider is worth knowing, not a fault.
+    assert checks["anthropic"].ok and not checks["anthropic"].usable
+    monkeypatch.setenv("AGENTD_TEST_CATALOG_KEY", "sk-test")
+    checks = {c.provider: c for c in catalog.provider_checks(settings)}
+    assert checks["openai"].ok and checks["openai"].usable
+    assert "openai:gpt-4o" in checks["openai"].detail

@@ -92,7 +92,7 @@ def test_an_unknown_statement_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no statement named 'claim_run'"):
         Q.claim_run  # noqa: B018
     with pytest.raises(AttributeError, match="read-only"):
-        setattr(Q, "claim_runs", Q.heartbeat)  # noqa: B010
+        setattr(Q, "claim_runs", Q.check_lease)  # noqa: B010
 
 
 def call_site_problems(source: str, filename: str) -> list[str]:
@@ -161,21 +161,21 @@ def test_the_call_site_check_catches_each_kind_of_mistake() -> None:
 from agentd.queries import Q
 from agentd.queries import Q as Queries
 async def f(db, claim):
-    await db.fetchrow(Q["heartbeat"], claim.run_id, claim.claim_token, 30)
-    await db.fetchrow(*Q.heartbeat.bind(run_id=claim.run_id, claim_tokn=claim.claim_token))
-    await db.fetchrow(*Q.heartbeat.bind(claim.run_id, claim.claim_token, 30))
-    await db.fetchrow(*Q.heartbeat.bind(**{"run_id": 1}))
-    await db.fetchrow(Q.heartbeat.sql, claim.run_id)
-    await db.fetchrow(*Q.heartbeet.bind(run_id=1))
-    statement = Q.heartbeat
+    await db.fetchrow(Q["check_lease"], claim.run_id, claim.claim_token)
+    await db.fetchrow(*Q.check_lease.bind(run_id=claim.run_id, claim_tokn=claim.claim_token))
+    await db.fetchrow(*Q.check_lease.bind(claim.run_id, claim.claim_token))
+    await db.fetchrow(*Q.check_lease.bind(**{"run_id": 1}))
+    await db.fetchrow(Q.check_lease.sql, claim.run_id)
+    await db.fetchrow(*Q.check_leese.bind(run_id=1))
+    statement = Q.check_lease
     await db.fetchval(Q.ping.sql)
-    await db.fetchrow(*Q.heartbeat.bind(run_id=1, claim_token=2, lease_ttl_s=3))
+    await db.fetchrow(*Q.check_lease.bind(run_id=1, claim_token=2))
 """
     problems = call_site_problems(bad, "bad.py")
     assert [p.split(": ", 1)[0] for p in problems] == [
         "bad.py:3", "bad.py:5", "bad.py:6", "bad.py:7", "bad.py:8", "bad.py:9", "bad.py:10",
         "bad.py:11"], problems
-    assert "missing ['claim_token', 'lease_ttl_s'], unknown ['claim_tokn']" in problems[2]
+    assert "missing ['claim_token'], unknown ['claim_tokn']" in problems[2]
 
 
 def test_no_sql_outside_the_queries_file() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 from aiohttp import web
 
+from agentd.api import RUNTIME
 from agentd.api.sse import OPEN_STREAM
 from agentd.limits import Throttled
 from agentd.service import ServiceError
@@ -55,8 +56,14 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
 
 def _answer(request: web.Request, exc: Exception) -> web.StreamResponse:
     if isinstance(exc, ServiceError):
-        return error_response(exc.status, exc.code, exc.message, **exc.details)
+        headers = {"Retry-After": str(exc.retry_after_s)} \
+            if exc.retry_after_s is not None else None
+        if exc.status == 429:
+            _count_throttled(request, exc.code)
+        return error_response(exc.status, exc.code, exc.message, headers=headers,
+                              **exc.details)
     if isinstance(exc, Throttled):
+        _count_throttled(request, exc.code)
         return error_response(429, exc.code, exc.message,
                               headers={"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, web.HTTPException):
@@ -72,3 +79,10 @@ def _answer(request: web.Request, exc: Exception) -> web.StreamResponse:
                               headers={"Retry-After": "1"})
     log.error("unhandled error", exc_info=exc, extra={"path": request.path})
     return error_response(500, "internal", "internal error")
+
+
+def _count_throttled(request: web.Request, reason: str) -> None:
+    """Every 429, by its code: what an operator alerts on when limits start to bite."""
+    runtime = request.app.get(RUNTIME)
+    if runtime is not None:
+        runtime.metrics.throttled.labels(reason=reason).inc()

@@ -7,7 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from agentd import __version__
-from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
+from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunErrorCode, RunStatus
 
 UUID = {"type": "string", "format": "uuid"}
 TIME = {"type": "string", "format": "date-time"}
@@ -86,7 +86,13 @@ SCHEMAS: dict[str, Any] = {
                 "worker_id": {"type": ["string", "null"]},
                 "fence": {"type": ["integer", "null"]},
                 "lease_expires_at": NULLABLE_TIME,
-                "error": {"type": ["string", "null"]},
+                "error": {"type": ["string", "null"],
+                          "description": "why it failed, in a short message fit for any "
+                                         "client (no internals; the daemon log has the "
+                                         "detail, by run id)"},
+                "error_code": {"enum": [*[str(c) for c in RunErrorCode], None],
+                               "description": "a stable code beside `error` (added in "
+                                              "0.2; older servers omit it)"},
                 "usage": {"type": ["object", "null"]},
                 "created_at": TIME, "started_at": NULLABLE_TIME, "finished_at": NULLABLE_TIME}},
     "Lease": {"type": ["object", "null"],
@@ -323,6 +329,8 @@ def build_spec() -> dict[str, Any]:
                     "schema": _ref("CreateRun")}}},
                 "responses": {"202": _json(_ref("RunCreated"), "queued"),
                               "400": _error("bad input"),
+                              "403": _error("model_not_allowed: the account may not use "
+                                            "this model (the message names it)"),
                               "404": _error("no such conversation (or retry_of message)"),
                               "409": _error("busy (on_busy=reject), idempotency conflict, or a "
                                             "retry: nothing_to_retry / turn_active"),
@@ -331,6 +339,8 @@ def build_spec() -> dict[str, Any]:
                                             "characters, invalid params for the model, an "
                                             "unknown tool (invalid_params) or a tool whose MCP "
                                             "server is unavailable (tool_unavailable)"),
+                              "429": {**_TOO_MANY, "description": "queue_full: the account "
+                                      "is at its queued limit; nothing was written"},
                               **_ERRORS}}},
             "/v1/conversations/{id}/stop": {"post": {
                 "summary": "stop the conversation: cancel queued turns (drafts handed back) "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import time
 from datetime import UTC
 from typing import Any
 from uuid import UUID
@@ -24,8 +26,10 @@ from agentd.api.errors import error_middleware
 from agentd.api.stream_guard import open_device_stream
 from agentd.export import conversation_markdown
 from agentd.providers.catalog import offers
-from agentd.service import Service, ServiceError, not_found, parse_uuid
+from agentd.queue import Event
+from agentd.service import NOT_ALLOWED, Service, ServiceError, model_allowed, not_found, parse_uuid
 from agentd.tail import EPOCH, NIL_UUID, BadCursor, FeedCursor, conversation_feed, run_tail
+from agentd.vocabulary import EventType
 
 PRESENCE_TTL_S = 20.0
 MAX_WAIT_S = 300.0
@@ -150,7 +154,11 @@ async def fork_conversation(request: web.Request) -> web.Response:
 
 async def list_models(request: web.Request) -> web.Response:
     settings = _service(request).settings
-    return web.json_response({"models": [wire.model_offer(o) for o in offers(settings)],
+    allowed = principal(request).models
+    # This account's model patterns (agentd account set --models) narrow what it is offered.
+    shown = [o if o.usable is False or model_allowed(o.name, allowed) else
+             dataclasses.replace(o, usable=False, reason=NOT_ALLOWED) for o in offers(settings)]
+    return web.json_response({"models": [wire.model_offer(o) for o in shown],
                               "default_model": settings.default_model})
 
 
@@ -211,7 +219,8 @@ async def wait_run(request: web.Request) -> web.Response:
     return web.json_response(wire.run(run))
 
 
-def _stop_answer(result: Any) -> web.Response:
+def _stop_answer(request: web.Request, result: Any) -> web.Response:
+    request.app[RUNTIME].metrics.cancels.inc(len(result.cancelled) + len(result.flagged))
     return web.json_response({"cancelled": [str(i) for i in result.cancelled],
                               "flagged": [str(i) for i in result.flagged],
                               "drafts": wire.drafts(result.drafts)}, status=202)
@@ -220,14 +229,14 @@ def _stop_answer(result: Any) -> web.Response:
 async def cancel_run(request: web.Request) -> web.Response:
     run_id = _path_id(request, "run")
     result = await asyncio.shield(_service(request).cancel_run(principal(request), run_id))
-    return _stop_answer(result)
+    return _stop_answer(request, result)
 
 
 async def stop_conversation(request: web.Request) -> web.Response:
     conversation_id = _path_id(request, "conversation")
     result = await asyncio.shield(
         _service(request).stop_conversation(principal(request), conversation_id))
-    return _stop_answer(result)
+    return _stop_answer(request, result)
 
 
 async def list_approvals(request: web.Request) -> web.Response:
@@ -270,6 +279,8 @@ async def run_events(request: web.Request) -> web.StreamResponse:
     with open_device_stream(request, principal(request)) as stream:  # 429 over the limit
         response = await sse.open_stream(request)
 
+        lag = _DeltaLag(request)
+
         async def pump() -> None:
             async for event in run_tail(service.pool, service.hub, run_id, after,
                                         keepalive_s=service.settings.keepalive_s):
@@ -277,6 +288,7 @@ async def run_events(request: web.Request) -> web.StreamResponse:
                     await sse.keepalive(response)
                 else:
                     await sse.send(response, event.seq, str(event.type), wire.event(event))
+                    lag.sent(event)
 
         await stream.serve(response, pump())
     return response
@@ -328,6 +340,7 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     try:
         response = await sse.open_stream(request)
         snapshot = wire.conversation_state(state, attached)
+        lag = _DeltaLag(request)
 
         async def pump() -> None:
             await sse.send(response, cursor.encode(), "snapshot",
@@ -340,6 +353,7 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
                 if item.kind == "event":
                     await sse.send(response, item.cursor, str(item.event.type),
                                    wire.event(item.event, str(item.run_id)))
+                    lag.sent(item.event)
                 elif item.kind == "run_state":
                     await sse.send(response, item.cursor, "run_state",
                                    {"type": "run_state", **item.data})
@@ -387,3 +401,22 @@ def _checked_cursor(text: str) -> FeedCursor:
     if any(seq > MAX_SEQ for seq in cursor.open.values()):
         raise BadCursor("not a cursor this server issued")
     return cursor
+
+
+class _DeltaLag:
+    """Observes agentd_stream_delta_lag_seconds for the live text deltas one stream sends: from
+    the delta's journal write (database clock, through the offset measured at start) to now.
+    Deltas written before the stream opened are catch-up, not lag, and are left out."""
+
+    def __init__(self, request: web.Request) -> None:
+        runtime = request.app[RUNTIME]
+        self._histogram = runtime.metrics.delta_lag
+        self._offset_s = runtime.clock_offset_s
+        self._opened = time.time() + self._offset_s
+
+    def sent(self, event: Event) -> None:
+        if event.type != EventType.CONTENT_DELTA:
+            return
+        written = event.created_at.timestamp()
+        if written >= self._opened:
+            self._histogram.observe(max(0.0, time.time() + self._offset_s - written))

@@ -69,7 +69,8 @@ def run(r: RunRow) -> dict[str, Any]:
         "status": str(r.status), "model": request.get("model"),
         "cancel_requested": r.cancel_requested, "worker_id": r.worker_id, "fence": r.fence,
         "lease_expires_at": ts(r.lease_expires_at) if r.status == "running" else None,
-        "error": r.error, "usage": r.usage, "created_at": ts(r.created_at),
+        "error": r.error, "error_code": r.error_code, "usage": r.usage,
+        "created_at": ts(r.created_at),
         "started_at": ts(r.started_at), "finished_at": ts(r.finished_at),
     }
 

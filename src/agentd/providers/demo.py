@@ -38,9 +38,11 @@ DEMO_TOOL_ARGS = {"clock": {}, "calculator": {"expression": "6 * 7"},
 MAX_ECHO_CHARS = 400  # how much of a tool's result the answer repeats
 
 
-def validate_params(params: dict[str, Any]) -> dict[str, Any]:
+def validate_params(params: dict[str, Any], max_run_s: float | None = None) -> dict[str, Any]:
     """Check demo params' shapes; raises ValueError naming the bad one. Whether `tool` names a
-    registered tool is checked by the caller (an MCP tool is found only by asking its server)."""
+    registered tool is checked by the caller (an MCP tool is found only by asking its server).
+    With `max_run_s`, the answer's pacing (tokens × delay_ms) must fit the turn deadline: a
+    demo turn never fails by design."""
     unknown = set(params) - {*PARAM_LIMITS, "tool", "tool_args"}
     if unknown:
         raise ValueError(f"unknown demo params: {sorted(unknown)}")
@@ -57,6 +59,11 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("params.tool_args needs params.tool")
         if not isinstance(params["tool_args"], dict):
             raise ValueError("params.tool_args must be a JSON object")
+    paced_s = params.get("tokens", DEFAULT_TOKENS) * params.get("delay_ms", DEFAULT_DELAY_MS) \
+        / 1000
+    if max_run_s is not None and paced_s > max_run_s:
+        raise ValueError(f"params.tokens × params.delay_ms is {paced_s:g} s of streaming, more "
+                         f"than a turn may run ({max_run_s:g} s)")
     return params
 
 

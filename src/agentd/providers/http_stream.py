@@ -113,6 +113,17 @@ def retry_wait(headers: Mapping[str, str], attempt: int) -> float:
     return float(2 ** attempt)
 
 
+def status_code_of(status: int) -> str:
+    """The run error code for a provider's HTTP status (agentd.vocabulary.RunErrorCode)."""
+    if status in (401, 403):
+        return "provider_auth"
+    if status == 429:
+        return "provider_rate_limited"
+    if status >= 500 or status in RETRY_STATUSES:
+        return "provider_unavailable"
+    return "provider_rejected"
+
+
 def _status_message(config: ProviderConfig, model: str, response: httpx.Response,
                     detail: str) -> str:
     status = response.status_code
@@ -144,14 +155,17 @@ async def post_event_stream(client: httpx.AsyncClient, config: ProviderConfig, *
                 if response.status_code != 200:
                     detail = _body_detail(await _read_bounded(response))
                     message = _status_message(config, model, response, detail)
+                    code = status_code_of(response.status_code)
                     if response.status_code not in RETRY_STATUSES:
-                        raise ProviderError(message)
+                        raise ProviderError(message, code)
                     wanted = retry_wait(response.headers, attempt)
                     if wanted > MAX_RETRY_WAIT_S:
                         raise ProviderError(f"{message}; the server asks to wait {wanted:g} s, "
-                                            f"longer than agentd waits ({MAX_RETRY_WAIT_S:g} s)")
+                                            f"longer than agentd waits ({MAX_RETRY_WAIT_S:g} s)",
+                                            code)
                     if attempt >= MAX_RETRIES:
-                        raise ProviderError(f"{message}; gave up after {MAX_RETRIES} retries")
+                        raise ProviderError(f"{message}; gave up after {MAX_RETRIES} retries",
+                                            code)
                     wait = wanted
                 else:
                     content_type = response.headers.get("content-type", "")
@@ -171,18 +185,21 @@ async def post_event_stream(client: httpx.AsyncClient, config: ProviderConfig, *
                                 return
                             yield event
         except httpx.TimeoutException as exc:
-            raise ProviderError(_timeout_message(config, url, exc)) from None
+            raise ProviderError(_timeout_message(config, url, exc),
+                                "provider_timeout") from None
         except TimeoutError:
             raise ProviderError(f"{config.name}: timed out: no event from {_host(url)} for "
-                                f"{timeout:g} s (providers.{config.name}.timeout_s)") from None
+                                f"{timeout:g} s (providers.{config.name}.timeout_s)",
+                                "provider_timeout") from None
         except httpx.ConnectError as exc:
             raise ProviderError(f"{config.name}: cannot connect to {config.base_url}: "
-                                f"{exc or type(exc).__name__}") from None
+                                f"{exc or type(exc).__name__}", "provider_unavailable") from None
         except httpx.RemoteProtocolError as exc:
             raise ProviderError(f"{config.name}: the server broke the connection mid-answer: "
-                                f"{exc}") from None
+                                f"{exc}", "provider_unavailable") from None
         except httpx.HTTPError as exc:
-            raise ProviderError(f"{config.name}: {type(exc).__name__}: {exc}") from None
+            raise ProviderError(f"{config.name}: {type(exc).__name__}: {exc}",
+                                "provider_unavailable") from None
         attempt += 1
         log.warning("provider asked us to retry later",
                     extra={"provider": config.name, "wait_s": wait, "attempt": attempt})

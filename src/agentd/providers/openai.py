@@ -101,7 +101,8 @@ class OpenAIProvider:
 
     def __init__(self, config: ProviderConfig, client: httpx.AsyncClient | None = None) -> None:
         if not config.base_url:
-            raise ProviderError(f"providers.{config.name}.base_url is not configured")
+            raise ProviderError(f"providers.{config.name}.base_url is not configured",
+                                "model_unavailable")
         self.config = config
         self._client = client or make_client(config)
 
