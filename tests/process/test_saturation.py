@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from agentd.accounts import create_device_token
 from agentd.providers.demo import expected_answer
 from agentd.queue import reap_expired
-from tests.daemon_harness import poll_until
-from tests.process.helpers import assert_journal_sound, events
+from tests.support.daemon import poll_until
+from tests.support.journal import assert_journal_sound
 
 TURNS = 500
 TOKENS = 300
@@ -147,7 +147,7 @@ async def test_saturated_daemon_keeps_every_live_turn_and_every_client_sees_the_
         assert reader.completes[0]["message_id"] == str(stored["id"])
         assert "".join(reader.text) == stored["content"] == \
             expected_answer("demo", contents[reader.run_id], TOKENS)
-        assert_journal_sound(await events(pool, run_id))
+        await assert_journal_sound(pool, run_id)
 
     families = {f.name: f for f in text_string_to_metric_families(scraped)}
     value = {s.name: s.value for f in families.values() for s in f.samples}

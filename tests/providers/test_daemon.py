@@ -14,7 +14,6 @@ import asyncpg
 import httpx
 
 from agentd.accounts import create_device_token
-from tests.daemon_harness import Daemon
 from tests.process.helpers import wait_streaming
 from tests.providers.fake_servers import (
     FakeServer,
@@ -24,6 +23,7 @@ from tests.providers.fake_servers import (
     openai_tool_calls,
     sse,
 )
+from tests.support.daemon import Daemon
 
 READY_TIMEOUT_S = 60.0
 HTTP_TIMEOUT_S = 30.0

@@ -22,8 +22,8 @@ from agentd.accounts import create_device_token
 from agentd.providers.base import Finish, ProviderError, StreamItem, TextDelta, Usage
 from agentd.providers.local import LocalProvider, bundled_model_path, resolve_model_path
 from agentd.settings import ProviderConfig
-from tests.daemon_harness import poll_until
 from tests.providers.fake_servers import cancel_after
+from tests.support.daemon import poll_until
 
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 MODEL_FILE = os.environ.get("AGENTD_LOCAL_MODEL_PATH") or (

@@ -20,7 +20,6 @@ from agentd.providers.base import (
 )
 from agentd.providers.openai import OpenAIProvider
 from agentd.settings import ProviderConfig
-from tests.daemon_harness import free_port
 from tests.providers.fake_servers import (
     OPENAI_DONE,
     FakeServer,
@@ -34,6 +33,7 @@ from tests.providers.fake_servers import (
     sse,
     status,
 )
+from tests.support.daemon import free_port
 
 KEY_ENV = "AGENTD_TEST_OPENAI_KEY"
 USER = [{"role": "user", "content": "hello"}]

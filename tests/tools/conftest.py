@@ -19,9 +19,8 @@ import httpx
 import pytest
 
 from tests.api.conftest import Api, started_api
-from tests.daemon_harness import free_port, poll_until, pytest_runtest_makereport, spawn_daemon
-
-__all__ = ["pytest_runtest_makereport", "spawn_daemon"]
+from tests.support.daemon import free_port, poll_until
+from tests.support.sse import read_sse
 
 TEST_SERVER = Path(__file__).with_name("mcp_server.py")
 MCP_SERVER_TIME = Path(sys.executable).with_name("mcp-server-time")
@@ -131,6 +130,4 @@ def _wait_listening(proc: subprocess.Popen[bytes], port: int, timeout: float = 3
 
 async def run_events(client: httpx.AsyncClient, run_id: str) -> list[dict[str, Any]]:
     """The run's journal as a finished run's event stream returns it (data payloads)."""
-    from tests.api.helpers import read_sse
-
     return [e.data for e in await read_sse(client, f"/v1/runs/{run_id}/events")]

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.api.helpers import assert_error, create_conversation, start_run, wait_run
+from tests.api.helpers import assert_error, start_run, wait_run
+from tests.support.factories import create_conversation
 from tests.tools.conftest import (
     MCP_SERVER_TIME,
     journaled,

@@ -12,15 +12,9 @@ from textual.widgets import Input
 from agentd.accounts import create_device_token
 from agentd.vocabulary import RunStatus
 from agenttui.screens.prompt import TextPrompt
-from tests.daemon_harness import Daemon
-from tests.tui.helpers import (
-    Device,
-    client_for,
-    running_tui,
-    screen_text,
-    search_for,
-    wait_for,
-)
+from tests.support.daemon import Daemon
+from tests.support.factories import Device
+from tests.tui.helpers import client_for, running_tui, screen_text, search_for, wait_for
 
 # Each is markup to Textual: styles, a link, a click action, a bare close tag, an open bracket.
 HOSTILE_TITLES = ["[bold]x", "[link=http://x]y[/link]", "[@click=app.quit]q[/]", "[/]",
