@@ -21,10 +21,10 @@ import httpx
 from httpx_sse import aconnect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from agentd.accounts import create_device_token
 from agentd.providers.demo import expected_answer
 from agentd.queue import reap_expired
 from tests.support.daemon import poll_until
+from tests.support.factories import new_device
 from tests.support.journal import assert_journal_sound
 
 TURNS = 500
@@ -78,10 +78,10 @@ async def test_saturated_daemon_keeps_every_live_turn_and_every_client_sees_the_
         spawn_daemon, pool):
     daemon = spawn_daemon(name="saturated", **SETTINGS)
     await daemon.wait_ready()
-    token, _ = await create_device_token(pool, account="load", device="bench")
+    bench = await new_device(pool, "load", "bench")
     limits = httpx.Limits(max_connections=TURNS + 50, max_keepalive_connections=TURNS + 50)
     async with daemon.client(timeout=STREAM_TIMEOUT, limits=limits,
-                             headers={"Authorization": f"Bearer {token}"}) as client:
+                             headers=bench.headers) as client:
         conversations = []
         for n in range(TURNS):
             made = await client.post("/v1/conversations", json={"title": f"load {n}"})

@@ -9,13 +9,13 @@ from uuid import UUID
 
 import asyncpg
 import httpx
-from tests.support.daemon import Daemon
-from tests.support.sse import STREAM_TIMEOUT
 
 from agentd import conversations
 from agentd.accounts import create_device_token, ensure_account
 from agentd.providers.demo import expected_answer
 from agentd.queue import EnqueuedRun, enqueue_run
+from tests.support.daemon import Daemon
+from tests.support.sse import STREAM_TIMEOUT
 
 Db = asyncpg.Pool | asyncpg.Connection
 

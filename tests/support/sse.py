@@ -20,9 +20,9 @@ from typing import Any
 import asyncpg
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse
-from tests.support.daemon import poll_until
 
 from agentd.vocabulary import EventType
+from tests.support.daemon import poll_until
 
 # Connect/write quickly or fail; a stream may be quiet for a keepalive period (15 s) and more.
 STREAM_TIMEOUT = httpx.Timeout(30.0, read=60.0)
