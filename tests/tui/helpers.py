@@ -296,4 +296,4 @@ def assert_snapshot(app: Any, name: str, tmp_path: Path, update: bool) -> None:
         actual = tmp_path / f"{name}.actual.svg"
         actual.write_text(svg, "utf-8")
         raise AssertionError(f"screen differs from {expected_path}: see {actual} (update with "
-                             f"--snapshot-update after checking it)")
+                             f"SNAPSHOT_UPDATE=1 after checking it)")
