@@ -60,7 +60,7 @@ def mcp_test_server(journal: Path, **spec: Any) -> dict[str, Any]:
             "env": {"TEST_MCP_JOURNAL": str(journal)}, **spec}
 
 
-def read_journal(journal: Path) -> list[dict[str, Any]]:
+def read_mcp_journal(journal: Path) -> list[dict[str, Any]]:
     if not journal.exists():
         return []
     return [json.loads(line) for line in journal.read_text("utf-8").splitlines() if line]
@@ -71,7 +71,7 @@ async def journaled(journal: Path, predicate: Callable[[dict[str, Any]], bool],
     """The first journal entry matching `predicate`, polled for until the deadline."""
 
     async def found() -> dict[str, Any] | None:
-        return next((e for e in read_journal(journal) if predicate(e)), None)
+        return next((e for e in read_mcp_journal(journal) if predicate(e)), None)
 
     return await poll_until(found, timeout, interval=0.05, what="a journal entry")
 
