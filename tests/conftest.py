@@ -1,26 +1,12 @@
-"""Test harness: a real PostgreSQL, one fresh database per test cloned from a migrated template.
-
-AGENTD_TEST_DSN points the suite at a server; without it the suite starts the same embedded
-PostgreSQL the daemon uses, in a private temporary directory.
+"""The suite's root: loads the shared test support (tests/support) and marks every test with
+its tier, so `pytest -m "not chaos"` and friends select by what a test needs (tests/README.md).
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import shutil
-import tempfile
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
-
-import asyncpg
 import pytest
 
-from agentd import db as dbmod
-from agentd.migrate import migrate
-
+pytest_plugins = ["tests.support.db", "tests.support.daemon", "tests.support.markers"]
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("agentd")
@@ -29,91 +15,3 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--chaos-conversations", type=int, default=25,
                     help="conversations the storm spreads its turns over")
 
-
-def with_database(dsn: str, database: str) -> str:
-    """The same server address with another database name."""
-    parts = urlsplit(dsn)
-    return urlunsplit((parts.scheme, parts.netloc, "/" + database, parts.query, parts.fragment))
-
-
-@pytest.fixture(scope="session")
-def pg_admin_dsn() -> Iterator[str]:
-    """A DSN with rights to create databases: the configured server or an embedded one."""
-    configured = os.environ.get("AGENTD_TEST_DSN")
-    if configured:
-        yield configured
-        return
-    from agentd.embedded_pg import EmbeddedPostgres
-
-    # Not under pytest's tmp dir: as root, the server runs as an unprivileged account, which
-    # cannot enter pytest's 0700 base directory. The space in the name keeps that path honest.
-    root = Path(tempfile.mkdtemp(prefix="agentd tests "))
-    root.chmod(0o755)
-    server = EmbeddedPostgres(root, fast=True)
-    try:
-        server.start()
-        yield server.dsn("postgres")
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def template_db(pg_admin_dsn: str) -> Iterator[str]:
-    """A migrated template database; every test database is a cheap copy of it."""
-    name = f"agentd_tpl_{uuid.uuid4().hex[:12]}"
-
-    async def create() -> None:
-        admin = await asyncpg.connect(pg_admin_dsn)
-        try:
-            await admin.execute(f'CREATE DATABASE "{name}"')
-        finally:
-            await admin.close()
-        conn = await asyncpg.connect(with_database(pg_admin_dsn, name))
-        try:
-            await migrate(conn)
-        finally:
-            await conn.close()
-
-    asyncio.run(create())
-    try:
-        yield name
-    finally:
-        asyncio.run(_drop_database(pg_admin_dsn, name))
-
-
-async def _drop_database(admin_dsn: str, name: str) -> None:
-    admin = await asyncpg.connect(admin_dsn)
-    try:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await admin.close()
-
-
-@pytest.fixture
-async def dsn(pg_admin_dsn: str, template_db: str) -> AsyncIterator[str]:
-    """A fresh, migrated database of this test's own."""
-    name = f"agentd_t_{uuid.uuid4().hex[:16]}"
-    admin = await asyncpg.connect(pg_admin_dsn)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_db}"')
-    finally:
-        await admin.close()
-    try:
-        yield with_database(pg_admin_dsn, name)
-    finally:
-        await _drop_database(pg_admin_dsn, name)
-
-
-@pytest.fixture
-async def pool(dsn: str) -> AsyncIterator[asyncpg.Pool]:
-    pool = await dbmod.create_pool(dsn, min_size=1, max_size=30)
-    try:
-        yield pool
-    finally:
-        await pool.close()
-
-
-@pytest.fixture
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[1]

@@ -17,9 +17,7 @@ import httpx
 import pytest
 
 from agentd.accounts import create_device_token
-from tests.daemon_harness import Daemon, pytest_runtest_makereport, spawn_daemon
-
-__all__ = ["Api", "api", "pytest_runtest_makereport", "spawn_daemon", "started_api"]
+from tests.support.daemon import Daemon
 
 READY_TIMEOUT_S = 60.0
 HTTP_TIMEOUT_S = 30.0

@@ -1,21 +1,19 @@
-"""What the API tests share: wire-format assertions, SSE reading, and demo turns driven over HTTP.
+"""What the API tests share: wire-format assertions and demo turns driven over HTTP.
 
-Every wait is bounded by a deadline; nothing sleeps for timing.
+SSE is read with tests/support/sse.py. Every wait is bounded by a deadline; nothing sleeps for
+timing.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
-from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
 import asyncpg
 import httpx
 
-from tests.daemon_harness import poll_until
+from tests.support.daemon import poll_until
 
 RFC3339_Z = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,9})?Z$")
 TERMINAL = ("completed", "failed", "cancelled")
@@ -90,59 +88,6 @@ def assert_message(message: dict[str, Any]) -> None:
     assert message["role"] in ("user", "assistant", "tool", "system"), message
     assert isinstance(message["content"], str), message
     assert_time(message["created_at"], "message.created_at")
-
-
-@dataclass(frozen=True, slots=True)
-class SseEvent:
-    id: str | None
-    event: str
-    data: dict[str, Any]
-
-
-async def read_sse(client: httpx.AsyncClient, path: str, *, stop_after: Any = None,
-                   within_s: float = WAIT_S, headers: dict[str, str] | None = None,
-                   params: dict[str, Any] | None = None) -> list[SseEvent]:
-    """Read an SSE stream until it ends or `stop_after(event)` is true; fail at the deadline."""
-    events: list[SseEvent] = []
-    async with asyncio.timeout(within_s):
-        async with client.stream("GET", path, headers=headers, params=params) as response:
-            assert response.status_code == 200, (await response.aread())[:500]
-            assert response.headers["content-type"].startswith("text/event-stream"), \
-                response.headers
-            async for event in iter_sse(response):
-                events.append(event)
-                if stop_after is not None and stop_after(event):
-                    break
-    return events
-
-
-async def iter_sse(response: httpx.Response) -> Any:
-    """Parse SSE frames (id, event, data lines) from a streaming response."""
-    event_id: str | None = None
-    event_type = "message"
-    data: list[str] = []
-    async for line in response.aiter_lines():
-        if line == "":
-            if data:
-                yield SseEvent(event_id, event_type, json.loads("\n".join(data)))
-            event_id, event_type, data = None, "message", []
-        elif line.startswith(":"):
-            continue
-        else:
-            name, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if name == "id":
-                event_id = value
-            elif name == "event":
-                event_type = value
-            elif name == "data":
-                data.append(value)
-
-
-async def create_conversation(client: httpx.AsyncClient, title: str = "api test") -> str:
-    response = await client.post("/v1/conversations", json={"title": title})
-    assert response.status_code == 201, response.text
-    return response.json()["id"]
 
 
 async def start_run(client: httpx.AsyncClient, conversation_id: str, content: str,

@@ -28,15 +28,14 @@ from tests.api.helpers import (
     assert_run,
     assert_time,
     assert_uuid,
-    create_conversation,
     db_state,
     fetch,
-    iter_sse,
-    read_sse,
     start_run,
     wait_run,
 )
-from tests.daemon_harness import poll_until
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation
+from tests.support.sse import iter_sse, read_sse
 
 METHODS = ("get", "post", "put", "patch", "delete")
 ONE_MIB = 1 << 20

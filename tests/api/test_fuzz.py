@@ -26,7 +26,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from tests.api.conftest import Api
-from tests.api.helpers import create_conversation, start_run, wait_run
+from tests.api.helpers import start_run, wait_run
+from tests.support.factories import create_conversation
 
 MAX_EXAMPLES = 25
 STREAM_READ_S = 3.0

@@ -25,14 +25,13 @@ from tests.api.helpers import (
     assert_message,
     assert_time,
     assert_uuid,
-    create_conversation,
     db_state,
-    iter_sse,
-    read_sse,
     start_run,
     wait_run,
 )
-from tests.daemon_harness import poll_until
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation
+from tests.support.sse import iter_sse, read_sse
 
 TWO_DEMO_MODELS = {"AGENTD_DEMO_MODELS": "demo,echo"}
 SECRET_KEY = "sk-lifecycle-never-shown-3f9a"

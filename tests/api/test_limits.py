@@ -13,17 +13,10 @@ from agentd.accounts import LimitChange, set_account_limits
 from agentd.failures import CLIENT_MESSAGES
 from agentd.vocabulary import RunErrorCode
 from tests.api.conftest import Api, started_api
-from tests.api.helpers import (
-    SLOW,
-    assert_error,
-    assert_run,
-    create_conversation,
-    db_state,
-    read_sse,
-    start_run,
-    wait_run,
-)
-from tests.daemon_harness import poll_until
+from tests.api.helpers import SLOW, assert_error, assert_run, db_state, start_run, wait_run
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation
+from tests.support.sse import read_sse
 
 
 async def test_over_the_queued_limit_is_429_with_retry_after_and_nothing_written(api: Api):

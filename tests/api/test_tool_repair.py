@@ -15,14 +15,9 @@ import asyncpg
 
 from agentd.conversations import transcript_for_run
 from tests.api.conftest import Api
-from tests.api.helpers import (
-    FAST,
-    WAIT_S,
-    create_conversation,
-    iter_sse,
-    start_run,
-    wait_run,
-)
+from tests.api.helpers import FAST, WAIT_S, start_run, wait_run
+from tests.support.factories import create_conversation
+from tests.support.sse import iter_sse
 
 ITERATIONS = 24
 TOOL_TURN = {"tool": "calculator", "delay_ms": 200, "tokens": 50}  # ~10 s of answer after the tool

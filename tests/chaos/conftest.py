@@ -12,9 +12,6 @@ import pytest
 
 from agentd.embedded_pg import EmbeddedPostgres
 from agentd.migrate import migrate
-from tests.daemon_harness import pytest_runtest_makereport
-
-__all__ = ["pytest_runtest_makereport"]
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import random
 import time
 import uuid
@@ -25,7 +24,8 @@ import asyncpg
 import httpx
 
 from agentd.embedded_pg import EmbeddedPostgres
-from tests.daemon_harness import Daemon, poll_until, settings_env
+from tests.support.daemon import Daemon, poll_until, settings_env
+from tests.support.sse import iter_sse
 
 STREAM_TIMEOUT = httpx.Timeout(connect=2.0, read=4.0, write=4.0, pool=4.0)
 
@@ -208,13 +208,14 @@ class Client:
                     if response.status_code >= 500:
                         raise httpx.HTTPError(f"status {response.status_code}")
                     assert response.status_code == 200, await response.aread()
-                    async for event in _sse(response):
-                        seq = int(event["id"])
+                    async for event in iter_sse(response):
+                        assert event.id is not None, event
+                        seq = int(event.id)
                         if seq != last + 1:
                             record.seq_errors += 1
                         last = seq
                         record.seqs.append(seq)
-                        data = json.loads(event["data"])
+                        data = event.data
                         if data["type"] == "content_delta":
                             record.text.append(data["delta"])
                         elif data["type"] == "complete":
@@ -229,21 +230,6 @@ class Client:
                 await asyncio.sleep(0.05)
             if record.status is None:
                 record.reconnects += 1
-
-
-async def _sse(response: httpx.Response) -> Any:
-    """Minimal SSE parser: yields {"id", "event", "data"} dicts, skipping comments."""
-    event: dict[str, str] = {}
-    async for line in response.aiter_lines():
-        if not line:
-            if "data" in event:
-                yield event
-            event = {}
-        elif line.startswith(":"):
-            continue
-        else:
-            key, _, value = line.partition(":")
-            event[key] = value[1:] if value.startswith(" ") else value
 
 
 async def chaos(fleet: Fleet, server: EmbeddedPostgres, pool: asyncpg.Pool, log: StormLog,

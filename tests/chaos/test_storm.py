@@ -17,7 +17,7 @@ from agentd.accounts import create_device_token
 from agentd.conversations import create_conversation
 from agentd.embedded_pg import EmbeddedPostgres
 from tests.chaos.storm import Client, Fleet, StormConfig, StormLog, chaos, check
-from tests.daemon_harness import poll_until
+from tests.support.daemon import poll_until
 
 
 async def test_storm_breaks_no_promise(storm_server: tuple[EmbeddedPostgres, str],

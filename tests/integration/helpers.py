@@ -1,45 +1,26 @@
 """Shared tools for the integration tests: real connections, real races, polled states.
 
 Races release independent connections together through an asyncio.Barrier; states are polled
-against a deadline (never slept for), and lease expiry is judged by the database clock.
+against a deadline (never slept for), and lease expiry is judged by the database clock. Accounts,
+turns and the journal checks come from tests/support (factories, journal).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 from uuid import UUID
 
 import asyncpg
 
 from agentd import db as dbmod
-from agentd.accounts import ensure_account
-from agentd.conversations import create_conversation
-from agentd.queue import EnqueuedRun, enqueue_run
+from tests.support.daemon import poll_until
 
-T = TypeVar("T")
 Executor = asyncpg.Pool | asyncpg.Connection
 
 DEFAULT_TIMEOUT_S = 10.0
-
-
-async def wait_for_state(predicate: Callable[[], Awaitable[T]], *,
-                         within: float = DEFAULT_TIMEOUT_S, interval: float = 0.002,
-                         what: str = "state") -> T:
-    """Poll `predicate` until it returns something truthy; fail after `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 async def wait_lease_expired(db: Executor, run_id: UUID, *,
@@ -50,7 +31,7 @@ async def wait_lease_expired(db: Executor, run_id: UUID, *,
         return bool(await db.fetchval(
             "SELECT lease_expires_at <= clock_timestamp() FROM agent_run WHERE id = $1", run_id))
 
-    await wait_for_state(expired, within=within, what=f"lease of run {run_id} to expire")
+    await poll_until(expired, within, interval=0.002, what=f"lease of run {run_id} to expire")
 
 
 async def race(*actions: Callable[[], Awaitable[Any]]) -> list[Any]:
@@ -84,62 +65,9 @@ async def connections(dsn: str, n: int) -> AsyncIterator[list[asyncpg.Connection
         await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
 
 
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    account_id: UUID
-    conversation_id: UUID
-
-
-async def new_tenant(db: Executor, name: str | None = None) -> Tenant:
-    """A fresh account with one conversation."""
-    account_id = await ensure_account(db, name or f"acct-{uuid.uuid4().hex[:10]}")
-    conversation = await create_conversation(db, account_id, "test")
-    return Tenant(account_id, conversation.id)
-
-
-async def new_conversation(db: Executor, account_id: UUID) -> UUID:
-    return (await create_conversation(db, account_id, "test")).id
-
-
-async def enqueue(db: Executor, account_id: UUID, conversation_id: UUID, content: str = "hi",
-                  **kwargs: Any) -> EnqueuedRun:
-    request = kwargs.pop("request", {"content": content, "model": "demo"})
-    return await enqueue_run(db, account_id=account_id, conversation_id=conversation_id,
-                             content=content, request=request, **kwargs)
-
-
-async def journal(db: Executor, run_id: UUID) -> list[asyncpg.Record]:
-    """The run's journal rows in seq order."""
-    return await db.fetch(
-        "SELECT seq, type, payload, xmin::text AS xid FROM run_event WHERE run_id = $1"
-        " ORDER BY seq", run_id)
-
-
-async def run_row(db: Executor, run_id: UUID) -> asyncpg.Record:
-    row = await db.fetchrow("SELECT * FROM agent_run WHERE id = $1", run_id)
-    assert row is not None, f"run {run_id} does not exist"
-    return row
-
-
 async def lease_row(db: Executor, conversation_id: UUID) -> asyncpg.Record | None:
     return await db.fetchrow(
         "SELECT * FROM conversation_lease WHERE conversation_id = $1", conversation_id)
-
-
-def assert_contiguous(seqs: list[int]) -> None:
-    """A journal's seqs are exactly 1..n: no gap, no duplicate."""
-    assert seqs == list(range(1, len(seqs) + 1)), f"journal seqs are not 1..n: {seqs}"
-
-
-async def assert_journal_sound(db: Executor, run_id: UUID) -> list[asyncpg.Record]:
-    """Seqs 1..n and at most one `complete`, which (if present) is the last event."""
-    rows = await journal(db, run_id)
-    assert_contiguous([r["seq"] for r in rows])
-    completes = [r for r in rows if r["type"] == "complete"]
-    assert len(completes) <= 1, f"run {run_id} has {len(completes)} complete events"
-    if completes:
-        assert rows[-1]["type"] == "complete", "events were journaled after the run's ending"
-    return rows
 
 
 async def count_rows(db: Executor, run_id: UUID) -> tuple[int, int]:

@@ -29,15 +29,8 @@ from agentd.queue import (
     stop_conversation,
 )
 from agentd.vocabulary import RunStatus
-from tests.integration.helpers import (
-    connections,
-    enqueue,
-    new_conversation,
-    new_tenant,
-    race,
-    raise_unexpected,
-    wait_lease_expired,
-)
+from tests.integration.helpers import connections, race, raise_unexpected, wait_lease_expired
+from tests.support.factories import enqueue, new_conversation, new_tenant
 
 LEASE_S = 60.0
 

@@ -14,14 +14,8 @@ import asyncpg
 
 from agentd.queue import Claim, claim_runs, finish_run
 from agentd.vocabulary import RunStatus
-from tests.integration.helpers import (
-    connections,
-    enqueue,
-    new_conversation,
-    new_tenant,
-    race,
-    raise_unexpected,
-)
+from tests.integration.helpers import connections, race, raise_unexpected
+from tests.support.factories import enqueue, new_conversation, new_tenant
 
 WORKERS = 4
 CONVERSATIONS = 3

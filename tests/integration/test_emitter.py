@@ -18,15 +18,10 @@ import pytest
 from agentd.journal import Emitter
 from agentd.queue import Claim, LeaseLost, claim_runs, finish_run, heartbeat, reap_expired
 from agentd.vocabulary import EventType, RunStatus
-from tests.integration.helpers import (
-    assert_journal_sound,
-    count_rows,
-    enqueue,
-    journal,
-    new_tenant,
-    wait_for_state,
-    wait_lease_expired,
-)
+from tests.integration.helpers import DEFAULT_TIMEOUT_S, count_rows, wait_lease_expired
+from tests.support.daemon import poll_until
+from tests.support.factories import enqueue, new_tenant
+from tests.support.journal import assert_journal_sound, read_journal
 
 LONG_S = 60.0
 NEVER_S = 3600.0  # a flush interval the test never reaches: the clock cannot be what wrote
@@ -40,7 +35,7 @@ async def start_run(pool: asyncpg.Pool) -> Claim:
 
 
 async def deltas_of(pool: asyncpg.Pool, claim: Claim) -> list[str]:
-    return [e["payload"]["delta"] for e in await journal(pool, claim.run_id)
+    return [e["payload"]["delta"] for e in await read_journal(pool, claim.run_id)
             if e["type"] == EventType.CONTENT_DELTA]
 
 
@@ -111,7 +106,8 @@ async def test_pending_deltas_are_flushed_by_the_clock_without_further_calls(
         deltas = await deltas_of(pool, claim)
         return deltas if len(deltas) > 1 else None
 
-    assert await wait_for_state(flushed, what="the clock's flush") == ["first ", "second third"]
+    assert await poll_until(flushed, DEFAULT_TIMEOUT_S, interval=0.002,
+                            what="the clock's flush") == ["first ", "second third"]
     await emitter.close()
     assert await deltas_of(pool, claim) == ["first ", "second third"]
     await assert_journal_sound(pool, claim.run_id)
@@ -160,7 +156,8 @@ async def test_emitter_whose_clock_flush_is_fenced_raises_lease_lost_on_the_next
     async def lost() -> bool:
         return emitter.lost is not None
 
-    await wait_for_state(lost, what="the clock's flush to be fenced out")
+    await poll_until(lost, DEFAULT_TIMEOUT_S, interval=0.002,
+                     what="the clock's flush to be fenced out")
     with pytest.raises(LeaseLost):
         await emitter.delta("more")
     with pytest.raises(LeaseLost):
@@ -188,7 +185,8 @@ async def wait_for_blocked_writes(pool: asyncpg.Pool, n: int) -> None:
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
             " AND wait_event_type = 'Lock' AND query LIKE '%run_event%'") >= n
 
-    await wait_for_state(blocked, what=f"{n} journal write(s) waiting on the run row")
+    await poll_until(blocked, DEFAULT_TIMEOUT_S, interval=0.002,
+                     what=f"{n} journal write(s) waiting on the run row")
 
 
 async def test_cancelling_the_emitting_task_mid_write_keeps_seq_contiguous(
@@ -277,7 +275,8 @@ async def test_a_cancelled_writer_whose_batch_is_then_fenced_out_leaves_no_lost_
         async def recorded() -> bool:
             return emitter.lost is not None
 
-        await wait_for_state(recorded, what="the fenced-out batch to be recorded")
+        await poll_until(recorded, DEFAULT_TIMEOUT_S, interval=0.002,
+                         what="the fenced-out batch to be recorded")
         assert isinstance(emitter.lost, LeaseLost)
         gc.collect()
         await yield_to_loop()

@@ -11,17 +11,9 @@ import pytest
 
 from agentd.queue import ConversationNotFound, EnqueuedRun, IdempotencyConflict
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
-from tests.integration.helpers import (
-    connections,
-    enqueue,
-    journal,
-    listening,
-    new_conversation,
-    new_tenant,
-    race,
-    raise_unexpected,
-    run_row,
-)
+from tests.integration.helpers import connections, listening, race, raise_unexpected
+from tests.support.factories import enqueue, new_conversation, new_tenant
+from tests.support.journal import read_journal, run_row
 
 RACERS = 20
 
@@ -63,7 +55,7 @@ async def test_enqueue_writes_message_run_and_journal_together_and_wakes_a_liste
     assert (message["role"], message["content"], message["status"]) == (
         MessageRole.USER, "hello there", MessageStatus.QUEUED)
 
-    events = await journal(pool, result.run_id)
+    events = await read_journal(pool, result.run_id)
     assert [(e["seq"], e["type"]) for e in events] == [
         (1, EventType.USER_MESSAGE), (2, EventType.RUN_QUEUED)]
     # Payloads may grow fields (additive wire changes); these must be there as they are.
@@ -148,7 +140,7 @@ async def test_parallel_enqueues_with_one_idempotency_key_make_exactly_one_run(
             assert await pool.fetchval(
                 "SELECT count(*) FROM agent_run WHERE account_id = $1 AND idempotency_key = $2",
                 tenant.account_id, key) == 1
-            assert [e["seq"] for e in await journal(pool, run_id)] == [1, 2]
+            assert [e["seq"] for e in await read_journal(pool, run_id)] == [1, 2]
     # The losers left no orphan message behind: one user message per round.
     assert await pool.fetchval("SELECT count(*) FROM message WHERE conversation_id = $1",
                                tenant.conversation_id) == 10

@@ -30,20 +30,16 @@ from agentd.queue import (
 )
 from agentd.vocabulary import EventType, MessageRole, RunStatus
 from tests.integration.helpers import (
-    Tenant,
-    assert_journal_sound,
+    DEFAULT_TIMEOUT_S,
     connections,
     count_rows,
-    enqueue,
-    journal,
-    new_conversation,
-    new_tenant,
     race,
     raise_unexpected,
-    run_row,
-    wait_for_state,
     wait_lease_expired,
 )
+from tests.support.daemon import poll_until
+from tests.support.factories import Tenant, enqueue, new_conversation, new_tenant
+from tests.support.journal import assert_journal_sound, read_journal, run_row
 
 LONG_S = 60.0
 TINY_S = 0.05
@@ -171,7 +167,7 @@ async def test_heartbeat_racing_reap_at_the_deadline_has_exactly_one_winner(dsn:
             raise_unexpected([beat, reaped], LeaseLost, context=context)
             assert not isinstance(reaped, BaseException), context
             run = await run_row(worker, claim.run_id)
-            events = await journal(worker, claim.run_id)
+            events = await read_journal(worker, claim.run_id)
             if isinstance(beat, LeaseLost):
                 assert reaped, f"{context}: neither side won"
                 assert run["status"] == RunStatus.FAILED
@@ -302,4 +298,5 @@ async def wait_for_waiters(pool: asyncpg.Pool, n: int) -> None:
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
             " AND wait_event_type = 'Lock'") >= n
 
-    await wait_for_state(waiting, what=f"{n} session(s) waiting on a lock")
+    await poll_until(waiting, DEFAULT_TIMEOUT_S, interval=0.002,
+                     what=f"{n} session(s) waiting on a lock")

@@ -27,16 +27,11 @@ from agentd.queue import (
     stop_conversation,
 )
 from agentd.settings import Settings
-from tests.integration.helpers import (
-    connections,
-    enqueue,
-    new_tenant,
-    race,
-    run_row,
-    wait_for_state,
-    wait_lease_expired,
-)
+from tests.integration.helpers import DEFAULT_TIMEOUT_S, connections, race, wait_lease_expired
 from tests.integration.test_fencing import Staircase
+from tests.support.daemon import poll_until
+from tests.support.factories import enqueue, new_tenant
+from tests.support.journal import run_row
 
 WORKER = "beat-host:4242:abcdef"
 REPORT = WorkerReport(WORKER, "beat-host", 4242, listen="127.0.0.1:1", version="test",
@@ -173,9 +168,10 @@ async def test_the_keeper_beats_for_all_its_runs_and_retires_its_worker_row(
         async def beaten_thrice() -> bool:
             return kept.beats >= 3
 
-        await wait_for_state(beaten_thrice, what="three beats")
+        await poll_until(beaten_thrice, DEFAULT_TIMEOUT_S, interval=0.002, what="three beats")
         # Three beats kept ten leases, past their first deadline: one statement each time.
-        await wait_for_state(lambda: _all_past(pool, held), what="the first deadlines to pass")
+        await poll_until(lambda: _all_past(pool, held), DEFAULT_TIMEOUT_S, interval=0.002,
+                         what="the first deadlines to pass")
         for claim in held:
             row = await run_row(pool, claim.run_id)
             assert row["status"] == "running" and row["lease_expires_at"] > claim.lease_expires_at

@@ -28,18 +28,14 @@ from agentd.queue import (
 )
 from agentd.vocabulary import EventType, RunErrorCode, RunStatus
 from tests.integration.helpers import (
-    Tenant,
     connections,
-    enqueue,
-    journal,
     lease_row,
-    new_conversation,
-    new_tenant,
     race,
     raise_unexpected,
-    run_row,
     wait_lease_expired,
 )
+from tests.support.factories import Tenant, enqueue, new_conversation, new_tenant
+from tests.support.journal import read_journal, run_row
 
 LONG_S = 60.0
 TINY_S = 0.05
@@ -153,14 +149,14 @@ async def test_a_claim_that_meets_a_live_lease_holder_commits_nothing(pool: asyn
         "INSERT INTO conversation_lease (account_id, conversation_id, run_id, execution_id,"
         " fence, worker_id) VALUES ($1, $2, $3, $4, $5, $6)", held.tenant.account_id, other,
         held.claim.run_id, held.claim.claim_token, held.claim.fence, held.claim.worker_id)
-    before = (await run_row(pool, blocked.run_id), await journal(pool, blocked.run_id),
+    before = (await run_row(pool, blocked.run_id), await read_journal(pool, blocked.run_id),
               await lease_row(pool, other))
 
     assert await claim_runs(pool, worker_id="newcomer", lease_ttl_s=LONG_S, limit=5) == []
     with pytest.raises(asyncpg.UniqueViolationError, match="lease is held by a live execution"):
         await pool.fetch(*Q.claim_runs.bind(worker_id="raw", lease_ttl_s=LONG_S, limit=5,
                                             default_max_running=16))
-    assert (await run_row(pool, blocked.run_id), await journal(pool, blocked.run_id),
+    assert (await run_row(pool, blocked.run_id), await read_journal(pool, blocked.run_id),
             await lease_row(pool, other)) == before
     assert before[0]["status"] == RunStatus.QUEUED
 
@@ -283,7 +279,7 @@ async def test_lost_process_lets_the_lease_lapse_and_the_reaper_journals_failed(
     # Clients see a code and a message without internals (the worker's id is in the log).
     assert (run["error_code"], run["error"]) == \
         ("lease_expired", CLIENT_MESSAGES[RunErrorCode.LEASE_EXPIRED])
-    events = await journal(pool, claim.run_id)
+    events = await read_journal(pool, claim.run_id)
     assert [e["seq"] for e in events] == [1, 2, 3, 4]  # run_started came with the claim
     assert events[-1]["type"] == EventType.COMPLETE
     assert events[-1]["payload"]["status"] == RunStatus.FAILED

@@ -29,17 +29,9 @@ from agentd.tools import ToolContext
 from agentd.tools.notes import StaleFence, append_note
 from agentd.tools.store import DatabaseToolStore
 from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
-from tests.integration.helpers import (
-    assert_journal_sound,
-    connections,
-    enqueue,
-    journal,
-    new_conversation,
-    new_tenant,
-    race,
-    raise_unexpected,
-    run_row,
-)
+from tests.integration.helpers import connections, race, raise_unexpected
+from tests.support.factories import enqueue, new_conversation, new_tenant
+from tests.support.journal import assert_journal_sound, read_journal, run_row
 
 LONG_S = 60.0
 RACE_ITERATIONS = 150
@@ -96,7 +88,7 @@ async def test_cancelling_one_queued_turn_racing_its_claim_ends_it_exactly_one_w
                 message = await setup.fetchrow("SELECT status FROM message WHERE id = $1",
                                                draft.message_id)
                 assert message["status"] == MessageStatus.DRAFT, context
-                events = await journal(setup, target)
+                events = await read_journal(setup, target)
                 assert EventType.RUN_STARTED not in [e["type"] for e in events], context
                 assert events[-1]["payload"]["draft"]["content"] == words, context
                 outcomes["cancelled before it ran"] += 1

@@ -21,8 +21,8 @@ import pytest
 from agentd.migrate import MIGRATION_LOCK_KEY, MigrationError, discover, migrate
 from agentd.queries import Q, sql_dir
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
-from tests.conftest import with_database
-from tests.integration.helpers import enqueue, new_tenant
+from tests.support.db import with_database
+from tests.support.factories import enqueue, new_tenant
 
 SCHEMA_FINGERPRINT = """
 SELECT coalesce(array_agg(item ORDER BY item), '{}') FROM (

@@ -16,19 +16,9 @@ from agentd.queue import (
     stop_conversation,
 )
 from agentd.vocabulary import Channel, EventType, MessageStatus, RunStatus
-from tests.integration.helpers import (
-    assert_journal_sound,
-    connections,
-    count_rows,
-    enqueue,
-    journal,
-    listening,
-    new_conversation,
-    new_tenant,
-    race,
-    raise_unexpected,
-    run_row,
-)
+from tests.integration.helpers import connections, count_rows, listening, race, raise_unexpected
+from tests.support.factories import enqueue, new_conversation, new_tenant
+from tests.support.journal import assert_journal_sound, read_journal, run_row
 
 LONG_S = 60.0
 RACE_ITERATIONS = 200
@@ -89,7 +79,7 @@ async def test_stop_cancels_queued_turns_with_drafts_and_flags_the_running_turn(
                                   content="half an ans", message_status=MessageStatus.PARTIAL)
     answer = await pool.fetchrow("SELECT * FROM message WHERE id = $1", message_id)
     assert (answer["content"], answer["status"]) == ("half an ans", MessageStatus.PARTIAL)
-    assert (await journal(pool, running.run_id))[-1]["payload"] == {
+    assert (await read_journal(pool, running.run_id))[-1]["payload"] == {
         "status": "cancelled", "error": None, "error_code": None,
         "message_id": str(message_id), "usage": None}
 

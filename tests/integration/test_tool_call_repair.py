@@ -22,7 +22,8 @@ from agentd.queue import (
     stop_conversation,
 )
 from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
-from tests.integration.helpers import enqueue, new_tenant, wait_lease_expired
+from tests.integration.helpers import wait_lease_expired
+from tests.support.factories import enqueue, new_tenant
 
 CALLS = [{"id": "call_a", "name": "calculator", "arguments": {"expression": "1+1"}},
          {"id": "call_b", "name": "clock", "arguments": {}},

@@ -1,5 +1,3 @@
-"""Process-level tests: real `agentd serve` subprocesses on this test's database."""
+"""Process-level tests: real `agentd serve` subprocesses on this test's database.
 
-from tests.daemon_harness import pytest_runtest_makereport, spawn_daemon
-
-__all__ = ["pytest_runtest_makereport", "spawn_daemon"]
+Daemons come from `spawn_daemon` (tests/support/daemon.py)."""

@@ -15,20 +15,16 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentd.vocabulary import EventType, RunStatus
-from tests.process.helpers import (
+from tests.process.helpers import wait_status, wait_streaming
+from tests.process.test_stop_cont import conversation_snapshot
+from tests.support.factories import enqueue_demo, new_account, new_conversation
+from tests.support.journal import (
     assert_journal_sound,
     assistant_messages,
-    enqueue_demo,
-    events,
-    new_account,
-    new_conversation,
     of_type,
     run_row,
     streamed_text,
-    wait_status,
-    wait_streaming,
 )
-from tests.process.test_stop_cont import conversation_snapshot
 
 LEASE = {"lease_ttl_s": 2, "heartbeat_s": 0.5}
 BLOCK_S = 6  # three leases: long past the lease and the reaper's next sweep
@@ -66,8 +62,7 @@ async def test_blocked_event_loop_loses_its_runs_and_its_late_writes_are_fenced_
         assert await conversation_snapshot(pool, conversation) == before
     assert await conversation_snapshot(pool, conversation) == before
 
-    journal = await events(pool, turn.run_id)
-    assert_journal_sound(journal)
+    journal = await assert_journal_sound(pool, turn.run_id)
     [complete] = of_type(journal, EventType.COMPLETE)
     assert complete["payload"]["status"] == RunStatus.FAILED
     [kept] = await assistant_messages(pool, turn.run_id)

@@ -9,20 +9,14 @@ from datetime import timedelta
 
 from agentd.queue import stop_conversation
 from agentd.vocabulary import EventType, MessageStatus, RunStatus
-from tests.process.helpers import (
-    Db,
-    Turn,
+from tests.process.helpers import Db, wait_status, wait_streaming
+from tests.support.factories import Turn, enqueue_demo, new_account, new_conversation
+from tests.support.journal import (
     assert_journal_sound,
     assistant_messages,
-    enqueue_demo,
-    events,
-    new_account,
-    new_conversation,
     of_type,
     run_row,
     streamed_text,
-    wait_status,
-    wait_streaming,
 )
 
 
@@ -38,8 +32,7 @@ async def start_long_turn(db: Db) -> Turn:
 async def assert_cancelled_keeping_partial_answer(db: Db, turn: Turn) -> None:
     row = await run_row(db, turn.run_id)
     assert (row["status"], row["cancel_requested"]) == (RunStatus.CANCELLED, True)
-    journal = await events(db, turn.run_id)
-    assert_journal_sound(journal)
+    journal = await assert_journal_sound(db, turn.run_id)
     [complete] = of_type(journal, EventType.COMPLETE)
     assert complete["payload"]["status"] == RunStatus.CANCELLED
     assert len(of_type(journal, EventType.CANCEL_REQUESTED)) == 1

@@ -15,8 +15,8 @@ import asyncpg
 import pytest
 
 from agentd.accounts import authenticate
-from tests.conftest import with_database
-from tests.daemon_harness import free_port
+from tests.support.daemon import free_port
+from tests.support.db import with_database
 
 
 def agentd(*args: str, env: dict[str, str] | None = None,

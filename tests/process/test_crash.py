@@ -6,18 +6,15 @@ streamed stays in the transcript as a `failed` answer.
 from __future__ import annotations
 
 from agentd.vocabulary import EventType, MessageStatus, RunStatus
-from tests.process.helpers import (
+from tests.process.helpers import wait_status, wait_streaming
+from tests.support.factories import enqueue_demo, new_account, new_conversation
+from tests.support.journal import (
     assert_journal_sound,
     assistant_messages,
-    enqueue_demo,
-    events,
-    new_account,
-    new_conversation,
     of_type,
+    read_journal,
     run_row,
     streamed_text,
-    wait_status,
-    wait_streaming,
 )
 
 LEASE = {"lease_ttl_s": 2, "heartbeat_s": 0.5}
@@ -46,8 +43,7 @@ async def test_killed_worker_is_reaped_failed_and_the_next_turn_runs(spawn_daemo
     dead = await wait_status(pool, long.run_id, RunStatus.FAILED, timeout=15)
     assert dead["error_code"] == "lease_expired"
     assert dead["finished_at"] >= dead["lease_expires_at"], "reaped before its lease passed"
-    journal = await events(pool, long.run_id)
-    assert_journal_sound(journal)
+    journal = await assert_journal_sound(pool, long.run_id)
     [complete] = of_type(journal, EventType.COMPLETE)
     assert complete["payload"]["status"] == RunStatus.FAILED
     assert complete["payload"]["error"] == dead["error"]
@@ -69,7 +65,7 @@ async def test_killed_worker_is_reaped_failed_and_the_next_turn_runs(spawn_daemo
     assert after["status"] == RunStatus.FAILED
     assert (after["claim_token"], after["fence"], after["worker_id"]) == \
         (claimed["claim_token"], claimed["fence"], doomed.worker_id)
-    journal = await events(pool, long.run_id)
+    journal = await read_journal(pool, long.run_id)
     [started] = of_type(journal, EventType.RUN_STARTED)
     assert started["payload"]["worker_id"] == doomed.worker_id
     assert len(of_type(journal, EventType.COMPLETE)) == 1
@@ -92,8 +88,7 @@ async def test_kill_9_mid_stream_keeps_the_streamed_text_as_a_failed_answer(spaw
     await reaper.wait_ready()
     await wait_status(pool, turn.run_id, RunStatus.FAILED, timeout=15)
 
-    journal = await events(pool, turn.run_id)
-    assert_journal_sound(journal)
+    journal = await assert_journal_sound(pool, turn.run_id)
     text = streamed_text(journal)
     assert len(text) > 10 and turn.expected.startswith(text)
     [answer] = await assistant_messages(pool, turn.run_id)

@@ -8,16 +8,14 @@ import time
 
 from agentd.dispatcher import DRAIN_FAILURE
 from agentd.vocabulary import EventType, RunStatus
-from tests.daemon_harness import poll_until
-from tests.process.helpers import (
+from tests.process.helpers import database_now
+from tests.support.daemon import poll_until
+from tests.support.factories import enqueue_demo, new_account, new_conversation
+from tests.support.journal import (
     assert_journal_sound,
     assistant_messages,
-    database_now,
-    enqueue_demo,
-    events,
-    new_account,
-    new_conversation,
     of_type,
+    read_journal,
     run_row,
     streamed_text,
 )
@@ -72,8 +70,7 @@ async def test_sigterm_drains_short_turns_fails_long_ones_and_exits_zero(spawn_d
         row = await run_row(pool, t.run_id)
         assert (row["status"], row["error"], row["error_code"]) == \
             (RunStatus.FAILED, DRAIN_FAILURE.message, "shutdown")
-        journal = await events(pool, t.run_id)
-        assert_journal_sound(journal)
+        journal = await assert_journal_sound(pool, t.run_id)
         [complete] = of_type(journal, EventType.COMPLETE)
         assert complete["payload"]["status"] == RunStatus.FAILED
         assert (complete["payload"]["error"], complete["payload"]["error_code"]) == \
@@ -83,8 +80,7 @@ async def test_sigterm_drains_short_turns_fails_long_ones_and_exits_zero(spawn_d
         assert (kept["content"], kept["status"]) == (streamed_text(journal), "failed")
         assert complete["payload"]["message_id"] == str(kept["id"])
     for t in (*short, *long):  # executed once, never handed back to the queue
-        journal = await events(pool, t.run_id)
-        assert_journal_sound(journal)
+        journal = await assert_journal_sound(pool, t.run_id)
         assert len(of_type(journal, EventType.RUN_QUEUED)) == 1
         [started_event] = of_type(journal, EventType.RUN_STARTED)
         assert started_event["payload"]["worker_id"] == daemon.worker_id
@@ -95,5 +91,5 @@ async def test_sigterm_drains_short_turns_fails_long_ones_and_exits_zero(spawn_d
 
     untouched = await run_row(pool, late.run_id)
     assert (untouched["status"], untouched["worker_id"]) == (RunStatus.QUEUED, None)
-    assert [e["type"] for e in await events(pool, late.run_id)] == \
+    assert [e["type"] for e in await read_journal(pool, late.run_id)] == \
         [EventType.USER_MESSAGE, EventType.RUN_QUEUED]

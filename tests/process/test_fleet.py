@@ -16,9 +16,9 @@ import asyncpg
 
 from agentd.accounts import account_limits
 from agentd.queue import enqueue_run
-from tests.daemon_harness import poll_until
-from tests.process.helpers import enqueue_demo, new_conversation
 from tests.process.test_cli import agentd
+from tests.support.daemon import poll_until
+from tests.support.factories import enqueue_demo, new_conversation
 
 FAST = {"heartbeat_s": 0.5, "lease_ttl_s": 5, "tick_s": 0.5}
 

@@ -21,11 +21,11 @@ import httpx
 from httpx_sse import aconnect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from agentd.accounts import create_device_token
 from agentd.providers.demo import expected_answer
 from agentd.queue import reap_expired
-from tests.daemon_harness import poll_until
-from tests.process.helpers import assert_journal_sound, events
+from tests.support.daemon import poll_until
+from tests.support.factories import new_device
+from tests.support.journal import assert_journal_sound
 
 TURNS = 500
 TOKENS = 300
@@ -78,10 +78,10 @@ async def test_saturated_daemon_keeps_every_live_turn_and_every_client_sees_the_
         spawn_daemon, pool):
     daemon = spawn_daemon(name="saturated", **SETTINGS)
     await daemon.wait_ready()
-    token, _ = await create_device_token(pool, account="load", device="bench")
+    bench = await new_device(pool, "load", "bench")
     limits = httpx.Limits(max_connections=TURNS + 50, max_keepalive_connections=TURNS + 50)
     async with daemon.client(timeout=STREAM_TIMEOUT, limits=limits,
-                             headers={"Authorization": f"Bearer {token}"}) as client:
+                             headers=bench.headers) as client:
         conversations = []
         for n in range(TURNS):
             made = await client.post("/v1/conversations", json={"title": f"load {n}"})
@@ -147,7 +147,7 @@ async def test_saturated_daemon_keeps_every_live_turn_and_every_client_sees_the_
         assert reader.completes[0]["message_id"] == str(stored["id"])
         assert "".join(reader.text) == stored["content"] == \
             expected_answer("demo", contents[reader.run_id], TOKENS)
-        assert_journal_sound(await events(pool, run_id))
+        await assert_journal_sound(pool, run_id)
 
     families = {f.name: f for f in text_string_to_metric_families(scraped)}
     value = {s.name: s.value for f in families.values() for s in f.samples}

@@ -9,19 +9,15 @@ import time
 from uuid import UUID
 
 from agentd.vocabulary import EventType, RunStatus
-from tests.process.helpers import (
-    Db,
+from tests.process.helpers import Db, wait_status, wait_streaming
+from tests.support.factories import enqueue_demo, new_account, new_conversation
+from tests.support.journal import (
     assert_journal_sound,
     assistant_messages,
-    enqueue_demo,
-    events,
-    new_account,
-    new_conversation,
     of_type,
+    read_journal,
     run_row,
     streamed_text,
-    wait_status,
-    wait_streaming,
 )
 
 LEASE = {"lease_ttl_s": 2, "heartbeat_s": 0.5}
@@ -69,7 +65,7 @@ async def test_frozen_worker_reaped_then_woken_writes_nothing_and_stands_down(
     assert await reaper.wait_exit(10) == 0
     assert sleeper.process_state() == "T", "the sleeper woke before the reap was observed"
     before = await conversation_snapshot(pool, conversation)
-    assert_journal_sound(await events(pool, turn.run_id))
+    await assert_journal_sound(pool, turn.run_id)
 
     sleeper.cont()
     # Demonstrably running again: its event loop answers, and it noticed the lost lease.
@@ -81,7 +77,7 @@ async def test_frozen_worker_reaped_then_woken_writes_nothing_and_stands_down(
         assert await conversation_snapshot(pool, conversation) == before
     assert await conversation_snapshot(pool, conversation) == before
 
-    journal = await events(pool, turn.run_id)
+    journal = await read_journal(pool, turn.run_id)
     [complete] = of_type(journal, EventType.COMPLETE)
     assert complete["payload"]["status"] == RunStatus.FAILED
     assert len(of_type(journal, EventType.RUN_STARTED)) == 1

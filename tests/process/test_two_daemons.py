@@ -9,8 +9,8 @@ from collections import Counter, defaultdict
 from uuid import UUID
 
 from agentd.vocabulary import EventType, RunStatus
-from tests.daemon_harness import poll_until
-from tests.process.helpers import enqueue_demo, new_account, new_conversation
+from tests.support.daemon import poll_until
+from tests.support.factories import enqueue_demo, new_account, new_conversation
 
 CONVERSATIONS = 50
 TURNS_PER_CONVERSATION = 4

@@ -12,14 +12,9 @@ from datetime import timedelta
 import asyncpg
 import pytest
 
-from tests.daemon_harness import Daemon, poll_until, with_user
-from tests.process.helpers import (
-    STARTED,
-    enqueue_demo,
-    new_account,
-    new_conversation,
-    wait_status,
-)
+from tests.process.helpers import STARTED, wait_status
+from tests.support.daemon import Daemon, poll_until, with_user
+from tests.support.factories import enqueue_demo, new_account, new_conversation
 
 HUB_BACKENDS = ("SELECT pid FROM pg_stat_activity"
                 " WHERE application_name = 'agentd-hub' AND datname = current_database()")

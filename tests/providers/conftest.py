@@ -6,10 +6,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from tests.daemon_harness import pytest_runtest_makereport, spawn_daemon
 from tests.providers.fake_servers import FakeServer
 
-__all__ = ["fake", "pytest_runtest_makereport", "spawn_daemon"]
+__all__ = ["fake"]
 
 
 @pytest.fixture

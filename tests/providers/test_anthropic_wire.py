@@ -1,4 +1,8 @@
-"""The anthropic provider against a local server speaking the Messages API event stream."""
+"""The anthropic provider against a local server speaking the Messages API event stream.
+
+What every provider must do (streaming, whole tool calls, usage, error codes, cancel) is in
+test_contract.py; this file checks what is particular to the Messages API wire format.
+"""
 
 from __future__ import annotations
 
@@ -21,10 +25,7 @@ from agentd.settings import ProviderConfig
 from tests.providers.fake_servers import (
     FakeServer,
     anthropic_error,
-    anthropic_event,
     anthropic_message,
-    cancel_after,
-    endless,
     hang,
     sse,
     status,
@@ -176,25 +177,6 @@ async def test_a_server_that_never_answers_fails_after_the_timeout(fake: FakeSer
     fake.script(hang())
     with pytest.raises(ProviderError, match="timed out"):
         await asyncio.wait_for(collect(provider(fake, timeout_s=1.0)), 30)
-
-
-async def test_cancelling_the_consumer_closes_the_upstream_connection(fake: FakeServer) -> None:
-    start = anthropic_message([], stop_reason="end_turn")[:2]
-
-    def frame(index: int) -> bytes:
-        if index < len(start):
-            return start[index]
-        if index == len(start):
-            return anthropic_event("content_block_start", index=0,
-                                   content_block={"type": "text", "text": ""})
-        return anthropic_event("content_block_delta", index=0,
-                               delta={"type": "text_delta", "text": f" w{index}"})
-
-    fake.script(endless(frame))
-    p = provider(fake)
-    await cancel_after(p.stream("claude-sonnet-4", USER, [], {}), 3)
-    await fake.wait_client_gone(within=10)
-    await p.aclose()
 
 
 async def test_mcp_tool_names_with_dots_are_mapped_on_the_wire_and_back(

@@ -13,8 +13,6 @@ from typing import Any
 import asyncpg
 import httpx
 
-from agentd.accounts import create_device_token
-from tests.daemon_harness import Daemon
 from tests.process.helpers import wait_streaming
 from tests.providers.fake_servers import (
     FakeServer,
@@ -24,6 +22,8 @@ from tests.providers.fake_servers import (
     openai_tool_calls,
     sse,
 )
+from tests.support.daemon import Daemon
+from tests.support.factories import create_conversation, new_device
 
 READY_TIMEOUT_S = 60.0
 HTTP_TIMEOUT_S = 30.0
@@ -43,12 +43,9 @@ async def api_client(spawn_daemon: Any, pool: asyncpg.Pool,
     """A ready daemon, a client of account alice, and a fresh conversation id."""
     daemon = spawn_daemon(env=daemon_env(fake))
     await daemon.wait_ready(timeout=READY_TIMEOUT_S)
-    token, _ = await create_device_token(pool, account="alice", device="laptop")
-    async with daemon.client(timeout=HTTP_TIMEOUT_S,
-                             headers={"Authorization": f"Bearer {token}"}) as client:
-        created = await client.post("/v1/conversations", json={"title": "providers"})
-        assert created.status_code == 201, created.text
-        yield daemon, client, created.json()["id"]
+    laptop = await new_device(pool, "alice", "laptop")
+    async with laptop.client(daemon, timeout=HTTP_TIMEOUT_S) as client:
+        yield daemon, client, await create_conversation(client, "providers")
 
 
 async def test_enqueue_rejects_unknown_providers_and_bad_params_at_once(

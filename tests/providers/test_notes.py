@@ -15,7 +15,8 @@ from agentd.queue import Claim, claim_runs, reap_expired
 from agentd.tools import ToolContext, ToolError, default_tools
 from agentd.tools.notes import StaleFence
 from agentd.tools.store import DatabaseToolStore
-from tests.integration.helpers import enqueue, new_tenant, race, wait_lease_expired
+from tests.integration.helpers import race, wait_lease_expired
+from tests.support.factories import enqueue, new_tenant
 
 WORKER = "notes-test-worker"
 

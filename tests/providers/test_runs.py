@@ -27,7 +27,6 @@ from agentd.queue import WorkerReport, claim_runs, reap_expired
 from agentd.settings import Settings, load_settings
 from agentd.tools import Tool, ToolRegistry, default_tools
 from agentd.vocabulary import EventType, RunErrorCode, RunStatus
-from tests.integration.helpers import assert_journal_sound, enqueue, new_tenant
 from tests.process.helpers import wait_streaming
 from tests.providers.fake_servers import (
     FakeServer,
@@ -40,6 +39,8 @@ from tests.providers.fake_servers import (
     sse,
     status,
 )
+from tests.support.factories import enqueue, new_tenant
+from tests.support.journal import assert_journal_sound
 
 WORKER = "provider-test-worker"
 

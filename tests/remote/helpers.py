@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import httpx
 import pytest
 
-from tests.daemon_harness import _DAEMONS_ATTR, Daemon, free_port, settings_env
+from tests.support.daemon import Daemon, free_port, launch, tracked_daemons
 
 CLI_TIMEOUT_S = 120.0
 
@@ -75,20 +75,16 @@ class SpawnRemote(Protocol):
 def spawn_remote(request: pytest.FixtureRequest, dsn: str,
                  tmp_path: Path) -> Iterator[SpawnRemote]:
     """Start daemons on this test's database (each killed when the test ends)."""
-    daemons: list[Daemon] = []
-    setattr(request.node, _DAEMONS_ATTR, daemons)
+    daemons = tracked_daemons(request)
 
     def spawn(*, tls: bool = False, host: str = "127.0.0.1", port: int | None = None,
               data_dir: Path | None = None, name: str | None = None,
               env: Mapping[str, str] | None = None, args: Sequence[str] = (),
               **settings: Any) -> RemoteDaemon:
         label = name or f"agentd-{len(daemons) + 1}"
-        workdir = tmp_path / label
-        daemon = RemoteDaemon(tls=tls, data_dir=data_dir or workdir / "data", dsn=dsn,
-                              workdir=workdir, name=label, host=host, port=port,
-                              env={**settings_env(**settings), **(env or {})}, args=args)
-        daemons.append(daemon)
-        return daemon.start()  # type: ignore[return-value]
+        return launch(daemons, RemoteDaemon, dsn=dsn, tmp_path=tmp_path, name=label, env=env,
+                      args=args, settings=settings, tls=tls, host=host, port=port,
+                      data_dir=data_dir or tmp_path / label / "data")
 
     try:
         yield spawn

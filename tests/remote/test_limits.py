@@ -17,9 +17,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentd.settings import Settings
-from tests.daemon_harness import poll_until
 from tests.remote.helpers import RemoteDaemon, SpawnRemote, non_loopback_address, socket_closed
-from tests.streams.helpers import create_conversation, new_device, post_run
+from tests.streams.helpers import post_run
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation, new_device
 
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: agentd\r\nUser-Agent: slowloris\r\n\r\n"
 

@@ -14,9 +14,11 @@ import asyncpg
 import pytest
 
 from agenttui.client import AgentClient, ConnectionState, ConnectionStatus, Unauthorized
-from tests.daemon_harness import poll_until
 from tests.remote.helpers import SpawnRemote
-from tests.streams.helpers import Follower, Frame, create_conversation, new_device, post_run
+from tests.streams.helpers import post_run
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation, new_device
+from tests.support.sse import Follower, Frame
 
 KEEPALIVE_S = 2.0
 BOUND_S = KEEPALIVE_S + 1.0  # what the product promises: one keepalive interval (+ slack)

@@ -28,7 +28,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from agentd.fingerprints import fingerprint
 from agentd.providers.demo import expected_answer
 from agenttui.client import AgentClient, CertificateMismatch, ConnectionState, ConnectionStatus
-from tests.daemon_harness import free_port, poll_until
 from tests.remote.helpers import (
     CLI_TIMEOUT_S,
     RemoteDaemon,
@@ -37,6 +36,7 @@ from tests.remote.helpers import (
     non_loopback_address,
     run_cli,
 )
+from tests.support.daemon import free_port, poll_until
 
 LOGIN_LINE = re.compile(r"agenttui login (\S+) --code (\S+) --fingerprint (\S+)")
 

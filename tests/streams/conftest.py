@@ -1,5 +1,3 @@
-"""Stream tests: real `agentd serve` subprocesses, driven over HTTP + SSE like a script would."""
+"""Stream tests: real `agentd serve` subprocesses, driven over HTTP + SSE like a script would.
 
-from tests.daemon_harness import pytest_runtest_makereport, spawn_daemon
-
-__all__ = ["pytest_runtest_makereport", "spawn_daemon"]
+Daemons come from `spawn_daemon` (tests/support/daemon.py)."""

@@ -11,7 +11,8 @@ from uuid import UUID
 
 import httpx
 
-from tests.streams.helpers import create_conversation, new_device, run_body
+from tests.streams.helpers import run_body
+from tests.support.factories import create_conversation, new_device
 
 PARALLEL = 20
 ROUNDS = 3

@@ -13,14 +13,10 @@ from typing import Any
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
 
-from tests.daemon_harness import poll_until
-from tests.streams.helpers import (
-    STREAM_TIMEOUT,
-    create_conversation,
-    get_run,
-    new_device,
-    post_run,
-)
+from tests.streams.helpers import get_run, post_run
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation, new_device
+from tests.support.sse import STREAM_TIMEOUT
 
 KEEPALIVES = 3
 

@@ -11,20 +11,17 @@ from datetime import datetime
 from uuid import UUID
 
 from agentd.providers.demo import expected_answer
-from tests.daemon_harness import poll_until
 from tests.streams.helpers import (
-    assistant_message,
-    create_conversation,
     get_conversation,
     get_run,
-    journal,
-    journaled_deltas,
-    new_device,
     post_run,
     run_body,
     wait_status,
     wait_terminal,
 )
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation, new_device
+from tests.support.journal import assistant_message, journaled_deltas, read_journal
 
 LONG_TOKENS, LONG_DELAY_MS = 3000, 10  # 30 s: it only ends because it is interrupted
 
@@ -109,16 +106,16 @@ async def test_interrupt_cancels_running_and_queued_turns_then_runs(spawn_daemon
 
     # The interrupted answer is kept as a partial: exactly what its journal streamed.
     partial = await assistant_message(pool, long["run_id"])
-    streamed = "".join(e["payload"]["delta"] for e in await journal(pool, long["run_id"])
+    streamed = "".join(e["payload"]["delta"] for e in await read_journal(pool, long["run_id"])
                        if e["type"] == "content_delta")
     full = expected_answer("demo", "talk for a while", LONG_TOKENS)
     assert partial["status"] == "partial"
     assert partial["content"] == streamed and partial["content"]
     assert full.startswith(partial["content"]) and len(partial["content"]) < len(full)
-    long_events = [e["type"] for e in await journal(pool, long["run_id"])]
+    long_events = [e["type"] for e in await read_journal(pool, long["run_id"])]
     assert long_events[-2:] == ["cancel_requested", "complete"]
     # The queued turn never started: no worker event, only its cancellation.
-    queued_events = await journal(pool, queued["run_id"])
+    queued_events = await read_journal(pool, queued["run_id"])
     assert [e["type"] for e in queued_events] == ["user_message", "run_queued", "complete"]
     assert queued_events[-1]["payload"]["status"] == "cancelled"
     answer = await assistant_message(pool, now["run_id"])

@@ -10,8 +10,9 @@ import contextlib
 from typing import Any
 from uuid import UUID
 
-from tests.daemon_harness import poll_until
-from tests.streams.helpers import Follower, Frame, create_conversation, new_device
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation, new_device
+from tests.support.sse import Follower, Frame
 
 
 def names(attached: list[dict[str, Any]]) -> list[str]:

@@ -21,19 +21,10 @@ import httpx
 
 from agentd.providers.demo import expected_answer
 from agentd.vocabulary import EventType
-from tests.streams.helpers import (
-    Frame,
-    as_journal,
-    assistant_message,
-    create_conversation,
-    deltas,
-    journal,
-    journal_rows,
-    new_device,
-    post_run,
-    read_until_cut,
-    wait_terminal,
-)
+from tests.streams.helpers import post_run, wait_terminal
+from tests.support.factories import create_conversation, new_device
+from tests.support.journal import assistant_message, read_journal
+from tests.support.sse import Frame, as_journal, deltas, journal_rows, read_until_cut
 
 SEED = 20_240_602
 # A short flush clock makes hundreds of journal rows per run: hundreds of places to drop at.
@@ -117,7 +108,7 @@ async def test_run_stream_dropped_hundreds_of_times_reconstructs_the_exact_answe
         assert types[:3] == ["user_message", "run_queued", "run_started"], types[:3]
         assert types.count("complete") == 1 and types[-1] == "complete", types[-3:]
         # Exactly what the journal holds, event for event.
-        assert as_journal(got.frames) == journal_rows(await journal(pool, run_id))
+        assert as_journal(got.frames) == journal_rows(await read_journal(pool, run_id))
 
         text = deltas(got.frames)
         answer = expected_answer("demo", prompt, RUN_TOKENS)
@@ -206,7 +197,7 @@ async def test_conversation_stream_dropped_at_random_delivers_every_turn_exactly
         assert seqs == list(range(1, len(seqs) + 1)), f"gap or duplicate in run {run_id}: {seqs}"
         assert [f.event for f in frames].count("complete") == 1
         assert frames[-1].event == "complete" and frames[-1].data["status"] == "completed"
-        assert as_journal(frames) == journal_rows(await journal(pool, run_id), run_id)
+        assert as_journal(frames) == journal_rows(await read_journal(pool, run_id), run_id)
         assert deltas(frames) == expected_answer("demo", prompt, FEED_TOKENS)
         assert final["status"] == "completed"
     # The turns ran one at a time, in the order they were queued.
@@ -229,7 +220,7 @@ async def test_a_terminal_run_without_a_journaled_complete_gets_one_synthesized(
         # As if the finalize had flipped the status but died before journaling its ending.
         await pool.execute("DELETE FROM run_event WHERE run_id = $1 AND type = 'complete'",
                            UUID(run_id))
-        rows = await journal(pool, run_id)
+        rows = await read_journal(pool, run_id)
         last = rows[-1]["seq"]
         whole = await read_until_cut(client, f"/v1/runs/{run_id}/events", budget=None)
         rejoin = await read_until_cut(client, f"/v1/runs/{run_id}/events", budget=None,

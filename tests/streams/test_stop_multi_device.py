@@ -13,21 +13,11 @@ import random
 import httpx
 
 from agentd.providers.demo import expected_answer
-from tests.daemon_harness import poll_until
-from tests.streams.helpers import (
-    Follower,
-    Frame,
-    assistant_message,
-    create_conversation,
-    deltas,
-    get_conversation,
-    get_run,
-    is_complete,
-    new_device,
-    of_run,
-    post_run,
-    wait_terminal,
-)
+from tests.streams.helpers import get_conversation, get_run, post_run, wait_terminal
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation, new_device
+from tests.support.journal import assistant_message
+from tests.support.sse import Follower, Frame, deltas, is_complete, of_run
 
 
 async def lease_released(follower: Follower) -> bool:

@@ -9,21 +9,10 @@ import asyncio
 from uuid import UUID
 
 from agentd.providers.demo import expected_answer
-from tests.streams.helpers import (
-    Follower,
-    as_journal,
-    assistant_message,
-    create_conversation,
-    deltas,
-    get_run,
-    is_complete,
-    journal,
-    journal_rows,
-    new_device,
-    of_run,
-    post_run,
-    wait_terminal,
-)
+from tests.streams.helpers import get_run, post_run, wait_terminal
+from tests.support.factories import create_conversation, new_device
+from tests.support.journal import assistant_message, read_journal
+from tests.support.sse import Follower, as_journal, deltas, is_complete, journal_rows, of_run
 
 TOKENS, DELAY_MS = 1500, 5  # ~8 s of streaming: room to start B while A still runs it
 PROMPT = "follow me from another process"
@@ -70,7 +59,7 @@ async def test_stream_on_daemon_b_follows_a_run_executing_on_daemon_a(spawn_daem
 
     assert watermark["status"] == "running", "the run ended before B was streaming it"
     answer = expected_answer("demo", PROMPT, TOKENS)
-    rows = await journal(pool, run_id)
+    rows = await read_journal(pool, run_id)
     # The conversation stream, dropped on A and resumed on B by A's cursor, misses nothing.
     assert feed_b.frames[0].event == "snapshot"
     feed_frames = of_run(feed_from_a + feed_b.frames, run_id)

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.factories import Device
 from tests.terminal.driver import terminal_env
-from tests.tui.helpers import Device
 
 PLACEHOLDER = "Message — Enter sends · Ctrl+J new line"  # an empty composer shows it
 COMPOSER_TOP, COMPOSER_BOTTOM, COMPOSER_LEFT = "▔", "▁", "▊"

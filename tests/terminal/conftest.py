@@ -13,15 +13,13 @@ from typing import Any, Protocol
 
 import pytest
 
-from tests.daemon_harness import pytest_runtest_makereport, spawn_daemon
 from tests.providers.conftest import fake
+from tests.support.factories import Device
 from tests.terminal.agenttui import agenttui_command, agenttui_env
 from tests.terminal.driver import Terminal
 from tests.tui.conftest import agenttui_dirs, daemon, desk, laptop
-from tests.tui.helpers import Device
 
-__all__ = ["agenttui_dirs", "daemon", "desk", "fake", "laptop", "pytest_runtest_makereport",
-           "spawn_daemon"]
+__all__ = ["agenttui_dirs", "daemon", "desk", "fake", "laptop"]
 
 SIZE = (100, 30)
 

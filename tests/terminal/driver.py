@@ -30,7 +30,7 @@ from typing import TypeVar
 import ptyprocess
 import pyte
 
-from tests.daemon_harness import poll_until
+from tests.support.daemon import poll_until
 
 T = TypeVar("T")
 

@@ -11,11 +11,12 @@ import pytest
 from agentd.providers.demo import expected_answer
 from agentd.vocabulary import MessageStatus, RunStatus
 from agenttui.models import ConversationState
-from tests.daemon_harness import Daemon, poll_until
+from tests.support.daemon import Daemon, poll_until
+from tests.support.factories import Device
 from tests.terminal.agenttui import PLACEHOLDER, composer_empty, composer_text, shows
 from tests.terminal.conftest import OpenAgentTUI
 from tests.terminal.driver import WAIT_S
-from tests.tui.helpers import Device, client_for
+from tests.tui.helpers import client_for
 
 pytestmark = pytest.mark.terminal
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from agenttui.ask import without_controls
-from tests.daemon_harness import SpawnDaemon
 from tests.providers.fake_servers import FakeServer, openai_text, sse
 from tests.providers.test_daemon import daemon_env
+from tests.support.daemon import SpawnDaemon
+from tests.support.factories import Device
 from tests.terminal.agenttui import agenttui_command, agenttui_env
 from tests.terminal.conftest import OpenAgentTUI
 from tests.tui.conftest import READY_TIMEOUT_S
-from tests.tui.helpers import Device, client_for
+from tests.tui.helpers import client_for
 
 pytestmark = pytest.mark.terminal
 

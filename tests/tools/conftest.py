@@ -19,9 +19,8 @@ import httpx
 import pytest
 
 from tests.api.conftest import Api, started_api
-from tests.daemon_harness import free_port, poll_until, pytest_runtest_makereport, spawn_daemon
-
-__all__ = ["pytest_runtest_makereport", "spawn_daemon"]
+from tests.support.daemon import free_port, poll_until
+from tests.support.sse import read_sse
 
 TEST_SERVER = Path(__file__).with_name("mcp_server.py")
 MCP_SERVER_TIME = Path(sys.executable).with_name("mcp-server-time")
@@ -61,7 +60,7 @@ def mcp_test_server(journal: Path, **spec: Any) -> dict[str, Any]:
             "env": {"TEST_MCP_JOURNAL": str(journal)}, **spec}
 
 
-def read_journal(journal: Path) -> list[dict[str, Any]]:
+def read_mcp_journal(journal: Path) -> list[dict[str, Any]]:
     if not journal.exists():
         return []
     return [json.loads(line) for line in journal.read_text("utf-8").splitlines() if line]
@@ -72,7 +71,7 @@ async def journaled(journal: Path, predicate: Callable[[dict[str, Any]], bool],
     """The first journal entry matching `predicate`, polled for until the deadline."""
 
     async def found() -> dict[str, Any] | None:
-        return next((e for e in read_journal(journal) if predicate(e)), None)
+        return next((e for e in read_mcp_journal(journal) if predicate(e)), None)
 
     return await poll_until(found, timeout, interval=0.05, what="a journal entry")
 
@@ -131,6 +130,4 @@ def _wait_listening(proc: subprocess.Popen[bytes], port: int, timeout: float = 3
 
 async def run_events(client: httpx.AsyncClient, run_id: str) -> list[dict[str, Any]]:
     """The run's journal as a finished run's event stream returns it (data payloads)."""
-    from tests.api.helpers import read_sse
-
     return [e.data for e in await read_sse(client, f"/v1/runs/{run_id}/events")]

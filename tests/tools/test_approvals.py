@@ -14,14 +14,10 @@ from uuid import UUID
 import httpx
 
 from agentd.accounts import create_device_token
-from tests.api.helpers import (
-    assert_error,
-    create_conversation,
-    read_sse,
-    start_run,
-    wait_run,
-)
-from tests.daemon_harness import poll_until
+from tests.api.helpers import assert_error, start_run, wait_run
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation
+from tests.support.sse import read_sse
 from tests.tools.conftest import mcp_test_server, run_events
 
 ASK_CALCULATOR = {"calculator": "ask"}

@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
-from tests.api.helpers import assert_error, create_conversation, start_run, wait_run
+from tests.api.helpers import assert_error, start_run, wait_run
+from tests.support.factories import create_conversation
 from tests.tools.conftest import (
     MCP_SERVER_TIME,
     journaled,
     mcp_test_server,
-    read_journal,
+    read_mcp_journal,
     run_events,
 )
 
@@ -87,7 +88,7 @@ async def test_meta_carries_run_conversation_and_a_fence_that_grows(start_tools_
             seen.append(entry["meta"]["agentd/fence"])
         assert seen[0] < seen[1]
         # One server process served both runs: it is shared, not started per turn.
-        assert len({e["pid"] for e in read_journal(journal)}) == 1
+        assert len({e["pid"] for e in read_mcp_journal(journal)}) == 1
 
 
 async def test_stop_sends_mcp_cancellation_for_a_call_in_flight(start_tools_api,
@@ -104,7 +105,7 @@ async def test_stop_sends_mcp_cancellation_for_a_call_in_flight(start_tools_api,
         # The server itself saw the cancellation, for this run's call.
         cancelled = await journaled(journal, lambda e: e["event"] == "slow_cancelled")
         assert cancelled["meta"]["agentd/run_id"] == run["run_id"]
-        assert not [e for e in read_journal(journal) if e["event"] == "slow_finished"]
+        assert not [e for e in read_mcp_journal(journal) if e["event"] == "slow_finished"]
         state = (await api.a.get(f"/v1/conversations/{conversation}")).json()
         repaired = [m for m in state["messages"] if m["role"] == "tool"]
         assert [(m["status"], json.loads(m["content"])) for m in repaired] == \
@@ -159,7 +160,7 @@ async def test_arguments_failing_the_schema_reach_the_model_and_the_run_continue
         error = tool_result(await run_events(api.a, run["run_id"]))["error"]
         assert error == "invalid arguments for t.echo_meta at text: 5 is not of type 'string'"
         assert error in await answer_of(api, conversation, run["run_id"])
-        assert not [e for e in read_journal(journal) if e["event"] == "echo_meta"]
+        assert not [e for e in read_mcp_journal(journal) if e["event"] == "echo_meta"]
 
 
 async def test_bad_servers_and_schemas_are_clear_errors_and_runs_still_work(

@@ -13,11 +13,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from agentd.accounts import create_device_token
-from tests.daemon_harness import Daemon, SpawnDaemon, pytest_runtest_makereport, spawn_daemon
-from tests.tui.helpers import Device
-
-__all__ = ["pytest_runtest_makereport", "spawn_daemon"]
+from tests.support.daemon import Daemon, SpawnDaemon
+from tests.support.factories import Device, new_device
 
 READY_TIMEOUT_S = 60.0  # other suites share this machine's two cores
 
@@ -44,11 +41,9 @@ async def daemon(spawn_daemon: SpawnDaemon) -> Daemon:
 
 @pytest.fixture
 async def desk(pool: asyncpg.Pool) -> Device:
-    token, device_id = await create_device_token(pool, account="team", device="desk")
-    return Device("desk", token, str(device_id))
+    return await new_device(pool, "team", "desk")
 
 
 @pytest.fixture
 async def laptop(pool: asyncpg.Pool) -> Device:
-    token, device_id = await create_device_token(pool, account="team", device="laptop")
-    return Device("laptop", token, str(device_id))
+    return await new_device(pool, "team", "laptop")

@@ -24,18 +24,12 @@ from rich.console import Console
 from agenttui.client import AgentClient, Backoff
 from agenttui.drafts import DraftLedger
 from agenttui.settings import Settings
-from tests.daemon_harness import Daemon
+from tests.support.daemon import Daemon
+from tests.support.factories import Device
 
 SNAPSHOT_DIR = Path(__file__).parent / "snapshots"
 TERMINAL_SIZE = (110, 30)
 WAIT_S = 60.0  # generous: other suites run on the same two cores
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    token: str
-    device_id: str
 
 
 def is_stream(request: httpx.Request) -> bool:
@@ -302,4 +296,4 @@ def assert_snapshot(app: Any, name: str, tmp_path: Path, update: bool) -> None:
         actual = tmp_path / f"{name}.actual.svg"
         actual.write_text(svg, "utf-8")
         raise AssertionError(f"screen differs from {expected_path}: see {actual} (update with "
-                             f"--snapshot-update after checking it)")
+                             f"SNAPSHOT_UPDATE=1 after checking it)")

@@ -12,9 +12,10 @@ from agentd.vocabulary import MessageStatus, RunStatus
 from agenttui.client import ConnectionState
 from agenttui.conversation import Turn
 from agenttui.widgets.transcript import TurnView
-from tests.daemon_harness import Daemon, SpawnDaemon, poll_until
+from tests.support.daemon import Daemon, SpawnDaemon, poll_until
+from tests.support.factories import Device
 from tests.tui.conftest import READY_TIMEOUT_S
-from tests.tui.helpers import Device, client_for, running_tui, wait_for
+from tests.tui.helpers import client_for, running_tui, wait_for
 
 
 def turns(app) -> list[Turn]:

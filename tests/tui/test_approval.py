@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from agentd.vocabulary import RunStatus
-from tests.daemon_harness import SpawnDaemon
+from tests.support.daemon import SpawnDaemon
+from tests.support.factories import Device
 from tests.tui.conftest import READY_TIMEOUT_S
-from tests.tui.helpers import Device, client_for, running_tui, wait_for
+from tests.tui.helpers import client_for, running_tui, wait_for
 
 
 def panel_text(app) -> str:

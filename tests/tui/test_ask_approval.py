@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_harness import Daemon, SpawnDaemon, poll_until
+from tests.support.daemon import Daemon, SpawnDaemon, poll_until
+from tests.support.factories import Device
 from tests.tui.conftest import READY_TIMEOUT_S
-from tests.tui.helpers import Device, client_for
+from tests.tui.helpers import client_for
 from tests.tui.test_cli import RUN_S, agenttui, finished
 
 PARAMS = ["--param", "tool=\"calculator\"", "--param", 'tool_args={"expression": "6 * 7"}',

@@ -16,9 +16,10 @@ from pathlib import Path
 from agentd.providers.demo import expected_answer
 from agentd.vocabulary import MessageStatus, RunStatus
 from agenttui.locations import config_file
-from tests.daemon_harness import Daemon, SpawnDaemon, poll_until
+from tests.support.daemon import Daemon, SpawnDaemon, poll_until
+from tests.support.factories import Device
 from tests.tui.conftest import READY_TIMEOUT_S
-from tests.tui.helpers import Device, client_for
+from tests.tui.helpers import client_for
 
 RUN_S = 120.0
 

@@ -21,8 +21,9 @@ from agenttui.client import (
     Unauthorized,
 )
 from agenttui.models import RunEvent
-from tests.daemon_harness import Daemon
-from tests.tui.helpers import Chaos, Device, client_for
+from tests.support.daemon import Daemon
+from tests.support.factories import Device
+from tests.tui.helpers import Chaos, client_for
 
 WAIT_S = 60.0
 

@@ -16,8 +16,9 @@ from agenttui.screens.help import HelpScreen
 from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.main import MainScreen, last_code_block
 from agenttui.widgets.composer import Composer
-from tests.daemon_harness import Daemon
-from tests.tui.helpers import Device, client_for, running_tui, search_for, wait_for
+from tests.support.daemon import Daemon
+from tests.support.factories import Device
+from tests.tui.helpers import client_for, running_tui, search_for, wait_for
 
 NOWHERE = "http://127.0.0.1:9"  # nothing listens there: the app keeps retrying
 

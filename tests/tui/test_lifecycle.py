@@ -17,9 +17,10 @@ from agenttui.screens.edit import EditPrompt
 from agenttui.screens.lifecycle import ANSWER, QUESTION, Selection
 from agenttui.screens.models import ModelPicker
 from agenttui.widgets.transcript import TurnView
-from tests.daemon_harness import Daemon, SpawnDaemon
+from tests.support.daemon import Daemon, SpawnDaemon
+from tests.support.factories import Device
 from tests.tui.conftest import READY_TIMEOUT_S
-from tests.tui.helpers import Device, client_for, running_tui, wait_for
+from tests.tui.helpers import client_for, running_tui, wait_for
 
 FAST = {"tokens": 4, "delay_ms": 0}
 SLOW = {"tokens": 2000, "delay_ms": 40}

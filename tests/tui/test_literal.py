@@ -9,18 +9,11 @@ import asyncpg
 import pytest
 from textual.widgets import Input
 
-from agentd.accounts import create_device_token
 from agentd.vocabulary import RunStatus
 from agenttui.screens.prompt import TextPrompt
-from tests.daemon_harness import Daemon
-from tests.tui.helpers import (
-    Device,
-    client_for,
-    running_tui,
-    screen_text,
-    search_for,
-    wait_for,
-)
+from tests.support.daemon import Daemon
+from tests.support.factories import Device, new_device
+from tests.tui.helpers import client_for, running_tui, screen_text, search_for, wait_for
 
 # Each is markup to Textual: styles, a link, a click action, a bare close tag, an open bracket.
 HOSTILE_TITLES = ["[bold]x", "[link=http://x]y[/link]", "[@click=app.quit]q[/]", "[/]",
@@ -31,8 +24,7 @@ NEEDLE = "needle [/] [bold]hay[/bold] [@click=app.bell]b[/]"
 
 @pytest.fixture
 async def hostile(pool: asyncpg.Pool) -> Device:
-    token, device_id = await create_device_token(pool, account="team", device=HOSTILE_DEVICE)
-    return Device(HOSTILE_DEVICE, token, str(device_id))
+    return await new_device(pool, "team", HOSTILE_DEVICE)
 
 
 async def conversations_with_hostile_titles(daemon: Daemon, device: Device) -> dict[str, str]:

@@ -10,8 +10,9 @@ from textual.widgets import Static
 from agenttui.locations import clipboard_file
 from agenttui.screens.pairing import PairingScreen
 from agenttui.widgets.ownership_bar import link_text
-from tests.daemon_harness import Daemon
-from tests.tui.helpers import Device, running_tui, wait_for
+from tests.support.daemon import Daemon
+from tests.support.factories import Device
+from tests.tui.helpers import running_tui, wait_for
 
 
 async def test_the_palette_pairs_another_device(daemon: Daemon, desk: Device,

@@ -17,8 +17,9 @@ from typing import Any
 from agentd.providers.demo import expected_answer
 from agentd.vocabulary import MessageStatus, RunStatus
 from agenttui.conversation import Changes
-from tests.daemon_harness import Daemon
-from tests.tui.helpers import Device, Valve, assert_snapshot, client_for, running_tui, wait_for
+from tests.support.daemon import Daemon
+from tests.support.factories import Device
+from tests.tui.helpers import Valve, assert_snapshot, client_for, running_tui, wait_for
 
 UPDATE = os.environ.get("SNAPSHOT_UPDATE") == "1"
 FROZEN_WORKER = "agentd-host:4242:c0ffee"

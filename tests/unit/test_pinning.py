@@ -15,7 +15,7 @@ from agentd import tls
 from agentd.settings import Settings
 from agenttui.client import AgentClient, ApiError, CertificateMismatch
 from agenttui.pinning import pinned_context, server_fingerprint
-from tests.daemon_harness import free_port
+from tests.support.daemon import free_port
 
 ME = {"account": "alice", "account_id": "00000000-0000-0000-0000-000000000001",
       "device": "laptop", "device_id": "00000000-0000-0000-0000-000000000002"}

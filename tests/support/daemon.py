@@ -1,5 +1,8 @@
 """Real agentd daemons as subprocesses, for tests that drive them over HTTP and with signals.
 
+Loaded as a plugin (tests/conftest.py): the `spawn_daemon` fixture and the report hook that
+attaches every daemon's log to a failed test are available to every tier.
+
 Each daemon runs `python -m agentd serve` in its own process group with an isolated environment
 (no inherited AGENTD_* settings, private config/data dirs) and logs to a file under the test's
 tmp dir; a failing test's report carries every daemon's log. States are polled against a
@@ -207,7 +210,8 @@ class Daemon:
 
     # -- HTTP -----------------------------------------------------------------------------
 
-    def client(self, *, timeout: float = 5.0, **kwargs: Any) -> httpx.AsyncClient:
+    def client(self, *, timeout: float | httpx.Timeout = 5.0,
+               **kwargs: Any) -> httpx.AsyncClient:
         """An HTTP client for this daemon (no proxies from the environment)."""
         return httpx.AsyncClient(base_url=self.url, timeout=timeout, trust_env=False, **kwargs)
 
@@ -291,10 +295,35 @@ async def _returned(proc: subprocess.Popen[bytes]) -> bool:
     return proc.poll() is not None
 
 
+D = TypeVar("D", bound="Daemon")
+
+
 class SpawnDaemon(Protocol):
     def __call__(self, *, dsn: str | None = ..., name: str | None = ...,
                  env: Mapping[str, str] | None = ..., args: Sequence[str] = ...,
                  **settings: Any) -> Daemon: ...
+
+
+def launch(daemons: list[Daemon], kind: type[D], *, dsn: str | None, tmp_path: Path,
+           name: str | None, env: Mapping[str, str] | None, args: Sequence[str],
+           settings: Mapping[str, Any], **daemon_kwargs: Any) -> D:
+    """Start a `kind` daemon in `tmp_path/<name>` and track it in `daemons` (for the report
+    hook and the cleanup): the one launcher every spawning fixture goes through."""
+    label = name or f"agentd-{len(daemons) + 1}"
+    daemon = kind(dsn=dsn, workdir=tmp_path / label, name=label,
+                  env={**settings_env(**settings), **(env or {})}, args=args, **daemon_kwargs)
+    daemons.append(daemon)
+    daemon.start()
+    return daemon
+
+
+def tracked_daemons(request: pytest.FixtureRequest) -> list[Daemon]:
+    """The list of this test's daemons (shared by every spawning fixture it uses)."""
+    daemons: list[Daemon] | None = getattr(request.node, _DAEMONS_ATTR, None)
+    if daemons is None:
+        daemons = []
+        setattr(request.node, _DAEMONS_ATTR, daemons)
+    return daemons
 
 
 @pytest.fixture
@@ -305,18 +334,14 @@ def spawn_daemon(request: pytest.FixtureRequest, dsn: str,
     Keyword settings become AGENTD_* variables; `env` adds raw variables; `dsn=None` runs the
     daemon's own embedded PostgreSQL. Every daemon is killed when the test ends.
     """
-    daemons: list[Daemon] = []
-    setattr(request.node, _DAEMONS_ATTR, daemons)
+    daemons = tracked_daemons(request)
     default_dsn = dsn
 
     def spawn(*, dsn: str | None = default_dsn, name: str | None = None,
               env: Mapping[str, str] | None = None, args: Sequence[str] = (),
               **settings: Any) -> Daemon:
-        label = name or f"agentd-{len(daemons) + 1}"
-        daemon = Daemon(dsn=dsn, workdir=tmp_path / label, name=label,
-                        env={**settings_env(**settings), **(env or {})}, args=args)
-        daemons.append(daemon)
-        return daemon.start()
+        return launch(daemons, Daemon, dsn=dsn, tmp_path=tmp_path, name=name, env=env,
+                      args=args, settings=settings)
 
     try:
         yield spawn
@@ -327,7 +352,7 @@ def spawn_daemon(request: pytest.FixtureRequest, dsn: str,
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """Attach every daemon's log to the report of a failed test (import into a conftest)."""
+    """Attach every daemon's log to the report of a failed test."""
     report = yield
     if report.failed:
         for daemon in getattr(item, _DAEMONS_ATTR, ()):
