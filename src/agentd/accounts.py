@@ -68,6 +68,24 @@ class DeviceInfo:
     revoked_at: datetime | None
 
 
+MAX_NAME_CHARS = 200  # the account and device tables' CHECK constraints
+
+
+def check_name(what: str, name: str) -> str:
+    """A name the account or device tables accept; ValueError names what is wrong with it.
+
+    Checked before any statement runs, so a command line answers with the rule instead of the
+    database's constraint violation.
+    """
+    if not name.strip():
+        raise ValueError(f"{what} must not be empty")
+    if len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"{what} must be at most {MAX_NAME_CHARS} characters, got {len(name)}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ValueError(f"{what} must not contain control characters, got {name!r}")
+    return name
+
+
 def hash_token(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 

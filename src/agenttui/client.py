@@ -47,6 +47,28 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 UNSET: Any = object()  # "not given", where None is a value (a conversation's model)
 
 
+def url_problem(url: str) -> str | None:
+    """Why `url` cannot address a daemon (None: it can), checked before any connection."""
+    example = "e.g. https://desk.lan:8740"
+    try:
+        parts = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError) as exc:
+        return f"{url!r} is not a daemon URL ({exc}; {example})"
+    if parts.scheme not in ("http", "https") or not parts.host:
+        return f"{url!r} is not a daemon URL ({example})"
+    if parts.port is not None and not 0 < parts.port < 65536:
+        return f"{url!r} has no valid port (1-65535; {example})"
+    return None
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be sent as a bearer token (None: it can)."""
+    if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
+        return "a device token is printable ASCII without spaces (as `agentd token create` " \
+               "prints it)"
+    return None
+
+
 # -- errors --------------------------------------------------------------------------------
 
 
@@ -116,7 +138,7 @@ def describe(exc: BaseException) -> str:
     """A one-line reason for a connection problem, fit for a status bar."""
     if isinstance(exc, ApiError):
         return exc.message
-    text = str(exc).strip()
+    text = " ".join(str(exc).split())
     name = type(exc).__name__
     return f"{name}: {text}" if text else name
 
