@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
 
+from agentd.db import fetch_one
 from agentd.queries import Q
 from agentd.queue import Db
 from agentd.settings import MAX_ACCOUNT_QUEUED, MAX_ACCOUNT_RUNNING
@@ -95,15 +96,16 @@ def new_token() -> str:
 
 
 async def ensure_account(db: Db, name: str) -> UUID:
-    return (await db.fetchrow(*Q.ensure_account.bind(name=name)))["id"]
+    account_id: UUID = (await fetch_one(db, *Q.ensure_account.bind(name=name)))["id"]
+    return account_id
 
 
 async def create_device_token(db: Db, *, account: str, device: str) -> tuple[str, UUID]:
     """Mint a token for a new device of `account` (created if missing); returns (token, id)."""
     account_id = await ensure_account(db, account)
     token = new_token()
-    row = await db.fetchrow(*Q.create_device.bind(account_id=account_id, name=device,
-                                                  token_hash=hash_token(token)))
+    row = await fetch_one(db, *Q.create_device.bind(account_id=account_id, name=device,
+                                                    token_hash=hash_token(token)))
     return token, row["id"]
 
 

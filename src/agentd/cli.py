@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     from agentd.tls import TLSError
 
     configure_logging(settings.log_level if args.command == "serve" else "warning")
-    handlers: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
+    handlers: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
         "serve": _serve, "pair": _pair, "migrate": _migrate, "token": _token,
         "account": _account, "status": _status, "doctor": _doctor}
     try:

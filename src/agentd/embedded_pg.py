@@ -781,8 +781,8 @@ class EmbeddedPostgres:
 
         from agentd.db import set_own_password
 
-        kwargs = {k: v for k, v in self.connect_kwargs().items() if k != "passfile"}
-        conn = await asyncpg.connect(timeout=30, **kwargs)  # type: ignore[arg-type]
+        conn = await asyncpg.connect(host=str(self._socket_dir), port=self._port,
+                                     user=SUPERUSER, database="postgres", timeout=30)
         try:
             await set_own_password(conn, password)
         finally:

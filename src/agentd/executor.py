@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -403,7 +403,7 @@ class TurnRunner:
         turn.awaiting.clear()
 
 
-def _rfc3339(value: Any) -> str:
+def _rfc3339(value: datetime) -> str:
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 

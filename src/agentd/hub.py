@@ -147,9 +147,10 @@ class Hub:
     def subscriber_count(self) -> int:
         return sum(len(s) for s in self._subscribers.values())
 
-    def _on_notify(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
+    def _on_notify(self, _conn: Any, _pid: int, channel: str, message: object) -> None:
         # Runs on the event loop inside asyncpg's protocol: only hand off, never do work here.
         self.notifications += 1
+        payload = str(message)  # a NOTIFY payload is text
         try:
             chan = Channel(channel)
         except ValueError:

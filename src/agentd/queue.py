@@ -12,11 +12,12 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 import asyncpg
 
+from agentd.db import Conn, fetch_one
 from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
@@ -274,10 +275,10 @@ def _claim_from_row(row: asyncpg.Record) -> Claim:
 class _Borrowed:
     """Lets functions that need a dedicated connection accept one the caller already holds."""
 
-    def __init__(self, conn: asyncpg.Connection) -> None:
+    def __init__(self, conn: Conn) -> None:
         self._conn = conn
 
-    async def __aenter__(self) -> asyncpg.Connection:
+    async def __aenter__(self) -> Conn:
         return self._conn
 
     async def __aexit__(self, *exc: object) -> None:
@@ -444,7 +445,7 @@ async def insert_message(db: Db, claim: Claim, *, role: MessageRole, content: st
         status=str(status), tool_calls=tool_calls, tool_call_id=tool_call_id))
     if message_id is None:
         raise LeaseLost(claim.run_id, "message write")
-    return message_id
+    return cast(UUID, message_id)
 
 
 async def answer_open_tool_calls(db: Db, claim: Claim) -> int:
@@ -484,10 +485,10 @@ async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None
     await _send_hints(db, hint, [(Channel.RUN_EVENT, str(claim.run_id)),
                                  (Channel.RUN_ENQUEUED, conversation),
                                  (Channel.CONVERSATION, conversation)])
-    return row["message_id"]
+    return cast("UUID | None", row["message_id"])
 
 
-async def journal_endings(conn: asyncpg.Connection, endings: Sequence[Ending]) -> None:
+async def journal_endings(conn: Conn, endings: Sequence[Ending]) -> None:
     """Journal 'complete' for runs another party just finalized, in the caller's transaction."""
     if not endings:
         return
@@ -594,7 +595,7 @@ async def run_status(db: Db, run_id: UUID) -> RunEnding | None:
 
 
 async def queue_status(db: Db) -> QueueStatus:
-    row = await db.fetchrow(Q.queue_status.sql)
+    row = await fetch_one(db, Q.queue_status.sql)
     return QueueStatus(row["queued"], row["running"], row["expired"], list(row["workers"]))
 
 

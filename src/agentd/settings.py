@@ -215,7 +215,7 @@ def is_loopback_host(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except OSError:
         return False
-    addresses = {info[4][0] for info in infos}
+    addresses = {str(info[4][0]) for info in infos}
     return bool(addresses) and all(
         ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 

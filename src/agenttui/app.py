@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from functools import partial
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
@@ -132,7 +132,7 @@ class AgentTUI(App[None]):
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen(self.key_table()))
 
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         main = self.main
         yield SystemCommand("New conversation", "Start an empty conversation",

@@ -14,11 +14,11 @@ import email.utils
 import json
 import random
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import httpx
@@ -337,6 +337,10 @@ class AgentClient:
     async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return (await self._send(method, path, **kwargs)).json()
 
+    async def _object(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        """An answer that is a JSON object (every endpoint's but a few lists)."""
+        return cast("dict[str, Any]", await self._json(method, path, **kwargs))
+
     @contextlib.asynccontextmanager
     async def open_sse(self, path: str, *, last_event_id: str | None = None,
                        params: Mapping[str, Any] | None = None) -> AsyncIterator[EventSource]:
@@ -489,7 +493,7 @@ class AgentClient:
         body: dict[str, Any] = {"decision": decision}
         if note:
             body["note"] = note
-        return await self._json("POST", f"/v1/runs/{_id(run_id)}/approvals/{_id(call_id)}",
+        return await self._object("POST", f"/v1/runs/{_id(run_id)}/approvals/{_id(call_id)}",
                                 json=body)
 
     def run_events(self, run_id: str, *, after: int = 0) -> RunStream:
@@ -504,17 +508,19 @@ class AgentClient:
     async def create_pairing(self, device: str | None = None) -> dict[str, Any]:
         """A one-time code for another device of this account: {code, expires_at, command…}."""
         body = {"device": device} if device else {}
-        return await self._json("POST", "/v1/pairings", json=body)
+        return await self._object("POST", "/v1/pairings", json=body)
 
     async def pair(self, code: str, device: str) -> dict[str, Any]:
         """Redeem a pairing code (no token needed): {token, account, device, device_id}.
 
         Never retried: a code is spent by the first request that reaches the server.
         """
-        return await self._json("POST", "/v1/pair", json={"code": code, "device": device})
+        return await self._object("POST", "/v1/pair", json={"code": code, "device": device})
 
     async def list_devices(self) -> list[dict[str, Any]]:
-        return (await self._json("GET", "/v1/devices", retries=2))["devices"]
+        devices: list[dict[str, Any]] = (await self._object("GET", "/v1/devices",
+                                                            retries=2))["devices"]
+        return devices
 
     async def revoke_device(self, device_id: str) -> None:
         await self._send("DELETE", f"/v1/devices/{_id(device_id)}", retries=2)
@@ -522,10 +528,10 @@ class AgentClient:
     # -- service ----------------------------------------------------------------------------
 
     async def health(self) -> dict[str, Any]:
-        return await self._json("GET", "/healthz")
+        return await self._object("GET", "/healthz")
 
     async def openapi(self) -> dict[str, Any]:
-        return await self._json("GET", "/openapi.json", retries=2)
+        return await self._object("GET", "/openapi.json", retries=2)
 
 
 def _id(value: str) -> str:
@@ -564,7 +570,7 @@ class _ResumableStream:
         self.status = status
         return status
 
-    async def __aiter__(self) -> AsyncIterator[FeedItem]:
+    async def __aiter__(self) -> AsyncGenerator[FeedItem, None]:
         attempt = 0
         error: str | None = None
         yield self._status(ConnectionStatus(ConnectionState.CONNECTING))

@@ -121,8 +121,10 @@ def validate_run_request(body: Any, settings: Settings) -> RunAsk:
 
 
 def _retry_of(value: Any) -> UUID | Literal["last"] | None:
-    if value is None or value == LAST:
-        return value
+    if value is None:
+        return None
+    if value == LAST:
+        return "last"
     try:
         return UUID(value)
     except (ValueError, AttributeError, TypeError):
@@ -158,7 +160,7 @@ def validate_approval(body: Any) -> tuple[ApprovalDecision, str | None]:
     if unknown:
         raise ServiceError(400, "unknown_field", f"unknown fields: {', '.join(sorted(unknown))}")
     try:
-        decision = ApprovalDecision(body.get("decision"))
+        decision = ApprovalDecision(str(body.get("decision")))
     except ValueError:
         raise ServiceError(422, "invalid_decision",
                            'decision must be "approve" or "deny"') from None

@@ -351,9 +351,11 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
                     presence_reader=read_presence, meta_reader=read_meta,
                     meta_seen=_snapshot_meta(snapshot), on_idle=renew):
                 if item.kind == "event":
-                    await sse.send(response, item.cursor, str(item.event.type),
-                                   wire.event(item.event, str(item.run_id)))
-                    lag.sent(item.event)
+                    event = item.event
+                    assert event is not None  # an "event" item carries its event
+                    await sse.send(response, item.cursor, str(event.type),
+                                   wire.event(event, str(item.run_id)))
+                    lag.sent(event)
                 elif item.kind == "run_state":
                     await sse.send(response, item.cursor, "run_state",
                                    {"type": "run_state", **item.data})

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -142,7 +142,7 @@ def _status_message(config: ProviderConfig, model: str, response: httpx.Response
 
 async def post_event_stream(client: httpx.AsyncClient, config: ProviderConfig, *, url: str,
                             model: str, headers: dict[str, str],
-                            body: dict[str, Any]) -> AsyncIterator[ServerSentEvent]:
+                            body: dict[str, Any]) -> AsyncGenerator[ServerSentEvent, None]:
     """POST `body` and yield the answer's events; raises ProviderError on any failure."""
     timeout = config.timeout_s
     attempt = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,11 +104,12 @@ class OpenAIProvider:
             raise ProviderError(f"providers.{config.name}.base_url is not configured",
                                 "model_unavailable")
         self.config = config
+        self._base_url: str = config.base_url  # checked above
         self._client = client or make_client(config)
 
     @property
     def url(self) -> str:
-        return self.config.base_url.rstrip("/") + "/chat/completions"  # type: ignore[union-attr]
+        return self._base_url.rstrip("/") + "/chat/completions"
 
     def request_body(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
                      params: dict[str, Any], names: ToolNames | None = None) -> dict[str, Any]:
@@ -122,7 +123,7 @@ class OpenAIProvider:
         return body
 
     async def stream(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
-                     params: dict[str, Any]) -> AsyncIterator[StreamItem]:
+                     params: dict[str, Any]) -> AsyncGenerator[StreamItem, None]:
         headers = {}
         key = api_key(self.config)
         if key:

@@ -262,7 +262,8 @@ class LifecycleScreen(Screen[None]):
         if turn is None or not turn.queued:
             queued = model.queued_turns
             mine = [t for t in queued if model.mine(t)]
-            turn = (mine or queued or [None])[-1]
+            candidates = mine or queued
+            turn = candidates[-1] if candidates else None
         if turn is None or turn.run_id is None:
             self.notify("No queued turn to cancel.")
             return

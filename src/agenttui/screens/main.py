@@ -109,7 +109,7 @@ class MainScreen(LifecycleScreen):
         # order): messages typed in one burst are queued in the order they were typed.
         self._send_lock = asyncio.Lock()
 
-    def notify(self, message: str, *, title: str = "",  # type: ignore[override]
+    def notify(self, message: str, *, title: str = "",
                markup: bool = False, **kwargs: Any) -> None:
         """A toast; literal by default: messages quote titles, errors and paths."""
         self.notices.append(message)
