@@ -1,7 +1,8 @@
 """Conversations and their authoritative state: transcript, active runs, the lease, the devices
 attached (presence) and the notebook the `notes` tool writes.
 
-Every read is scoped by account (rule 9): another account's conversation simply does not exist.
+Every read is scoped by account (authorize before competing: docs/architecture.md): another
+account's conversation simply does not exist.
 """
 
 from __future__ import annotations

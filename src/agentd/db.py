@@ -95,7 +95,8 @@ async def ping(db: Db) -> None:
 
 
 async def database_time(db: Db) -> datetime:
-    """The database clock: the one time agentd trusts (docs/architecture.md, rule 10)."""
+    """The database clock: the one time agentd trusts (the daemon's clock is not: see
+    docs/architecture.md)."""
     now: datetime = await db.fetchval(Q.database_clock.sql)
     return now
 

@@ -1,8 +1,9 @@
 """The hub: one dedicated LISTEN connection per process, fanned out to in-process subscribers.
 
-Signals are hints; rows are truth (rule 6). Subscriber queues are bounded and drop on overflow,
-and after a reconnect every subscriber is woken, because notifications sent while the connection
-was down are gone: consumers re-read rows on every wake, and poll on their own clock meanwhile.
+Signals are hints; rows are truth (docs/architecture.md). Subscriber queues are bounded and drop on
+overflow, and after a reconnect every subscriber is woken, because notifications sent while the
+connection was down are gone: consumers re-read rows on every wake, and poll on their own clock
+meanwhile.
 """
 
 from __future__ import annotations

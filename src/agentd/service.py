@@ -1,7 +1,8 @@
 """The service layer: authorization and the multi-statement operations of the API.
 
 HTTP handlers call only this module (and tail.py); it calls the queue SQL. Every method takes the
-caller's Principal and scopes by its account first (rule 9): other accounts' objects are 404s.
+caller's Principal and scopes by its account first (authorize before competing,
+docs/architecture.md): other accounts' objects are 404s.
 """
 
 from __future__ import annotations

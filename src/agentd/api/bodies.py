@@ -152,6 +152,17 @@ def validate_conversation(body: Any, settings: Settings, *,
     return ConversationChange(title, "model" in body, model, archived)
 
 
+def validate_fork(body: Any) -> UUID:
+    """{"message_id": "..."}: the message a fork copies the transcript up to."""
+    if not isinstance(body, dict) or set(body) != {"message_id"}:
+        raise ServiceError(400, "invalid_body", 'the body must be {"message_id": "..."}')
+    try:
+        return UUID(body["message_id"])
+    except (ValueError, AttributeError, TypeError):
+        raise ServiceError(400, "invalid_message_id", "message_id must be a message id") \
+            from None
+
+
 def validate_approval(body: Any) -> tuple[ApprovalDecision, str | None]:
     """{"decision": "approve" | "deny", "note"?: "..."} for deciding a tool approval."""
     if not isinstance(body, dict):

@@ -20,6 +20,7 @@ from agentd.api.bodies import (
     storable_text,
     validate_approval,
     validate_conversation,
+    validate_fork,
     validate_run_request,
 )
 from agentd.api.errors import error_middleware
@@ -135,14 +136,7 @@ async def delete_conversation(request: web.Request) -> web.Response:
 
 async def fork_conversation(request: web.Request) -> web.Response:
     conversation_id = _path_id(request, "conversation")
-    body = await json_body(request)
-    if not isinstance(body, dict) or set(body) != {"message_id"}:
-        raise ServiceError(400, "invalid_body", 'the body must be {"message_id": "..."}')
-    try:
-        message_id = UUID(body["message_id"])
-    except (ValueError, AttributeError, TypeError):
-        raise ServiceError(400, "invalid_message_id", "message_id must be a message id") \
-            from None
+    message_id = validate_fork(await json_body(request))
     created, copied = await _service(request).fork_conversation(
         principal(request), conversation_id, message_id)
     out = {**wire.conversation(created), "copied_messages": copied,
