@@ -29,6 +29,7 @@ from agentd.providers.http_stream import (
     make_client,
     parse_event_data,
     post_event_stream,
+    required_base_url,
 )
 from agentd.providers.transcript import (
     ToolNames,
@@ -92,11 +93,8 @@ class AnthropicProvider:
     """One shared httpx client per configured provider; closed by `aclose`."""
 
     def __init__(self, config: ProviderConfig, client: httpx.AsyncClient | None = None) -> None:
-        if not config.base_url:
-            raise ProviderError(f"providers.{config.name}.base_url is not configured",
-                                "model_unavailable")
+        self._base_url = required_base_url(config)
         self.config = config
-        self._base_url: str = config.base_url  # checked above
         self._client = client or make_client(config)
 
     @property

@@ -33,6 +33,14 @@ ERROR_BODY_BYTES = 4096
 DETAIL_CHARS = 300
 
 
+def required_base_url(config: ProviderConfig) -> str:
+    """The provider's base URL; a provider without one cannot be built (model_unavailable)."""
+    if not config.base_url:
+        raise ProviderError(f"providers.{config.name}.base_url is not configured",
+                            "model_unavailable")
+    return config.base_url
+
+
 def make_client(config: ProviderConfig) -> httpx.AsyncClient:
     """The provider's one shared client: connect, read, write and pool waits bounded by
     timeout_s, so a server that hangs fails the run instead of holding it forever."""

@@ -245,11 +245,7 @@ class AgentClient:
             body["model"] = model
         if params:
             body["params"] = dict(params)
-        key = idempotency_key or f"agenttui-{uuid.uuid4()}"
-        response = await self._send("POST", f"/v1/conversations/{quote_id(conversation_id)}/runs",
-                                    json=body, headers={"Idempotency-Key": key}, retries=3)
-        return CreatedRun.from_wire(response.json(), replayed=bool(
-            response.headers.get("Idempotent-Replayed")))
+        return await self._post_run(conversation_id, body, idempotency_key)
 
     async def retry(self, conversation_id: str, message_id: str = "last", *,
                     content: str | None = None, model: str | None = None,
@@ -267,6 +263,11 @@ class AgentClient:
             body["model"] = model
         if params is not None:
             body["params"] = dict(params)
+        return await self._post_run(conversation_id, body, idempotency_key)
+
+    async def _post_run(self, conversation_id: str, body: dict[str, Any],
+                        idempotency_key: str | None) -> CreatedRun:
+        """POST a run under one Idempotency-Key, retried on network errors: never twice."""
         key = idempotency_key or f"agenttui-{uuid.uuid4()}"
         response = await self._send("POST", f"/v1/conversations/{quote_id(conversation_id)}/runs",
                                     json=body, headers={"Idempotency-Key": key}, retries=3)
