@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
 
+from agentd.db import fetch_one
 from agentd.queries import Q
 from agentd.queue import Db
 from agentd.settings import MAX_ACCOUNT_QUEUED, MAX_ACCOUNT_RUNNING
@@ -68,6 +69,24 @@ class DeviceInfo:
     revoked_at: datetime | None
 
 
+MAX_NAME_CHARS = 200  # the account and device tables' CHECK constraints
+
+
+def check_name(what: str, name: str) -> str:
+    """A name the account or device tables accept; ValueError names what is wrong with it.
+
+    Checked before any statement runs, so a command line answers with the rule instead of the
+    database's constraint violation.
+    """
+    if not name.strip():
+        raise ValueError(f"{what} must not be empty")
+    if len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"{what} must be at most {MAX_NAME_CHARS} characters, got {len(name)}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ValueError(f"{what} must not contain control characters, got {name!r}")
+    return name
+
+
 def hash_token(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
@@ -77,15 +96,16 @@ def new_token() -> str:
 
 
 async def ensure_account(db: Db, name: str) -> UUID:
-    return (await db.fetchrow(*Q.ensure_account.bind(name=name)))["id"]
+    account_id: UUID = (await fetch_one(db, *Q.ensure_account.bind(name=name)))["id"]
+    return account_id
 
 
 async def create_device_token(db: Db, *, account: str, device: str) -> tuple[str, UUID]:
     """Mint a token for a new device of `account` (created if missing); returns (token, id)."""
     account_id = await ensure_account(db, account)
     token = new_token()
-    row = await db.fetchrow(*Q.create_device.bind(account_id=account_id, name=device,
-                                                  token_hash=hash_token(token)))
+    row = await fetch_one(db, *Q.create_device.bind(account_id=account_id, name=device,
+                                                    token_hash=hash_token(token)))
     return token, row["id"]
 
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from agentd import __version__
 from agentd.settings import Settings, SettingsError, load_settings
@@ -24,13 +25,23 @@ EPILOG = """Every setting also has a config-file key and an AGENTD_* environment
 (e.g. AGENTD_DSN, AGENTD_LISTEN, AGENTD_LEASE_TTL_S). Without a DSN agentd runs its own
 embedded PostgreSQL and the offline demo model, so `agentd serve` works on a fresh machine."""
 
+log = logging.getLogger("agentd.cli")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the full usage is one --help away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="agentd", description="Durable AI-agent turns on PostgreSQL.", epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"agentd {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=_Parser)
 
     def db_options(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--config", type=Path, help="TOML config file (default: the user "
@@ -66,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     db_options(mig)
 
     token = commands.add_parser("token", help="manage device tokens")
-    token_cmds = token.add_subparsers(dest="token_command", required=True, metavar="ACTION")
+    token_cmds = token.add_subparsers(dest="token_command", required=True, metavar="ACTION",
+                                      parser_class=_Parser)
     create = token_cmds.add_parser("create", help="mint a token; prints it alone on stdout")
     db_options(create)
     create.add_argument("--account", required=True, help="account name (created if missing)")
@@ -80,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     account = commands.add_parser("account", help="per-account limits: running, queued, "
                                   "models")
     account_cmds = account.add_subparsers(dest="account_command", required=True,
-                                          metavar="ACTION")
+                                          metavar="ACTION", parser_class=_Parser)
     limits = account_cmds.add_parser(
         "set", help="set an account's limits (created if missing)",
         description="Set limits for one account, in the database: every daemon of the fleet "
@@ -128,7 +140,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     return load_settings(getattr(args, "config", None), overrides=overrides)
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     print(f"agentd: {message}", file=sys.stderr)
     raise SystemExit(code)
 
@@ -150,6 +162,8 @@ async def _with_pool(settings: Settings, work: Callable[[Any], Awaitable[int]]) 
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Every failure a user can cause (a bad value, an unreachable or refusing database, input
+    the database rejects) ends in one `agentd: …` line and a non-zero exit, never a traceback."""
     args = _parser().parse_args(argv)
     if args.command == "install-service":
         raise SystemExit(_install_service(args))
@@ -157,28 +171,51 @@ def main(argv: list[str] | None = None) -> None:
         settings = _settings(args)
     except SettingsError as exc:
         _fail(f"invalid setting: {exc}")
+    import asyncpg
+
     from agentd.embedded_pg import EmbeddedPgError
     from agentd.listen import ListenError
     from agentd.logs import configure_logging
     from agentd.tls import TLSError
 
     configure_logging(settings.log_level if args.command == "serve" else "warning")
-    handlers: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
+    handlers: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
         "serve": _serve, "pair": _pair, "migrate": _migrate, "token": _token,
         "account": _account, "status": _status, "doctor": _doctor}
     try:
         code = asyncio.run(handlers[args.command](settings, args))
     except EmbeddedPgError as exc:
-        _fail(f"{exc}\nPass --dsn (or AGENTD_DSN) to use an existing PostgreSQL server.")
+        _fail(f"{exc}. Pass --dsn (or AGENTD_DSN) to use an existing PostgreSQL server.")
     except TLSError as exc:
-        _fail(f"{exc}\nFix tls_cert/tls_key, or remove them to use a self-signed certificate.")
+        _fail(f"{exc}. Fix tls_cert/tls_key, or remove them to use a self-signed certificate.")
     except ListenError as exc:
         _fail(str(exc), 1)
+    except asyncpg.ClientConfigurationError as exc:
+        _fail(f"invalid setting: dsn: {exc}")
+    except asyncpg.PostgresError as exc:  # e.g. unknown role or database, a refused password
+        _fail(f"the database refused: {_one_line(str(exc))}", 1)
     except (OSError, ConnectionError) as exc:
         _fail(f"cannot reach the database: {exc}", 1)
     except KeyboardInterrupt:
         code = 130
+    except Exception as exc:  # a bug: still one line (AGENTD_LOG_LEVEL=debug logs the trace)
+        log.debug("agentd %s failed", args.command, exc_info=True)
+        _fail(f"{args.command} failed: {type(exc).__name__}: {_one_line(str(exc))}", 1)
     raise SystemExit(code)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _name(what: str, value: str) -> str:
+    """A name the database accepts, or exit with the rule (before any database is touched)."""
+    from agentd.accounts import check_name
+
+    try:
+        return check_name(what, value)
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 async def _serve(settings: Settings, _args: argparse.Namespace) -> int:
@@ -192,6 +229,8 @@ async def _pair(settings: Settings, args: argparse.Namespace) -> int:
     from agentd.api.devices import login_command
     from agentd.tls import public_url, server_certificate
 
+    _name("--account", args.account)
+    _name("--device", args.device)
     certificate = await asyncio.to_thread(server_certificate, settings) \
         if settings.serves_tls else None
 
@@ -236,6 +275,15 @@ async def _migrate(settings: Settings, _args: argparse.Namespace) -> int:
 async def _token(settings: Settings, args: argparse.Namespace) -> int:
     from agentd import accounts
 
+    if args.token_command == "create":
+        _name("--account", args.account)
+        _name("--device", args.device)
+    elif args.token_command == "revoke":
+        try:
+            device_id = uuid.UUID(args.device_id)
+        except ValueError:
+            _fail(f"not a device id: {args.device_id!r}")
+
     async def work(pool: Any) -> int:
         if args.token_command == "create":
             token, _ = await accounts.create_device_token(pool, account=args.account,
@@ -248,10 +296,6 @@ async def _token(settings: Settings, args: argparse.Namespace) -> int:
                 state = "revoked" if d.revoked_at else "active"
                 print(f"{d.id!s:36}  {d.account:12}  {d.name:16}  {seen:20}  {state}")
         else:
-            try:
-                device_id = uuid.UUID(args.device_id)
-            except ValueError:
-                _fail(f"not a device id: {args.device_id!r}")
             if not await accounts.revoke_device(pool, device_id):
                 _fail(f"no active device {device_id}", 1)
             print(f"revoked {device_id}")
@@ -274,8 +318,9 @@ async def _account(settings: Settings, args: argparse.Namespace) -> int:
             _fail(str(exc))  # before any database is touched
         if not (change.change_running or change.change_queued or change.change_models):
             _fail("nothing to set: give --max-running, --max-queued or --models")
-        if len(args.name) > 200 or not args.name.strip():
-            _fail("the account name must be 1-200 characters")
+        _name("the account name", args.name)
+    elif args.name is not None:
+        _name("the account name", args.name)
 
     async def work(pool: Any) -> int:
         if change is not None:
@@ -330,19 +375,20 @@ def _install_service(args: argparse.Namespace) -> int:
     extra, moved = systemd.split_secrets([a for a in args.serve_args if a != "--"])
     variables = {k: v for k, v in os.environ.items() if k.startswith("AGENTD_")}
     variables.update(moved)
+    # The unit's `serve` must start: refuse what it would refuse, before writing anything.
+    serve_args = _parser().parse_args(["serve", *extra])
+    try:
+        load_settings(getattr(serve_args, "config", None), env={**os.environ, **variables},
+                      overrides={"dsn": serve_args.dsn, "data_dir": serve_args.data_dir,
+                                 "listen": serve_args.listen,
+                                 "insecure_http": serve_args.insecure_http})
+    except SettingsError as exc:
+        _fail(f"invalid setting for the service: {exc}")
     variables.update(_provider_keys(extra))
-    data_root = _data_root(extra, variables)
-    data_root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    env_path = systemd.environment_file_path()
-    env_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _write_private(env_path, systemd.environment_file_text(variables))
-    from agenttui.locations import config_dir as client_config_dir
-
-    path = systemd.user_unit_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(systemd.unit_text(["serve", *extra], env_file=env_path,
-                                      writable=[data_root],
-                                      optional_writable=[client_config_dir()]), "utf-8")
+    try:
+        path, env_path = _write_service_files(extra, variables)
+    except OSError as exc:
+        _fail(f"cannot write the service: {exc}", 1)
     print(f"wrote {path}")
     print(f"wrote {env_path} (mode 0600: {', '.join(sorted(variables)) or 'no variables'})")
     if args.no_enable:
@@ -358,6 +404,23 @@ def _install_service(args: argparse.Namespace) -> int:
             return 1
     print("agentd.service enabled and started (journalctl --user -u agentd -f)")
     return 0
+
+
+def _write_service_files(extra: list[str], variables: dict[str, str]) -> tuple[Path, Path]:
+    from agentd import systemd
+    from agentd.client_config import config_dir as client_config_dir
+
+    data_root = _data_root(extra, variables)
+    data_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    env_path = systemd.environment_file_path()
+    env_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _write_private(env_path, systemd.environment_file_text(variables))
+    path = systemd.user_unit_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(systemd.unit_text(["serve", *extra], env_file=env_path,
+                                      writable=[data_root],
+                                      optional_writable=[client_config_dir()]), "utf-8")
+    return path, env_path
 
 
 def _provider_keys(serve_args: list[str]) -> dict[str, str]:

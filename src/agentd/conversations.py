@@ -1,7 +1,8 @@
 """Conversations and their authoritative state: transcript, active runs, the lease, the devices
 attached (presence) and the notebook the `notes` tool writes.
 
-Every read is scoped by account (rule 9): another account's conversation simply does not exist.
+Every read is scoped by account (authorize before competing: docs/architecture.md): another
+account's conversation simply does not exist.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from uuid import UUID
 
 import asyncpg
 
-from agentd.db import Db
+from agentd.db import Conn, Db, fetch_one
 from agentd.queries import Q
 from agentd.vocabulary import MessageRole, MessageStatus, RunStatus
 
@@ -206,22 +207,21 @@ async def fork_conversation(db: Db, account_id: UUID, conversation_id: UUID,
     return row
 
 
-async def retry_target(conn: asyncpg.Connection, conversation_id: UUID,
+async def retry_target(conn: Conn, conversation_id: UUID,
                        message_id: UUID | None) -> asyncpg.Record:
     """The latest turn and the message a retry names (under lock_conversation)."""
-    row: asyncpg.Record = await conn.fetchrow(*Q.retry_target.bind(
-        conversation_id=conversation_id, message_id=message_id))
-    return row
+    return await fetch_one(conn, *Q.retry_target.bind(conversation_id=conversation_id,
+                                                       message_id=message_id))
 
 
-async def supersede_exchange(conn: asyncpg.Connection, conversation_id: UUID,
+async def supersede_exchange(conn: Conn, conversation_id: UUID,
                              message_id: UUID, superseded_by: UUID) -> None:
     """Mark the retried exchange as replaced by the new user message (same transaction)."""
     await conn.execute(*Q.supersede_exchange.bind(
         conversation_id=conversation_id, message_id=message_id, superseded_by=superseded_by))
 
 
-async def lock_conversation(conn: asyncpg.Connection, account_id: UUID,
+async def lock_conversation(conn: Conn, account_id: UUID,
                             conversation_id: UUID) -> bool:
     """Serialize with enqueues and stops of this conversation until the transaction ends;
     False when the account has no such conversation."""

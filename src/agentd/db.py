@@ -14,10 +14,14 @@ from datetime import datetime
 from typing import Any, TypeAlias
 
 import asyncpg
+from asyncpg.pool import PoolConnectionProxy
 
 from agentd.queries import Q
 
-Db: TypeAlias = asyncpg.Pool | asyncpg.Connection  # what the data layer's functions run on
+# What the data layer's functions run on: the pool, a connection, or a pool's connection.
+Db: TypeAlias = "asyncpg.Pool | asyncpg.Connection | PoolConnectionProxy"
+# One session (a transaction's statements): a connection, or one borrowed from the pool.
+Conn: TypeAlias = "asyncpg.Connection | PoolConnectionProxy"
 EMBEDDED_DATABASE = "agentd"  # create_agentd_database names it (identifiers cannot be bound)
 
 
@@ -71,9 +75,18 @@ async def connect(dsn: str, *, application_name: str = "agentd",
     the heartbeat's, which also bounds its waits with `timeouts`)."""
     settings = server_settings(timeouts, application_name) if timeouts is not None else \
         {"application_name": application_name}
-    conn = await asyncpg.connect(dsn, server_settings=settings, **kwargs)
+    conn: asyncpg.Connection = await asyncpg.connect(dsn, server_settings=settings, **kwargs)
     await _init_connection(conn)
     return conn
+
+
+async def fetch_one(db: Db, query: str, *args: Any) -> asyncpg.Record:
+    """The row of a statement that always returns one (an upsert, an aggregate, a LEFT JOIN
+    from a one-row VALUES): no row is a bug, raised as one rather than a TypeError later."""
+    row = await db.fetchrow(query, *args)
+    if row is None:
+        raise RuntimeError(f"a statement that returns one row returned none: {query[:80]!r}")
+    return row
 
 
 async def ping(db: Db) -> None:
@@ -82,7 +95,8 @@ async def ping(db: Db) -> None:
 
 
 async def database_time(db: Db) -> datetime:
-    """The database clock: the one time agentd trusts (docs/architecture.md, rule 10)."""
+    """The database clock: the one time agentd trusts (the daemon's clock is not: see
+    docs/architecture.md)."""
     now: datetime = await db.fetchval(Q.database_clock.sql)
     return now
 

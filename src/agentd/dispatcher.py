@@ -1,11 +1,12 @@
 """The claim loop: take a concurrency slot, wait until the load admits more, then claim, then
 run the turn in its own task.
 
-The semaphore is acquired before the claim (rule 2), so a saturated process never strands a run
-it has no capacity for; admission by capacity (load.py) holds back while the event loop lags or
-the pool waits, so overload leaves turns queued instead of claiming ones it cannot keep alive.
-Idle, it waits on the hub's run_enqueued hint with the tick as timeout. However a turn's task
-ends, the dispatcher makes sure its run is finalized (the backstop).
+The semaphore is acquired before the claim (claims are one statement, semaphore first:
+docs/architecture.md), so a saturated process never strands a run it has no capacity for; admission
+by capacity (load.py) holds back while the event loop lags or the pool waits, so overload leaves
+turns queued instead of claiming ones it cannot keep alive. Idle, it waits on the hub's run_enqueued
+hint with the tick as timeout. However a turn's task ends, the dispatcher makes sure its run is
+finalized (the backstop).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ async def run_checks(settings: Settings) -> list[Check]:
                 finally:
                     await probe.close()
                 heard = await sub.wait(3.0)
-            checks.append(Check("listen/notify", heard, "round trip ok" if heard else
+            checks.append(Check("listen/notify", bool(heard), "round trip ok" if heard else
                                 "no NOTIFY received: is the hub DSN behind a transaction "
                                 "pooler? point AGENTD_HUB_DSN at PostgreSQL directly"))
         finally:

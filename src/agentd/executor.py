@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import UTC
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -132,7 +132,8 @@ class TurnRunner:
         held = self._keeper.hold(claim)
         try:
             try:
-                # Seed 000: the granted deadline must still be ahead before any work starts.
+                # The lease must still be live before any work starts (a claim granted
+                # moments ago can have expired since: docs/architecture.md, lease and fence).
                 # A read, not a renewal: the claim just granted a full lease, and a write here
                 # would put one more synchronous commit in front of every turn.
                 beat = await check_lease(self._pool, claim)
@@ -408,7 +409,7 @@ class TurnRunner:
         turn.awaiting.clear()
 
 
-def _rfc3339(value: Any) -> str:
+def _rfc3339(value: datetime) -> str:
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 

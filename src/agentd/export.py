@@ -26,6 +26,6 @@ def conversation_markdown(state: ConversationState) -> str:
             mark = "" if message.status == MessageStatus.COMPLETE else f" ({message.status})"
             lines += [f"## Assistant{mark} · {stamp}", "", message.content, ""]
         else:
-            lines += [f"> tool result{' (cancelled)' if message.status == 'cancelled' else ''}: "
-                      f"`{message.content[:500]}`", ""]
+            cancelled = " (cancelled)" if message.status == MessageStatus.CANCELLED else ""
+            lines += [f"> tool result{cancelled}: `{message.content[:500]}`", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -1,8 +1,9 @@
 """The hub: one dedicated LISTEN connection per process, fanned out to in-process subscribers.
 
-Signals are hints; rows are truth (rule 6). Subscriber queues are bounded and drop on overflow,
-and after a reconnect every subscriber is woken, because notifications sent while the connection
-was down are gone: consumers re-read rows on every wake, and poll on their own clock meanwhile.
+Signals are hints; rows are truth (docs/architecture.md). Subscriber queues are bounded and drop on
+overflow, and after a reconnect every subscriber is woken, because notifications sent while the
+connection was down are gone: consumers re-read rows on every wake, and poll on their own clock
+meanwhile.
 """
 
 from __future__ import annotations
@@ -147,9 +148,10 @@ class Hub:
     def subscriber_count(self) -> int:
         return sum(len(s) for s in self._subscribers.values())
 
-    def _on_notify(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
+    def _on_notify(self, _conn: Any, _pid: int, channel: str, message: object) -> None:
         # Runs on the event loop inside asyncpg's protocol: only hand off, never do work here.
         self.notifications += 1
+        payload = str(message)  # a NOTIFY payload is text
         try:
             chan = Channel(channel)
         except ValueError:

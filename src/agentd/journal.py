@@ -1,4 +1,5 @@
-"""The coalescing emitter: journals one run's events behind its fence (rule 7).
+"""The coalescing emitter: journals one run's events behind its fence (streams are tables with
+cursors: docs/architecture.md).
 
 Consecutive token deltas merge in memory and flush on a short clock; the first delta of a turn
 and every structural event write through at once. A fenced-out write surfaces as LeaseLost.

@@ -134,7 +134,7 @@ class ConnectionGuard:
                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
                          ) -> web.StreamResponse:
         """Marks the connection busy while a request runs: its head has arrived whole."""
-        guarded = self._by_handler.get(request.protocol)  # type: ignore[call-overload]
+        guarded = self._by_handler.get(request.protocol)
         if guarded is None:
             return await handler(request)
         guarded.request_started()
@@ -179,7 +179,9 @@ class _GuardedProtocol(asyncio.Protocol):
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._admitted else None
+        if self._admitted:
+            self._inner.eof_received()
+        return None  # close the transport (aiohttp's handler answers None too)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()

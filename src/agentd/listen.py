@@ -91,6 +91,6 @@ def _overlaps(bound: str, host: str) -> bool:
         return True
     for address in (bound, *wanted):
         with contextlib.suppress(ValueError):
-            if ipaddress.ip_address(address.split("%")[0]).is_unspecified:
+            if ipaddress.ip_address(str(address).split("%")[0]).is_unspecified:
                 return True
     return bound in wanted

@@ -1,9 +1,10 @@
 """Wake hints sent after commit, batched, outside the transactions that caused them.
 
-PostgreSQL serializes every committing transaction that carries a NOTIFY on one cluster-wide
-lock held until its commit is flushed; a hint per journal append made concurrent turns commit one
-at a time. Hints are hints (rule 6): sending them just after the commit, from one statement per
-batch, loses nothing a poll would not recover, and frees the hot commits to flush together.
+PostgreSQL serializes every committing transaction that carries a NOTIFY on one cluster-wide lock
+held until its commit is flushed; a hint per journal append made concurrent turns commit one at a
+time. Hints are hints, rows are truth (docs/architecture.md): sending them just after the commit,
+from one statement per batch, loses nothing a poll would not recover, and frees the hot commits to
+flush together.
 """
 
 from __future__ import annotations

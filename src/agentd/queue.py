@@ -12,11 +12,12 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 import asyncpg
 
+from agentd.db import Conn, fetch_one
 from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
@@ -226,7 +227,8 @@ async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, conten
                       request: dict[str, Any], device_id: UUID | None = None,
                       idempotency_key: str | None = None,
                       default_max_queued: int = DEFAULT_MAX_QUEUED) -> EnqueuedRun:
-    """Write message + run + journal seq 1-2 + wake in one statement (rule 1). Raises
+    """Write message + run + journal seq 1-2 + wake in one statement (a run is a row:
+docs/architecture.md). Raises
     QueueFull (nothing written) when the account is at its queued limit, ConversationNotFound
     when the conversation is not the account's."""
     digest = request_hash(conversation_id, content, request)
@@ -274,10 +276,10 @@ def _claim_from_row(row: asyncpg.Record) -> Claim:
 class _Borrowed:
     """Lets functions that need a dedicated connection accept one the caller already holds."""
 
-    def __init__(self, conn: asyncpg.Connection) -> None:
+    def __init__(self, conn: Conn) -> None:
         self._conn = conn
 
-    async def __aenter__(self) -> asyncpg.Connection:
+    async def __aenter__(self) -> Conn:
         return self._conn
 
     async def __aexit__(self, *exc: object) -> None:
@@ -314,8 +316,8 @@ async def notify_conversation(db: Db, payload: str) -> None:
 async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int = 1,
                      default_max_running: int = DEFAULT_MAX_RUNNING,
                      hint: Hint | None = None) -> list[Claim]:
-    """Claim up to `limit` runs in one statement (rule 2), fairly across accounts and within
-    their running limits (at most one per account). Losing a race claims nothing."""
+    """Claim up to `limit` runs in one statement (docs/architecture.md), fairly across accounts
+    and within their running limits (at most one per account). Losing a race claims nothing."""
     try:
         # One statement commits whole or not at all. Losing the conversation raises a unique
         # violation: from one_running_per_conversation when a snapshot fooled the pre-filter,
@@ -324,7 +326,8 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
                                                  limit=limit,
                                                  default_max_running=default_max_running))
     except asyncpg.UniqueViolationError:
-        # Another claimer won the conversation (DESIGN §5b); our runs stay queued.
+        # Another claimer won the conversation (one turn at a time per conversation:
+        # docs/architecture.md); our runs stay queued.
         return []
     claims = [_claim_from_row(row) for row in rows]
     await _send_hints(db, hint, [(Channel.RUN_EVENT, str(c.run_id)) for c in claims])
@@ -416,7 +419,8 @@ async def check_lease(db: Db, claim: Claim) -> Beat:
 
 async def append_events(db: Db, claim: Claim, events: Sequence[NewEvent], *,
                         hint: Hint | None = None) -> None:
-    """Append a batch to the journal behind the fence, all or nothing (rule 7)."""
+    """Append a batch to the journal behind the fence, all or nothing (streams are tables:
+    docs/architecture.md)."""
     if not events:
         return
     seqs = [e.seq for e in events]
@@ -444,7 +448,7 @@ async def insert_message(db: Db, claim: Claim, *, role: MessageRole, content: st
         status=str(status), tool_calls=tool_calls, tool_call_id=tool_call_id))
     if message_id is None:
         raise LeaseLost(claim.run_id, "message write")
-    return message_id
+    return cast(UUID, message_id)
 
 
 async def answer_open_tool_calls(db: Db, claim: Claim) -> int:
@@ -484,10 +488,10 @@ async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None
     await _send_hints(db, hint, [(Channel.RUN_EVENT, str(claim.run_id)),
                                  (Channel.RUN_ENQUEUED, conversation),
                                  (Channel.CONVERSATION, conversation)])
-    return row["message_id"]
+    return cast("UUID | None", row["message_id"])
 
 
-async def journal_endings(conn: asyncpg.Connection, endings: Sequence[Ending]) -> None:
+async def journal_endings(conn: Conn, endings: Sequence[Ending]) -> None:
     """Journal 'complete' for runs another party just finalized, in the caller's transaction."""
     if not endings:
         return
@@ -521,7 +525,8 @@ async def reap_expired(pool: Db, *, grace_s: float = 0.0, limit: int = 100) -> l
 
 async def release_lease(db: Db, *, account_id: UUID, conversation_id: UUID,
                         execution_id: UUID) -> bool:
-    """Delete the conversation lease only if this execution still holds it (seed 000)."""
+    """Delete the conversation lease only if this execution still holds it: a later
+    execution's lease is never released by an earlier one (docs/architecture.md)."""
     return await db.fetchval(*Q.release_lease.bind(
         account_id=account_id, conversation_id=conversation_id,
         execution_id=execution_id)) is not None
@@ -529,7 +534,8 @@ async def release_lease(db: Db, *, account_id: UUID, conversation_id: UUID,
 
 async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID,
                             run_ids: Sequence[UUID] | None = None) -> StopResult:
-    """Stop a conversation in ONE transaction (rule 8), or only `run_ids` of it.
+    """Stop a conversation in ONE transaction (stop is a state: docs/architecture.md), or only
+    `run_ids` of it.
 
     Queued turns are cancelled outright and their text handed back as drafts; the running one is
     flagged and woken; its worker finalizes it 'cancelled'.
@@ -594,7 +600,7 @@ async def run_status(db: Db, run_id: UUID) -> RunEnding | None:
 
 
 async def queue_status(db: Db) -> QueueStatus:
-    row = await db.fetchrow(Q.queue_status.sql)
+    row = await fetch_one(db, Q.queue_status.sql)
     return QueueStatus(row["queued"], row["running"], row["expired"], list(row["workers"]))
 
 

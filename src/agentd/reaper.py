@@ -1,7 +1,8 @@
 """The reaper: a loop in every process (no singleton) plus one sweep at boot (the reconciler).
 
-It finalizes failed only runs whose lease has passed, re-checked inside the write (rule 3), so a
-run whose heartbeat landed first survives. It also trims the journal of long-finished runs.
+It finalizes failed only runs whose lease has passed, re-checked inside the write (lease for
+liveness, fence for correctness: docs/architecture.md), so a run whose heartbeat landed first
+survives. It also trims the journal of long-finished runs.
 """
 
 from __future__ import annotations

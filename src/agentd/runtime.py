@@ -102,7 +102,7 @@ async def ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | N
     already points at this port on loopback follows a switch to or from TLS, or a new
     certificate (this daemon is the authority on its own certificate, on its own machine).
     """
-    from agenttui.locations import config_file, read_config, write_client_config
+    from agentd.client_config import config_file, read_config, write_client_config
 
     if config_file().exists():
         config = read_config()

@@ -1,7 +1,8 @@
 """The service layer: authorization and the multi-statement operations of the API.
 
 HTTP handlers call only this module (and tail.py); it calls the queue SQL. Every method takes the
-caller's Principal and scopes by its account first (rule 9): other accounts' objects are 404s.
+caller's Principal and scopes by its account first (authorize before competing,
+docs/architecture.md): other accounts' objects are 404s.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import asyncpg
 from agentd import approvals, queue
 from agentd import conversations as convs
 from agentd.accounts import Principal
+from agentd.db import Conn
 from agentd.hub import Hub
 from agentd.providers import ModelRef, parse_model, validate_params
 from agentd.providers.base import UnknownModel
@@ -318,7 +320,7 @@ class Service:
         Naming the message makes it a compare-and-set: two devices retrying the same turn get
         one new run and one 409, and a client that has not seen a newer turn cannot replace it.
         """
-        named = None if ask.retry_of == LAST else ask.retry_of
+        named = ask.retry_of if isinstance(ask.retry_of, UUID) else None  # None: "last"
         async with self.pool.acquire() as conn, conn.transaction():
             if not await convs.lock_conversation(conn, who.account_id, conversation_id):
                 raise not_found("conversation")
@@ -353,7 +355,7 @@ class Service:
                                            created.user_message_id)
         return created
 
-    async def _replay_retry(self, conn: asyncpg.Connection, who: Principal,
+    async def _replay_retry(self, conn: Conn, who: Principal,
                             conversation_id: UUID, key: str, ask: RunAsk,
                             named: UUID | None) -> CreatedRun | None:
         """A retry repeated under its Idempotency-Key answers with the first run: what the
@@ -400,7 +402,7 @@ class Service:
         return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created,
                           user_message_id=run.user_message_id)
 
-    async def _replay(self, conn: asyncpg.Connection, who: Principal, conversation_id: UUID,
+    async def _replay(self, conn: Conn, who: Principal, conversation_id: UUID,
                       key: str, req: RunRequest) -> CreatedRun | None:
         first = await queue.find_run_by_idempotency_key(conn, who.account_id, key)
         if first is None:
@@ -529,7 +531,8 @@ def _retry_target(row: asyncpg.Record, named: UUID | None) -> UUID:
                            f"message {row['id']} is not the question of the conversation's "
                            f"latest turn; only that one can be retried or edited",
                            latest_message_id=str(row["latest_id"]) if row["latest_id"] else None)
-    return row["id"]
+    message_id: UUID = row["id"]
+    return message_id
 
 
 NOT_ALLOWED = "not allowed for this account"

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import platformdirs
 
@@ -31,6 +32,21 @@ MAX_MODEL_NAME = 200  # `<provider>:<model>`, as the API accepts it and a conver
 MAX_ACCOUNT_RUNNING = 10_000
 MAX_ACCOUNT_QUEUED = 1_000_000
 MAX_RUN_S = 86_400
+
+
+def dsn_problem(dsn: str | None) -> str | None:
+    """What makes `dsn` unusable as asyncpg's connection URL, without echoing it (it may hold a
+    password); None when it looks usable (the server may still refuse it)."""
+    if dsn is None:
+        return None
+    if not dsn.startswith(("postgresql://", "postgres://")):
+        return ("must be a postgresql:// URL, e.g. postgresql://user@host:5432/dbname "
+                "(the key=value form is not accepted)")
+    try:
+        urlsplit(dsn)  # a port list (several hosts) is asyncpg's to parse, at connect
+    except ValueError as exc:
+        return f"is not a valid URL: {exc}"
+    return None
 
 
 class SettingsError(ValueError):
@@ -124,6 +140,10 @@ class Settings:
             raise SettingsError(
                 f"heartbeat_s ({self.heartbeat_s}) must be at most lease_ttl_s/3 "
                 f"({self.lease_ttl_s / 3:g}) so a lease survives two missed beats")
+        for key in ("dsn", "hub_dsn"):
+            problem = dsn_problem(getattr(self, key))
+            if problem:
+                raise SettingsError(f"{key} ({_env(key)}) {problem}")
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise SettingsError(f"listen ({_env('listen')}) must be HOST:PORT, got "
@@ -195,7 +215,7 @@ def is_loopback_host(host: str) -> bool:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except OSError:
         return False
-    addresses = {info[4][0] for info in infos}
+    addresses = {str(info[4][0]) for info in infos}
     return bool(addresses) and all(
         ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 

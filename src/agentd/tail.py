@@ -1,4 +1,5 @@
-"""Tails: a run's journal after a cursor, and a conversation's feed of all its runs (rule 7).
+"""Tails: a run's journal after a cursor, and a conversation's feed of all its runs (streams
+are tables with cursors: docs/architecture.md).
 
 A tail subscribes before it reads, borrows a pooled connection only per read (an idle stream
 costs a hub subscription, not a connection), and synthesizes `complete` for a terminal run whose

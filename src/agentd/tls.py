@@ -107,7 +107,7 @@ def certificate_names(settings: Settings) -> list[str]:
     names += [n.strip() for n in settings.tls_names.split(",") if n.strip()]
     for name in (socket.gethostname(), socket.getfqdn()):
         try:
-            names += [info[4][0] for info in socket.getaddrinfo(name, None,
+            names += [str(info[4][0]) for info in socket.getaddrinfo(name, None,
                                                                    proto=socket.IPPROTO_TCP)]
         except OSError:
             continue

@@ -1,3 +1,3 @@
 """agenttui: the terminal client of agentd, and the API client library it is built on."""
 
-__version__ = "0.1.0"
+from agentd import __version__ as __version__  # one distribution, one version (pyproject.toml)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from functools import partial
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
@@ -25,6 +25,19 @@ from agenttui.screens.pairing import PairingScreen
 from agenttui.settings import DEFAULT_THEME, Settings
 from agenttui.widgets.composer import Composer
 from agenttui.widgets.conversation_list import conversation_label
+
+# The key bindings the command palette lists, by binding id, with their title there (the
+# palette's help line is the binding's tooltip, its command the binding's action): one
+# definition of each action, whether reached by its key or by the palette.
+PALETTE_TITLES = {
+    "new_conversation": "New conversation", "rename_conversation": "Rename conversation",
+    "stop": "Stop", "copy_answer": "Copy last answer", "copy_code": "Copy last code block",
+    "search": "Search conversations", "export": "Export as Markdown",
+    "toggle_sidebar": "Toggle conversation list", "choose_model": "Choose model",
+    "fork": "Fork", "retry": "Retry", "edit": "Edit and resend",
+    "cancel_queued": "Cancel queued turn",
+}
+SCREEN_BINDINGS = (MainScreen.BINDINGS, LifecycleScreen.BINDINGS)
 
 AGENTTUI_THEME = Theme(
     name=DEFAULT_THEME, primary="#5fafd7", secondary="#87afaf", accent="#ffaf5f",
@@ -117,7 +130,7 @@ class AgentTUI(App[None]):
 
     def key_table(self) -> list[tuple[str, str, str]]:
         """(keys, description, binding id) of every remappable binding, as mapped now."""
-        keymap = getattr(self, "_keymap", {})
+        keymap = self.settings.keys  # what __init__ gave set_keymap
         rows = []
         for bindings in (MainScreen.BINDINGS, LifecycleScreen.BINDINGS, Composer.BINDINGS,
                          AgentTUI.BINDINGS):
@@ -132,35 +145,14 @@ class AgentTUI(App[None]):
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen(self.key_table()))
 
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         main = self.main
-        yield SystemCommand("New conversation", "Start an empty conversation",
-                            main.action_new_conversation)
-        yield SystemCommand("Rename conversation", "Give the open conversation a title",
-                            main.action_rename_conversation)
-        yield SystemCommand("Stop", "Stop the running turn and cancel queued ones (server-side)",
-                            main.action_stop)
-        yield SystemCommand("Copy last answer", "To the clipboard (and the clipboard file)",
-                            main.action_copy_answer)
-        yield SystemCommand("Copy last code block", "The last fenced code block of an answer",
-                            main.action_copy_code)
-        yield SystemCommand("Search conversations", "Find words in every conversation",
-                            main.action_search)
-        yield SystemCommand("Export as Markdown", "Write the open conversation to a .md file",
-                            main.action_export)
-        yield SystemCommand("Toggle conversation list", "Show or hide the sidebar",
-                            main.action_toggle_sidebar)
-        yield SystemCommand("Choose model", "The model this conversation's turns use",
-                            main.action_choose_model)
-        yield SystemCommand("Fork", "A new conversation with the transcript up to the "
-                            "selected message (Alt+↑/↓ selects)", main.action_fork)
-        yield SystemCommand("Retry", "Run the last question again (the old answer stays, "
-                            "marked superseded)", main.action_retry)
-        yield SystemCommand("Edit and resend", "Change the last question and send it again",
-                            main.action_edit)
-        yield SystemCommand("Cancel queued turn", "The selected queued turn (else the last "
-                            "one): its text goes back to its author", main.action_cancel_queued)
+        bindings = {b.id: b for group in SCREEN_BINDINGS for b in group
+                    if isinstance(b, Binding)}
+        for binding_id, title in PALETTE_TITLES.items():
+            binding = bindings[binding_id]
+            yield SystemCommand(title, binding.tooltip, partial(main.run_action, binding.action))
         archived = main.model is not None and main.model.archived_at is not None
         yield SystemCommand("Restore conversation" if archived else "Archive conversation",
                             "Back into the list" if archived else

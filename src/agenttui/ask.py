@@ -288,7 +288,7 @@ async def _follow_events(client: AgentClient, run_id: str, out: TextIO, err: Tex
         elif item.type == EventType.COMPLETE:
             status = item.payload.get("status")
             try:
-                status = RunStatus(status)
+                status = RunStatus(str(status))
             except ValueError:
                 pass
             error, code = item.payload.get("error"), item.payload.get("error_code")

@@ -9,7 +9,7 @@ import argparse
 import asyncio
 import json
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from agenttui import __version__
 from agenttui.ask import EXIT_UNREACHABLE, EXIT_USAGE, Approver, ask, report
@@ -50,15 +50,22 @@ def _common(parser: argparse.ArgumentParser, *, sub: bool) -> None:
                         help="device bearer token (default: from the config / $AGENTTUI_TOKEN)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the full usage is one --help away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="agenttui", description=DESCRIPTION, epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"agenttui {__version__}")
     _common(parser, sub=False)
     parser.add_argument("--conversation", metavar="ID", help="open this conversation")
     parser.add_argument("--theme", help="a Textual theme name (default: agenttui)")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     ask_parser = commands.add_parser(
         "ask", help="stream one answer to stdout", formatter_class=argparse.RawTextHelpFormatter,
@@ -129,6 +136,8 @@ Over https the certificate is pinned: without --fingerprint you are shown it and
 
 
 def main(argv: list[str] | None = None) -> None:
+    """A bad value, an unreachable daemon or a refusal ends in one `agenttui: …` line and a
+    non-zero exit, never a traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -143,6 +152,14 @@ def main(argv: list[str] | None = None) -> None:
     except SettingsError as exc:
         print(f"agenttui: {exc}", file=sys.stderr)
         code = EXIT_USAGE
+    except ApiError as exc:
+        print(f"agenttui: {describe(exc)}", file=sys.stderr)
+        code = EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as exc:  # a bug: still one line, naming what failed
+        print(f"agenttui: {args.command or 'tui'} failed: {describe(exc)}", file=sys.stderr)
+        code = 1
     raise SystemExit(code)
 
 

@@ -384,7 +384,7 @@ class ConversationModel:
         elif kind == EventType.COMPLETE:
             status = payload.get("status")
             try:
-                turn.status = RunStatus(status)
+                turn.status = RunStatus(str(status))
             except ValueError:
                 turn.status = str(status)
             turn.error = payload.get("error") or turn.error
@@ -398,9 +398,10 @@ class ConversationModel:
                 turn.question_status = MessageStatus.COMPLETE
             if turn.answer is None and (turn.live_text or turn.status == RunStatus.COMPLETED):
                 # As the server stores it: a failed turn's streamed text is kept as `failed`.
-                turn.answer_status = {RunStatus.COMPLETED: MessageStatus.COMPLETE,
-                                      RunStatus.FAILED: MessageStatus.FAILED}.get(
-                    turn.status, MessageStatus.PARTIAL)
+                kept: dict[str | None, MessageStatus] = {
+                    RunStatus.COMPLETED: MessageStatus.COMPLETE,
+                    RunStatus.FAILED: MessageStatus.FAILED}
+                turn.answer_status = kept.get(turn.status, MessageStatus.PARTIAL)
             changes.bar = True
             changes.approvals = any(step.approval is not None for step in turn.tools.values())
             changes.drafts = self._offer_draft(turn)

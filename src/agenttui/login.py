@@ -22,7 +22,15 @@ from urllib.parse import urlsplit
 
 from agentd.fingerprints import BadFingerprint, normalize
 from agenttui.ask import EXIT_UNREACHABLE, EXIT_USAGE
-from agenttui.client import AgentClient, ApiError, CertificateMismatch, Unauthorized, describe
+from agenttui.client import (
+    AgentClient,
+    ApiError,
+    CertificateMismatch,
+    Unauthorized,
+    describe,
+    token_problem,
+    url_problem,
+)
 from agenttui.locations import read_config, write_client_config
 from agenttui.pinning import server_fingerprint
 
@@ -57,9 +65,9 @@ def run_login(request: LoginRequest, *, stdin: TextIO = sys.stdin,
 
 
 def checked_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise LoginError(f"{url!r} is not a daemon URL (e.g. https://desk.lan:8740)")
+    problem = url_problem(url)
+    if problem is not None:
+        raise LoginError(problem)
     return url.rstrip("/")
 
 
@@ -112,6 +120,9 @@ def _read_token(stdin: TextIO) -> str:
     token = raw.strip()
     if not token or any(c.isspace() for c in token):
         raise LoginError("stdin held no token (one line, e.g. from `agentd token create`)")
+    problem = token_problem(token)
+    if problem is not None:
+        raise LoginError(f"stdin held no usable token: {problem}")
     return token
 
 

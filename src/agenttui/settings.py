@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from agenttui.client import DEFAULT_URL
+from agenttui.client import DEFAULT_URL, token_problem, url_problem
 from agenttui.locations import read_config
 
 DEFAULT_THEME = "agenttui"
@@ -60,7 +60,13 @@ def load_settings(*, config: Mapping[str, Any] | None = None,
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None and raw != "":
             values.update(_coerce(name, raw, f"${ENV_PREFIX}{name.upper()}"))
-    return Settings(**values).with_flags(**flags)
+    settings = Settings(**values).with_flags(**flags)
+    problem = url_problem(settings.url)
+    if problem is None and settings.token is not None:
+        problem = token_problem(settings.token)
+    if problem is not None:
+        raise SettingsError(problem)
+    return settings
 
 
 def _coerce(name: str, value: Any, source: str) -> dict[str, Any]:

@@ -498,11 +498,11 @@ async def test_as_root_a_cluster_owned_by_nobody_gets_its_own_account(make_pg: M
 def test_as_root_without_a_postgres_account_one_is_created_locked(
     make_pg: MakePg, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from agentd import embedded_pg
+    from agentd.embedded_pg import account
 
     name = f"agentd-t{os.getpid() % 100000}"
-    monkeypatch.setattr(embedded_pg, "DEFAULT_ACCOUNTS", ("agentd-no-such-account",))
-    monkeypatch.setattr(embedded_pg, "CREATED_ACCOUNT", name)
+    monkeypatch.setattr(account, "DEFAULT_ACCOUNTS", ("agentd-no-such-account",))
+    monkeypatch.setattr(account, "CREATED_ACCOUNT", name)
     with suppress(KeyError):
         pwd.getpwnam(name)
         subprocess.run(["userdel", name], check=True)

@@ -7,9 +7,9 @@ one exception is POST /v1/pair, where a pairing code stands in for the token (ra
 from __future__ import annotations
 
 import ipaddress
-from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from agentd.accounts import Principal, authenticate
 from agentd.api import RUNTIME
@@ -18,7 +18,7 @@ from agentd.limits import peer_address
 
 UNAUTHENTICATED = frozenset({("POST", "/v1/pair")})
 
-PRINCIPAL = web.AppKey("principal", Principal)
+PRINCIPAL = web.RequestKey("principal", Principal)
 
 
 def principal(request: web.Request) -> Principal:
@@ -26,7 +26,7 @@ def principal(request: web.Request) -> Principal:
 
 
 @web.middleware
-async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     if not request.path.startswith("/v1/") or (request.method, request.path) in UNAUTHENTICATED:
         return await handler(request)
     token = _bearer(request)

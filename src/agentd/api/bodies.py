@@ -121,8 +121,10 @@ def validate_run_request(body: Any, settings: Settings) -> RunAsk:
 
 
 def _retry_of(value: Any) -> UUID | Literal["last"] | None:
-    if value is None or value == LAST:
-        return value
+    if value is None:
+        return None
+    if value == LAST:
+        return "last"
     try:
         return UUID(value)
     except (ValueError, AttributeError, TypeError):
@@ -150,6 +152,17 @@ def validate_conversation(body: Any, settings: Settings, *,
     return ConversationChange(title, "model" in body, model, archived)
 
 
+def validate_fork(body: Any) -> UUID:
+    """{"message_id": "..."}: the message a fork copies the transcript up to."""
+    if not isinstance(body, dict) or set(body) != {"message_id"}:
+        raise ServiceError(400, "invalid_body", 'the body must be {"message_id": "..."}')
+    try:
+        return UUID(body["message_id"])
+    except (ValueError, AttributeError, TypeError):
+        raise ServiceError(400, "invalid_message_id", "message_id must be a message id") \
+            from None
+
+
 def validate_approval(body: Any) -> tuple[ApprovalDecision, str | None]:
     """{"decision": "approve" | "deny", "note"?: "..."} for deciding a tool approval."""
     if not isinstance(body, dict):
@@ -158,7 +171,7 @@ def validate_approval(body: Any) -> tuple[ApprovalDecision, str | None]:
     if unknown:
         raise ServiceError(400, "unknown_field", f"unknown fields: {', '.join(sorted(unknown))}")
     try:
-        decision = ApprovalDecision(body.get("decision"))
+        decision = ApprovalDecision(str(body.get("decision")))
     except ValueError:
         raise ServiceError(422, "invalid_decision",
                            'decision must be "approve" or "deny"') from None

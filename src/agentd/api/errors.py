@@ -11,6 +11,7 @@ from typing import Any
 
 import asyncpg
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from agentd.api import RUNTIME
 from agentd.api.sse import OPEN_STREAM
@@ -39,11 +40,11 @@ def error_response(status: int, code: str, message: str,
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except Exception as exc:
-        stream = request.get(OPEN_STREAM)
+        stream: web.StreamResponse | None = request.get(OPEN_STREAM)
         if stream is None:
             return _answer(request, exc)
         # The status line is long sent: end the stream (the client resumes by its cursor)

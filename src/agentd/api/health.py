@@ -40,7 +40,7 @@ async def readyz(request: web.Request) -> web.Response:
     body = {"database": database, "hub": runtime.hub.connected, "draining": runtime.draining,
             "worker_id": runtime.worker_id}
     ready = database and runtime.hub.connected and not runtime.draining
-    answer = {"status": "ready" if ready else "unready"}
+    answer: dict[str, object] = {"status": "ready" if ready else "unready"}
     # Without the database no token can be checked: then only a loopback peer sees why.
     if loopback_peer(request) or (database and await trusted(request)):
         answer.update(body)

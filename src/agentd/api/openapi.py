@@ -1,4 +1,4 @@
-"""The OpenAPI 3.1 document of API v1, served at /openapi.json (docs/api.md explains it)."""
+"""The OpenAPI 3.2 document of API v1, served at /openapi.json (docs/api.md explains it)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ from typing import Any
 from aiohttp import web
 
 from agentd import __version__
-from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunErrorCode, RunStatus
+from agentd.vocabulary import (
+    STREAM_ERROR_EVENT,
+    EventType,
+    MessageRole,
+    MessageStatus,
+    RunErrorCode,
+    RunStatus,
+)
 
 UUID = {"type": "string", "format": "uuid"}
 TIME = {"type": "string", "format": "date-time"}
@@ -220,14 +227,128 @@ SCHEMAS: dict[str, Any] = {
                                                             "queued"}}},
 }
 
-SSE = {"description": "Server-Sent Events", "content": {"text/event-stream": {
-    "schema": {"type": "string"}}}}
+# -- the streams ---------------------------------------------------------------------------
+# Each Server-Sent Event is described as a client's parser reads it: {event, id, data}, `data`
+# being JSON (contentMediaType + contentSchema). OpenAPI 3.2's `itemSchema` of a
+# text/event-stream response names the schema of one event. Payloads are additive: a field may
+# be added to any of them (clients ignore what they do not know), never renamed or removed.
+
+NULLABLE_UUID = {"type": ["string", "null"], "format": "uuid"}
+_NULLABLE_TEXT = {"type": ["string", "null"]}
+
+
+def _journal(kind: EventType, required: tuple[str, ...] = (),
+             **properties: Any) -> dict[str, Any]:
+    """The data of one journal event: its own fields, plus `type` and `seq` (and `run_id` in a
+    conversation's feed)."""
+    return {"type": "object", "required": ["type", "seq", *required],
+            "properties": {"type": {"const": str(kind)},
+                           "seq": {"type": "integer", "minimum": 1,
+                                   "description": "its place in the run's journal"},
+                           "run_id": {**UUID, "description": "(conversation feeds) its run"},
+                           **properties}}
+
+
+_TOOL_CALL_FIELDS = {"call_id": {"type": "string"}, "name": {"type": "string"}}
+EVENT_DATA: dict[EventType, dict[str, Any]] = {
+    EventType.USER_MESSAGE: _journal(EventType.USER_MESSAGE, message_id=UUID,
+                                     role={"const": str(MessageRole.USER)},
+                                     content={"type": "string"}),
+    EventType.RUN_QUEUED: _journal(EventType.RUN_QUEUED),
+    EventType.RUN_STARTED: _journal(EventType.RUN_STARTED, worker_id={"type": "string"},
+                                    fence={"type": "integer"}, lease_expires_at=TIME),
+    EventType.CONTENT_DELTA: _journal(EventType.CONTENT_DELTA, ("delta",),
+                                      delta={"type": "string"}),
+    EventType.TOOL_CALL: _journal(EventType.TOOL_CALL, ("call_id", "name"), **_TOOL_CALL_FIELDS,
+                                  arguments={"description": "the arguments the model gave"}),
+    EventType.TOOL_RESULT: _journal(EventType.TOOL_RESULT, ("call_id",), **_TOOL_CALL_FIELDS,
+                                    result={"description": "what the tool answered"},
+                                    error={"type": "string",
+                                           "description": "why it did not run, or failed"}),
+    EventType.APPROVAL_REQUESTED: _journal(
+        EventType.APPROVAL_REQUESTED, ("call_id", "tool"), call_id={"type": "string"},
+        tool={"type": "string"}, arguments={"type": "object"}, device=_NULLABLE_TEXT,
+        device_id=NULLABLE_UUID, expires_at=TIME, timeout_s={"type": "number"}),
+    EventType.APPROVAL_DECIDED: _journal(
+        EventType.APPROVAL_DECIDED, ("call_id", "decision"), call_id={"type": "string"},
+        tool={"type": "string"}, decision={"enum": ["approve", "deny"]},
+        device=_NULLABLE_TEXT, device_id=NULLABLE_UUID, note=_NULLABLE_TEXT,
+        timed_out={"type": "boolean"}),
+    EventType.CANCEL_REQUESTED: _journal(EventType.CANCEL_REQUESTED,
+                                         partial={"type": "boolean"}),
+    EventType.COMPLETE: _journal(
+        EventType.COMPLETE, ("status",), status={"enum": [str(s) for s in RunStatus]},
+        error=_NULLABLE_TEXT, error_code={"enum": [*[str(c) for c in RunErrorCode], None]},
+        message_id=NULLABLE_UUID, usage={"type": ["object", "null"]},
+        draft={"type": "object", "properties": {"message_id": UUID,
+                                                "content": {"type": "string"}}},
+        deleted={"type": "boolean"}),
+}
+FEED_DATA: dict[str, dict[str, Any]] = {
+    "snapshot": {"type": "object", "required": ["type", "conversation"],
+                 "properties": {"type": {"const": "snapshot"},
+                                "conversation": _ref("ConversationState")}},
+    "run_state": {"type": "object", "required": ["type", "run_id", "status"],
+                  "properties": {"type": {"const": "run_state"}, "run_id": UUID,
+                                 "status": {"enum": [str(s) for s in RunStatus]},
+                                 "cancel_requested": {"type": "boolean"}}},
+    "lease": {"type": "object", "required": ["type", "lease"],
+              "properties": {"type": {"const": "lease"}, "lease": _ref("Lease")}},
+    "presence": {"type": "object", "required": ["type", "attached"],
+                 "properties": {"type": {"const": "presence"}, "attached": _ref("Attached")}},
+    "conversation": {"type": "object", "required": ["type"],
+                     "properties": {"type": {"const": "conversation"},
+                                    "conversation": {"type": "object"},
+                                    "superseded": {"type": "object"},
+                                    "usage": _ref("Usage")}},
+    "deleted": {"type": "object", "required": ["type", "conversation_id"],
+                "properties": {"type": {"const": "deleted"}, "conversation_id": UUID}},
+}
+STREAM_ERROR_DATA = {"type": "object", "required": ["type", "error"],
+                     "properties": {"type": {"const": STREAM_ERROR_EVENT},
+                                    "error": _ref("Error/properties/error")}}
+
+
+def _sse_event(name: str, data: dict[str, Any], *, id_required: bool) -> dict[str, Any]:
+    """One event of a stream as a client reads it: its name, its id and its JSON data."""
+    return {"type": "object", "required": ["event", "data", *(["id"] if id_required else [])],
+            "properties": {"event": {"const": name}, "id": {"type": "string"},
+                           "retry": {"type": "integer"},
+                           "data": {"type": "string", "contentMediaType": "application/json",
+                                    "contentSchema": data}}}
+
+
+def _feed_event(kind: EventType) -> dict[str, Any]:
+    data = EVENT_DATA[kind]
+    return {**data, "required": [*data["required"], "run_id"]}
+
+
+SCHEMAS["RunStreamEvent"] = {
+    "description": "one event of GET /v1/runs/{id}/events: a journal event (its id is its seq), "
+                   "or the `error` that ends a stream the server will not continue",
+    "anyOf": [*[_sse_event(str(kind), data, id_required=True)
+                for kind, data in EVENT_DATA.items()],
+              _sse_event(STREAM_ERROR_EVENT, STREAM_ERROR_DATA, id_required=False)]}
+SCHEMAS["ConversationStreamEvent"] = {
+    "description": "one event of GET /v1/conversations/{id}/events: the snapshot, a run's "
+                   "journal event (with its run_id), a change of run state, lease, presence or "
+                   "the conversation, `deleted`, or the `error` that ends the stream; ids are "
+                   "opaque cursors",
+    "anyOf": [*[_sse_event(name, data, id_required=True) for name, data in FEED_DATA.items()],
+              *[_sse_event(str(kind), _feed_event(kind), id_required=True)
+                for kind in EVENT_DATA],
+              _sse_event(STREAM_ERROR_EVENT, STREAM_ERROR_DATA, id_required=False)]}
+
+
+def _sse(item: str) -> dict[str, Any]:
+    return {"description": "Server-Sent Events (`: keepalive` comments between them)",
+            "content": {"text/event-stream": {"itemSchema": _ref(item)}}}
 
 
 def build_spec() -> dict[str, Any]:
     events = ", ".join(str(e) for e in EventType)
     return {
-        "openapi": "3.1.0",
+        "openapi": "3.2.0",
         "info": {"title": "agentd API", "version": __version__,
                  "description": "Durable AI-agent turns. Every /v1 call but POST /v1/pair "
                                 "needs `Authorization: Bearer <device token>`. Streams end with "
@@ -355,7 +476,8 @@ def build_spec() -> dict[str, Any]:
                            "?cursor=",
                 "parameters": [_ID, {"name": "cursor", "in": "query",
                                      "schema": {"type": "string"}}],
-                "responses": {"200": SSE, "400": _error("bad cursor"),
+                "responses": {"200": _sse("ConversationStreamEvent"),
+                              "400": _error("bad cursor"),
                               "404": _error("no such conversation"), **_STREAM_ERRORS}}},
             "/v1/runs/{id}": {"get": {"summary": "the run", "parameters": [_ID], "responses": {
                 "200": _json(_ref("Run"), "the run"), "404": _error("no such run"),
@@ -406,7 +528,7 @@ def build_spec() -> dict[str, Any]:
                            f"id is the seq; ends after `complete`. Types: {events}",
                 "parameters": [_ID, {"name": "from", "in": "query", "schema": {
                     "type": "integer", "minimum": 0}}],
-                "responses": {"200": SSE, "400": _error("bad cursor"),
+                "responses": {"200": _sse("RunStreamEvent"), "400": _error("bad cursor"),
                               "404": _error("no such run"), **_STREAM_ERRORS}}},
             "/v1/pairings": {"post": {
                 "summary": "mint a one-time pairing code for another device of this account",

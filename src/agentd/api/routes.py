@@ -20,6 +20,7 @@ from agentd.api.bodies import (
     storable_text,
     validate_approval,
     validate_conversation,
+    validate_fork,
     validate_run_request,
 )
 from agentd.api.errors import error_middleware
@@ -135,14 +136,7 @@ async def delete_conversation(request: web.Request) -> web.Response:
 
 async def fork_conversation(request: web.Request) -> web.Response:
     conversation_id = _path_id(request, "conversation")
-    body = await json_body(request)
-    if not isinstance(body, dict) or set(body) != {"message_id"}:
-        raise ServiceError(400, "invalid_body", 'the body must be {"message_id": "..."}')
-    try:
-        message_id = UUID(body["message_id"])
-    except (ValueError, AttributeError, TypeError):
-        raise ServiceError(400, "invalid_message_id", "message_id must be a message id") \
-            from None
+    message_id = validate_fork(await json_body(request))
     created, copied = await _service(request).fork_conversation(
         principal(request), conversation_id, message_id)
     out = {**wire.conversation(created), "copied_messages": copied,
@@ -351,9 +345,11 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
                     presence_reader=read_presence, meta_reader=read_meta,
                     meta_seen=_snapshot_meta(snapshot), on_idle=renew):
                 if item.kind == "event":
-                    await sse.send(response, item.cursor, str(item.event.type),
-                                   wire.event(item.event, str(item.run_id)))
-                    lag.sent(item.event)
+                    event = item.event
+                    assert event is not None  # an "event" item carries its event
+                    await sse.send(response, item.cursor, str(event.type),
+                                   wire.event(event, str(item.run_id)))
+                    lag.sent(event)
                 elif item.kind == "run_state":
                     await sse.send(response, item.cursor, "run_state",
                                    {"type": "run_state", **item.data})

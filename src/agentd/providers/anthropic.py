@@ -8,7 +8,7 @@ tool_use blocks, tool results as tool_result blocks in the next user turn, roles
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -29,6 +29,7 @@ from agentd.providers.http_stream import (
     make_client,
     parse_event_data,
     post_event_stream,
+    required_base_url,
 )
 from agentd.providers.transcript import (
     ToolNames,
@@ -92,15 +93,13 @@ class AnthropicProvider:
     """One shared httpx client per configured provider; closed by `aclose`."""
 
     def __init__(self, config: ProviderConfig, client: httpx.AsyncClient | None = None) -> None:
-        if not config.base_url:
-            raise ProviderError(f"providers.{config.name}.base_url is not configured",
-                                "model_unavailable")
+        self._base_url = required_base_url(config)
         self.config = config
         self._client = client or make_client(config)
 
     @property
     def url(self) -> str:
-        base = self.config.base_url.rstrip("/")  # type: ignore[union-attr]
+        base = self._base_url.rstrip("/")
         return base + ("/messages" if base.endswith("/v1") else "/v1/messages")
 
     def request_body(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
@@ -122,7 +121,7 @@ class AnthropicProvider:
         return body
 
     async def stream(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
-                     params: dict[str, Any]) -> AsyncIterator[StreamItem]:
+                     params: dict[str, Any]) -> AsyncGenerator[StreamItem, None]:
         key = api_key(self.config)
         if key is None:
             raise ProviderError(f"{self.config.name}: no API key: {key_hint(self.config)}",

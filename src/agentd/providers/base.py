@@ -6,7 +6,7 @@ usage and a finish reason. Cancelling the consuming task must close the upstream
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,4 +62,4 @@ class UnknownModel(ValueError):
 
 class Provider(Protocol):
     def stream(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
-               params: dict[str, Any]) -> AsyncIterator[StreamItem]: ...
+               params: dict[str, Any]) -> AsyncGenerator[StreamItem, None]: ...

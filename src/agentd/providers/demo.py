@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from agentd.providers.base import (
@@ -81,7 +81,7 @@ class DemoProvider:
     """Streams a deterministic answer derived from the last user message."""
 
     async def stream(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
-                     params: dict[str, Any]) -> AsyncIterator[StreamItem]:
+                     params: dict[str, Any]) -> AsyncGenerator[StreamItem, None]:
         tokens = int(params.get("tokens", DEFAULT_TOKENS))
         delay = int(params.get("delay_ms", DEFAULT_DELAY_MS)) / 1000
         fail_after = params.get("fail")

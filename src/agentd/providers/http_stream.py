@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -31,6 +31,14 @@ MAX_RETRIES = 3
 MAX_RETRY_WAIT_S = 60.0
 ERROR_BODY_BYTES = 4096
 DETAIL_CHARS = 300
+
+
+def required_base_url(config: ProviderConfig) -> str:
+    """The provider's base URL; a provider without one cannot be built (model_unavailable)."""
+    if not config.base_url:
+        raise ProviderError(f"providers.{config.name}.base_url is not configured",
+                            "model_unavailable")
+    return config.base_url
 
 
 def make_client(config: ProviderConfig) -> httpx.AsyncClient:
@@ -142,7 +150,7 @@ def _status_message(config: ProviderConfig, model: str, response: httpx.Response
 
 async def post_event_stream(client: httpx.AsyncClient, config: ProviderConfig, *, url: str,
                             model: str, headers: dict[str, str],
-                            body: dict[str, Any]) -> AsyncIterator[ServerSentEvent]:
+                            body: dict[str, Any]) -> AsyncGenerator[ServerSentEvent, None]:
     """POST `body` and yield the answer's events; raises ProviderError on any failure."""
     timeout = config.timeout_s
     attempt = 0

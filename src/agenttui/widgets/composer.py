@@ -10,7 +10,7 @@ while the characters before it were still queued, and send an empty composer.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from textual import events
 from textual.binding import Binding, BindingType
@@ -40,10 +40,10 @@ class Composer(TextArea):
             self.composer = composer
             self.text = text
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False,
                          placeholder="Message — Enter sends · Ctrl+J new line",
-                         **kwargs)  # type: ignore[arg-type]
+                         **kwargs)
         self._handed_back: list[str] = []  # texts put back, in order, leading the composer
 
     async def _on_key(self, event: events.Key) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
@@ -17,9 +19,9 @@ class ConversationList(OptionList):
     ConversationList { width: 30; height: 1fr; border: none; border-right: tall $panel; }
     """
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         # Titles are the users' words: shown as typed, never parsed as markup.
-        super().__init__(markup=False, **kwargs)  # type: ignore[arg-type]
+        super().__init__(markup=False, **kwargs)
         self.conversations: list[Conversation] = []
         self.current: str | None = None
         self.border_title = "Conversations"

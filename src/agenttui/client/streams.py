@@ -1,0 +1,367 @@
+"""Streams that survive disconnects: `ConversationStream` and `RunStream` reconnect by
+themselves with backoff and resume from the last event id, so a consumer sees every journal event
+exactly once, in order, whatever the network does: duplicates are dropped by (run, seq), a gap is
+filled from the run's own journal. Also the items they yield and the reconnect policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import httpx
+from httpx_sse import ServerSentEvent, SSEError
+
+from agentd.vocabulary import STREAM_ERROR_EVENT, EventType
+from agenttui.client.errors import ApiError, BadCursor, Unauthorized, Unavailable, describe
+from agenttui.models import (
+    Attached,
+    ConversationState,
+    Lease,
+    RunEvent,
+    parse_time,
+)
+
+if TYPE_CHECKING:
+    from agenttui.client.http import AgentClient
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Exponential backoff with jitter; attempt 1 waits about `initial` seconds."""
+
+    initial: float = 0.25
+    factor: float = 2.0
+    maximum: float = 5.0
+    jitter: float = 0.2
+
+    def delay(self, attempt: int) -> float:
+        base = min(self.maximum, self.initial * self.factor ** max(0, attempt - 1))
+        return base * (1 + random.uniform(-self.jitter, self.jitter))
+
+
+class ConnectionState(StrEnum):
+    CONNECTING = "connecting"
+    LIVE = "live"
+    RECONNECTING = "reconnecting"
+    RESUMED = "resumed"  # live again, continuing from the cursor it had
+    CLOSED = "closed"  # gave up: the server refused (401, 404, ...)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionStatus:
+    state: ConnectionState
+    attempt: int = 0
+    error: str | None = None
+    retry_in: float | None = None
+    resumed_seq: int | None = None  # resumed: the seq of the last event seen before the cut
+
+    @property
+    def connected(self) -> bool:
+        return self.state in (ConnectionState.LIVE, ConnectionState.RESUMED)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The server's whole state of the conversation; opens every (re)connection.
+
+    `resumed` is False on a fresh start (no cursor, or the server refused it): then the feed
+    replays the active runs from their first event, and a consumer rebuilds from this snapshot.
+    """
+
+    state: ConversationState
+    resumed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseChanged:
+    lease: Lease | None
+
+
+@dataclass(frozen=True, slots=True)
+class PresenceChanged:
+    attached: tuple[Attached, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RunStateChanged:
+    """A run's row changed ahead of its journal (a stop was requested)."""
+
+    run_id: str
+    status: str
+    cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationChanged:
+    """The conversation itself changed: its title, model or archive mark, the messages a retry
+    or an edit superseded (message id -> the new question's id), its token totals."""
+
+    title: str
+    model: str | None
+    archived_at: datetime | None
+    superseded: dict[str, str]
+    usage: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationDeleted:
+    """The conversation was deleted (on any device): the feed's last item."""
+
+    conversation_id: str
+
+
+FeedItem = (Snapshot | RunEvent | LeaseChanged | PresenceChanged | RunStateChanged
+            | ConversationChanged | ConversationDeleted | ConnectionStatus)
+
+
+class _ProtocolError(Exception):
+    pass
+
+
+def _stream_error(sse: ServerSentEvent) -> ApiError:
+    """The server ended the stream on purpose (e.g. this device was revoked): never resumed."""
+    try:
+        error = json.loads(sse.data)["error"]
+        code, message = str(error["code"]), str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        code, message = "stream_error", "the server ended the stream"
+    kind = Unauthorized if code == "device_revoked" else ApiError
+    return kind(401 if code == "device_revoked" else 400, code, message)
+
+
+def quote_id(value: str) -> str:
+    """An id as one path segment of a URL."""
+    return quote(str(value), safe="")
+
+
+class _ResumableStream:
+    """The reconnect loop shared by both feeds; subclasses interpret the frames."""
+
+    def __init__(self, client: AgentClient, path: str) -> None:
+        self._client = client
+        self._path = path
+        self._done = False
+        self.status = ConnectionStatus(ConnectionState.CONNECTING)
+        self.reconnects = 0
+        self.duplicates_dropped = 0
+        self.gaps_filled = 0
+
+    def _resume_id(self) -> str | None:
+        raise NotImplementedError
+
+    def _forget_cursor(self) -> None:
+        raise NotImplementedError
+
+    def _opened(self, resumed: bool) -> ConnectionStatus | None:
+        """The status to report once a connection is accepted (None: wait for a frame)."""
+        return None
+
+    def _handle(self, sse: ServerSentEvent, resumed: bool) -> AsyncIterator[FeedItem]:
+        raise NotImplementedError
+
+    def _status(self, status: ConnectionStatus) -> ConnectionStatus:
+        self.status = status
+        return status
+
+    async def __aiter__(self) -> AsyncGenerator[FeedItem, None]:
+        attempt = 0
+        error: str | None = None
+        yield self._status(ConnectionStatus(ConnectionState.CONNECTING))
+        while not self._done:
+            if attempt:
+                delay = self._client.backoff.delay(attempt)
+                yield self._status(ConnectionStatus(ConnectionState.RECONNECTING, attempt,
+                                                    error, delay))
+                await asyncio.sleep(delay)
+            sent = self._resume_id()
+            try:
+                async with self._client.open_sse(self._path, last_event_id=sent) as source:
+                    if attempt:
+                        self.reconnects += 1
+                    opened = self._opened(sent is not None)
+                    if opened is not None:
+                        attempt = 0
+                        yield self._status(opened)
+                    async for sse in source.aiter_sse():
+                        async for item in self._handle(sse, sent is not None):
+                            if isinstance(item, ConnectionStatus) and item.connected:
+                                attempt = 0
+                            yield item
+                        if self._done:
+                            return
+                error = "the server closed the stream"
+            except BadCursor:
+                self._forget_cursor()  # start over from a fresh snapshot, at once
+                continue
+            except ApiError as exc:
+                if isinstance(exc, Unavailable) or exc.status >= 500:
+                    error = describe(exc)
+                    attempt += 1
+                    continue
+                yield self._status(ConnectionStatus(ConnectionState.CLOSED, attempt,
+                                                    describe(exc)))
+                raise
+            except (httpx.TransportError, SSEError, _ProtocolError) as exc:
+                error = describe(exc)
+            except (KeyError, TypeError, ValueError) as exc:  # a frame this client cannot read
+                error = f"unexpected data from the server: {describe(exc)}"
+            attempt += 1
+
+
+class ConversationStream(_ResumableStream):
+    """The conversation feed (snapshot, every run's events, lease, presence), exactly once.
+
+    Yields `ConnectionStatus` whenever the connection changes, a `Snapshot` at the start of
+    every connection, then `RunEvent`, `LeaseChanged` and `PresenceChanged` items.
+    """
+
+    def __init__(self, client: AgentClient, conversation_id: str, *,
+                 cursor: str | None = None) -> None:
+        super().__init__(client, f"/v1/conversations/{quote_id(conversation_id)}/events")
+        self.conversation_id = conversation_id
+        self.cursor = cursor
+        self._seqs: dict[str, int] = {}
+        self.last_seq: int | None = None
+
+    def _resume_id(self) -> str | None:
+        return self.cursor
+
+    def _forget_cursor(self) -> None:
+        self.cursor = None
+
+    def close(self) -> None:
+        """End iteration after the current item (cancelling the consumer works too)."""
+        self._done = True
+
+    async def _handle(self, sse: ServerSentEvent, resumed: bool) -> AsyncIterator[FeedItem]:
+        if not sse.data:
+            return  # an event with no data is no event (SSE spec); keepalives look like this
+        if sse.event == STREAM_ERROR_EVENT:
+            raise _stream_error(sse)
+        try:
+            data = json.loads(sse.data)
+        except ValueError as exc:
+            raise _ProtocolError(f"a {sse.event!r} frame without JSON") from exc
+        if sse.event == "snapshot":
+            if not resumed:
+                self._seqs.clear()  # the server replays active runs from their start
+            self.cursor = sse.id or self.cursor
+            yield Snapshot(ConversationState.from_wire(data["conversation"]), resumed)
+            state = ConnectionState.RESUMED if resumed else ConnectionState.LIVE
+            yield self._status(ConnectionStatus(
+                state, resumed_seq=self.last_seq if resumed else None))
+            return
+        if sse.event == "lease":
+            self.cursor = sse.id or self.cursor
+            yield LeaseChanged(Lease.from_wire(data.get("lease")))
+            return
+        if sse.event == "run_state":
+            self.cursor = sse.id or self.cursor
+            yield RunStateChanged(str(data["run_id"]), str(data.get("status")),
+                                  bool(data.get("cancel_requested")))
+            return
+        if sse.event == "presence":
+            self.cursor = sse.id or self.cursor
+            yield PresenceChanged(tuple(Attached.from_wire(a) for a in data.get("attached")
+                                        or ()))
+            return
+        if sse.event == "conversation":
+            self.cursor = sse.id or self.cursor
+            about = data.get("conversation") or {}
+            yield ConversationChanged(
+                str(about.get("title") or ""), about.get("model"),
+                parse_time(about.get("archived_at")),
+                {str(k): str(v) for k, v in (data.get("superseded") or {}).items()},
+                dict(data.get("usage") or {}))
+            return
+        if sse.event == "deleted":
+            self._done = True  # nothing follows: the conversation is gone
+            yield ConversationDeleted(str(data.get("conversation_id") or self.conversation_id))
+            return
+        if "seq" not in data or "run_id" not in data:
+            self.cursor = sse.id or self.cursor  # a frame type this client does not know
+            return
+        event = RunEvent.from_wire(data)
+        last = self._seqs.get(event.run_id, 0)
+        if event.seq <= last:
+            self.duplicates_dropped += 1
+            self.cursor = sse.id or self.cursor
+            return
+        if event.seq > last + 1:
+            # Never skip: read the missing part from the run's own journal first. A failure
+            # here reconnects from the cursor before this frame, so nothing is lost either way.
+            for missing in await self._backfill(event.run_id, last, event.seq - 1):
+                self._seqs[missing.run_id] = missing.seq
+                self.gaps_filled += 1
+                yield missing
+        self._seqs[event.run_id] = event.seq
+        self.last_seq = event.seq
+        self.cursor = sse.id or self.cursor
+        yield event
+
+    async def _backfill(self, run_id: str, after: int, upto: int) -> list[RunEvent]:
+        found: list[RunEvent] = []
+        async with asyncio.timeout(self._client.stream_timeout), self._client.open_sse(
+                f"/v1/runs/{quote_id(run_id)}/events", params={"from": after}) as source:
+            async for sse in source.aiter_sse():
+                if not sse.data:
+                    continue
+                if sse.event == STREAM_ERROR_EVENT:
+                    raise _stream_error(sse)
+                event = RunEvent.from_wire(json.loads(sse.data), run_id)
+                if event.seq > upto:
+                    break
+                found.append(event)
+                if event.seq == upto:
+                    break
+        if [e.seq for e in found] != list(range(after + 1, upto + 1)):
+            raise _ProtocolError(f"run {run_id}: events {after + 1}..{upto} are missing")
+        return found
+
+
+class RunStream(_ResumableStream):
+    """One run's journal after `after`, exactly once, ending after its `complete` event."""
+
+    def __init__(self, client: AgentClient, run_id: str, *, after: int = 0) -> None:
+        super().__init__(client, f"/v1/runs/{quote_id(run_id)}/events")
+        self.run_id = run_id
+        self.last_seq = after
+
+    def _resume_id(self) -> str | None:
+        return str(self.last_seq)
+
+    def _forget_cursor(self) -> None:  # seqs are never refused; kept for the interface
+        pass
+
+    def _opened(self, resumed: bool) -> ConnectionStatus | None:
+        if self.reconnects:
+            return ConnectionStatus(ConnectionState.RESUMED, resumed_seq=self.last_seq)
+        return ConnectionStatus(ConnectionState.LIVE)
+
+    async def _handle(self, sse: ServerSentEvent, resumed: bool) -> AsyncIterator[FeedItem]:
+        if not sse.data:
+            return
+        if sse.event == STREAM_ERROR_EVENT:
+            raise _stream_error(sse)
+        try:
+            event = RunEvent.from_wire(json.loads(sse.data), self.run_id)
+        except (ValueError, KeyError) as exc:
+            raise _ProtocolError(f"a {sse.event!r} frame without a valid payload") from exc
+        if event.seq <= self.last_seq:
+            self.duplicates_dropped += 1
+            return
+        if event.seq != self.last_seq + 1:
+            raise _ProtocolError(f"run {self.run_id}: expected seq {self.last_seq + 1}, "
+                                 f"got {event.seq}")  # reconnect from last_seq
+        self.last_seq = event.seq
+        yield event
+        if event.type == EventType.COMPLETE:
+            self._done = True
