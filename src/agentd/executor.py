@@ -253,10 +253,15 @@ class TurnRunner:
                 async with bound, contextlib.aclosing(stream):
                     async for item in stream:
                         if isinstance(item, TextDelta):
+                            # PostgreSQL text and jsonb cannot hold NUL: a model that emits one
+                            # would otherwise fail its turn on the journal write.
+                            text = item.text.replace("\x00", "")
+                            if not text:
+                                continue
                             if not turn.text:
                                 self._metrics.first_token.observe(turn.elapsed())
-                            turn.text.append(item.text)
-                            await turn.emitter.delta(item.text)
+                            turn.text.append(text)
+                            await turn.emitter.delta(text)
                         elif isinstance(item, ToolCallRequest):
                             calls.append(item)
                         elif isinstance(item, Usage):

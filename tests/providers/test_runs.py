@@ -137,6 +137,17 @@ async def test_bad_tool_arguments_become_a_tool_error_result_and_the_turn_goes_o
         result["error"]
 
 
+async def test_nul_characters_in_model_text_are_dropped_not_fatal(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+    fake.script(sse(openai_text("before\x00", "\x00", " after")))
+    settings = settings_for(tmp_path, openai_env(fake))
+    row, journal = await run_turn(dsn, pool, settings, "openai:fake")
+    assert row["status"] == RunStatus.COMPLETED, row["error"]
+    assert "".join(p["delta"] for p in of_type(journal, EventType.CONTENT_DELTA)) == \
+        "before after"
+    assert (await answer(pool, row["id"]))[-1] == ("assistant", "before after", "complete")
+
+
 def failure_logged(caplog: pytest.LogCaptureFixture, run_id: Any) -> str:
     """The daemon log's line for a failed run, found by its run id (the detail lives there)."""
     lines = [r.getMessage() for r in caplog.records
