@@ -178,11 +178,10 @@ def _client(settings: Settings) -> AgentClient:
 def _need_token(settings: Settings) -> bool:
     if settings.token:
         return True
-    print(f"agenttui: no device token for {settings.url}.\n"
-          f"  Run the `agenttui login URL --code CODE --fingerprint SHA256:…` line that "
-          f"`agentd pair --account A --device D` prints on the daemon's host,\n"
-          f"  or start agentd on this machine once: it writes {config_file()} for you.",
-          file=sys.stderr)
+    print(f"agenttui: no device token for {settings.url}: run the `agenttui login URL --code "
+          f"CODE --fingerprint SHA256:…` line that `agentd pair --account A --device D` prints "
+          f"on the daemon's host, or start agentd on this machine once (it writes "
+          f"{config_file()} for you)", file=sys.stderr)
     return False
 
 
