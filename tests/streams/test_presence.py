@@ -23,7 +23,9 @@ def presence_of(*devices: str):
     return lambda f: f.event == "presence" and names(f.data["attached"]) == list(devices)
 
 
-def assert_snapshot_first(follower: Follower, conversation_id: str) -> Frame:
+async def assert_snapshot_first(follower: Follower, conversation_id: str) -> Frame:
+    # Open means the headers came: the first frame may still be on its way.
+    await follower.wait_for(lambda _frame: True, 30, "the first frame")
     first = follower.frames[0]
     assert first.event == "snapshot", f"{follower.name} began with {first.event}"
     assert first.data["conversation"]["id"] == conversation_id
@@ -56,12 +58,12 @@ async def test_attached_devices_follow_open_conversation_streams(spawn_daemon, p
 
         async with Follower(on_laptop, feed, name="laptop feed") as laptop_feed, \
                 contextlib.AsyncExitStack() as phone_streams:
-            assert_snapshot_first(laptop_feed, conversation)
+            await assert_snapshot_first(laptop_feed, conversation)
             await laptop_feed.wait_for(presence_of("laptop"), 30, "presence [laptop]")
 
             phone_feed = await phone_streams.enter_async_context(
                 Follower(on_phone, feed, name="phone feed"))
-            snapshot = assert_snapshot_first(phone_feed, conversation)
+            snapshot = await assert_snapshot_first(phone_feed, conversation)
             assert names(snapshot.data["conversation"]["attached"]) == ["laptop"]
             for follower in (laptop_feed, phone_feed):
                 await follower.wait_for(presence_of("laptop", "phone"), 30,
@@ -83,7 +85,7 @@ async def test_attached_devices_follow_open_conversation_streams(spawn_daemon, p
             for how in ({"headers": {"Last-Event-ID": cursor}}, {"params": {"cursor": cursor}}):
                 async with Follower(on_phone, feed, name=f"phone feed again {how}",
                                     **how) as again:
-                    resumed = assert_snapshot_first(again, conversation)
+                    resumed = await assert_snapshot_first(again, conversation)
                     assert resumed.id == cursor
                     assert names(resumed.data["conversation"]["attached"]) == ["phone"]
                     await poll_until(lambda: presence_rows(2), 30, what="two phone streams")

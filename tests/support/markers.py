@@ -3,7 +3,8 @@ works without each file remembering to say so (the markers are declared in pypro
 `--strict-markers` refuses any other).
 
 - `database`: uses a PostgreSQL database of its own (any test asking for `dsn` or `pool`).
-- `process`: starts real `agentd` processes (a spawning fixture, or a tier made of them).
+- `process`: runs `agentd serve` daemons (a spawning fixture, or a tier made of them: process,
+  remote, terminal, chaos). A one-shot command (`agentd doctor`, `agenttui --help`) does not count.
 - `terminal`: drives the real agenttui binary under a pseudo-terminal (tests/terminal).
 - `chaos`: the storm (tests/chaos): daemons killed and paused, PostgreSQL restarted.
 - `slow`: takes tens of seconds on its own (listed in SLOW below, or the chaos tier).
