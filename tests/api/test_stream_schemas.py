@@ -12,8 +12,10 @@ import jsonschema
 
 from agentd.vocabulary import STREAM_ERROR_EVENT, EventType
 from tests.api.conftest import Api
-from tests.api.helpers import SseEvent, create_conversation, read_sse, start_run, wait_run
-from tests.daemon_harness import poll_until
+from tests.api.helpers import start_run, wait_run
+from tests.support.daemon import poll_until
+from tests.support.factories import create_conversation
+from tests.support.sse import Frame, read_sse
 
 RUN_ITEM = "RunStreamEvent"
 FEED_ITEM = "ConversationStreamEvent"
@@ -25,7 +27,7 @@ def variants(spec: dict[str, Any], item: str) -> dict[str, dict[str, Any]]:
             for v in spec["components"]["schemas"][item]["anyOf"]}
 
 
-def assert_described(spec: dict[str, Any], item: str, event: SseEvent) -> None:
+def assert_described(spec: dict[str, Any], item: str, event: Frame) -> None:
     variant = variants(spec, item).get(event.event)
     assert variant is not None, f"{item}: no variant for event {event.event!r}"
     frame = {"event": event.event, "data": json.dumps(event.data)}
@@ -64,7 +66,7 @@ async def test_every_streamed_event_matches_the_document(api: Api) -> None:
     # lease and presence changes, and the conversation's new totals once it ends.
     seen: set[str] = set()
 
-    def both_seen(event: SseEvent) -> bool:
+    def both_seen(event: Frame) -> bool:
         seen.add(event.event)
         return {"complete", "conversation"} <= seen
 

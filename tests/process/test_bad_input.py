@@ -8,7 +8,6 @@ on stderr, never show a Python traceback, and exit non-zero (2 for usage, as arg
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -19,14 +18,9 @@ import asyncpg
 import pytest
 
 from agentd.accounts import create_device_token
+from tests.support.daemon import free_port
 
 TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def other_database(dsn: str, database: str | None = None, user: str | None = None) -> str:
