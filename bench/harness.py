@@ -477,6 +477,7 @@ class BenchDaemon:
             env[var] = str(path)
         env["PYTHONUNBUFFERED"] = "1"
         env.pop("NOTIFY_SOCKET", None)
+        env["AGENTD_WORKERS"] = "1"  # one process unless a benchmark sets `workers`
         env.update({f"AGENTD_{k.upper()}": str(v) for k, v in self.settings.items()})
         return env
 

@@ -123,6 +123,8 @@ class Daemon:
             env[var] = str(path)
         env["PYTHONUNBUFFERED"] = "1"
         env.pop("NOTIFY_SOCKET", None)  # never report readiness to a real supervisor
+        # One process unless a test asks for workers: signals and pids reach the daemon itself.
+        env["AGENTD_WORKERS"] = "1"
         env.update(self.extra_env)
         return env
 

@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     db_options(serve)
     serve.add_argument("--listen", metavar="HOST:PORT", help="HTTP address "
                        "(default 127.0.0.1:8740; any other than loopback serves HTTPS)")
+    serve.add_argument("--workers", type=int, metavar="N",
+                       help="worker processes behind the one address (default: one per core; "
+                            "max_runs and pool_max apply to each)")
     serve.add_argument("--insecure-http", action="store_true", default=None,
                        help="serve plain HTTP on a non-loopback address (tokens cross the "
                             "network in clear text; warned at every start)")
@@ -124,7 +127,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {"dsn": getattr(args, "dsn", None),
                                  "data_dir": getattr(args, "data_dir", None),
                                  "listen": getattr(args, "listen", None),
-                                 "insecure_http": getattr(args, "insecure_http", None)}
+                                 "insecure_http": getattr(args, "insecure_http", None),
+                                 "workers": getattr(args, "workers", None)}
     return load_settings(getattr(args, "config", None), overrides=overrides)
 
 
@@ -181,10 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(code)
 
 
-async def _serve(settings: Settings, _args: argparse.Namespace) -> int:
+async def _serve(settings: Settings, args: argparse.Namespace) -> int:
     from agentd.runtime import serve
 
-    return await serve(settings)
+    return await serve(settings, args.config)
 
 
 async def _pair(settings: Settings, args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -41,6 +42,13 @@ from agentd.queue import WorkerReport
 from agentd.reaper import reap_forever, sweep
 from agentd.revocation import RevocationWatch
 from agentd.settings import Settings, is_loopback_host
+from agentd.supervisor import (
+    Handoff,
+    handoff_from_environment,
+    supervise,
+    watch_parent,
+    worker_count,
+)
 from agentd.systemd import sd_notify
 from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
 from agentd.tools import ToolRegistry, default_tools
@@ -172,38 +180,52 @@ def build_app(runtime: Runtime) -> web.Application:
     return app
 
 
-async def serve(settings: Settings) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit code."""
+async def serve(settings: Settings, config_file: Path | None = None) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit code.
+
+    With more than one worker this process becomes the supervisor (agentd.supervisor); a
+    worker it started serves on the sockets it inherited and reports readiness to it.
+    """
+    handoff = handoff_from_environment()
+    if handoff is None:
+        count = worker_count(settings)
+        if count > 1:
+            return await supervise(settings, count, config_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     # Bound (not listening) before the database is opened: a busy address touches nothing.
-    sockets = bind_listen_sockets(settings.listen_host, settings.listen_port)
+    sockets = handoff.sockets if handoff else bind_listen_sockets(settings.listen_host,
+                                                                  settings.listen_port)
+    parent = asyncio.create_task(watch_parent(handoff, stop)) if handoff else None
     try:
         # The certificate next: a bad one fails the start before the database is touched.
         certificate = await asyncio.to_thread(server_certificate, settings) \
             if settings.serves_tls else None
-        _raise_open_files_limit(settings.max_connections + 256)
+        raise_open_files_limit(settings.max_connections + 256)
         database = await open_database(settings)
         try:
-            applied = await migrate_database(database.dsn)
-            if applied:
-                log.info("migrations applied", extra={"applied": ",".join(applied)})
+            if handoff is None:  # a supervisor migrated before it started its workers
+                applied = await migrate_database(database.dsn)
+                if applied:
+                    log.info("migrations applied", extra={"applied": ",".join(applied)})
             pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max)
             try:
                 return await _serve_with_pool(settings, database, pool, stop, sockets,
-                                              certificate)
+                                              certificate, handoff)
             finally:
                 await pool.close()
         finally:
             await asyncio.to_thread(database.close)
     finally:
+        if parent is not None:
+            parent.cancel()
         for sock in sockets:
             sock.close()
 
 
-def _raise_open_files_limit(wanted: int) -> None:
+def raise_open_files_limit(wanted: int) -> None:
     """Every connection is a file descriptor: let max_connections fit under RLIMIT_NOFILE."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
@@ -217,7 +239,8 @@ def _raise_open_files_limit(wanted: int) -> None:
 
 async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg.Pool,
                            stop: asyncio.Event, sockets: list[socket.socket],
-                           certificate: ServerCertificate | None) -> int:
+                           certificate: ServerCertificate | None,
+                           handoff: Handoff | None = None) -> int:
     reconciled = await sweep(pool, settings)
     if reconciled:
         log.warning("boot reconciler failed orphaned runs", extra={"runs": reconciled})
@@ -267,20 +290,26 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                              ssl_context=ssl_context) for sock in sockets]
         for site in sites:
             await site.start()
-        await ensure_local_client(pool, local_url(settings),
-                                  certificate.fingerprint if certificate else None,
-                                  create=database.embedded is not None)
+        if handoff is None:  # else the supervisor did, once for all its workers
+            await ensure_local_client(pool, local_url(settings),
+                                      certificate.fingerprint if certificate else None,
+                                      create=database.embedded is not None)
         dispatcher.start()
         if not settings.serves_tls and not settings.listen_is_loopback:
             log.warning("serving PLAIN HTTP on a non-loopback address (insecure_http): tokens "
                         "and pairing codes cross the network in clear text",
                         extra={"listen": settings.listen})
-        log.info("agentd serving", extra={
+        log.info("agentd worker serving" if handoff else "agentd serving", extra={
             "url": sites[0].name, "worker_id": worker_id, "embedded": database.embedded is not None,
-            "fingerprint": certificate.fingerprint if certificate else None})
-        sd_notify("READY=1")
+            "fingerprint": certificate.fingerprint if certificate else None,
+            **({"slot": handoff.slot} if handoff else {})})
+        if handoff is not None:
+            handoff.report_ready()
+        else:
+            sd_notify("READY=1")
         await stop.wait()
-        sd_notify("STOPPING=1")
+        if handoff is None:
+            sd_notify("STOPPING=1")
         runtime.draining = True
         started = time.monotonic()
         await dispatcher.stop_claiming()

@@ -31,6 +31,7 @@ MAX_MODEL_NAME = 200  # `<provider>:<model>`, as the API accepts it and a conver
 MAX_ACCOUNT_RUNNING = 10_000
 MAX_ACCOUNT_QUEUED = 1_000_000
 MAX_RUN_S = 86_400
+MAX_WORKERS = 256
 
 
 class SettingsError(ValueError):
@@ -66,6 +67,9 @@ class Settings:
     reap_interval_s: float = 5.0
     reap_grace_s: float = 5.0
     tick_s: float = 10.0
+    # Worker processes behind the one listen address (0: one per core). max_runs and pool_max
+    # are per worker: N workers run up to N x max_runs turns on up to N x pool_max connections.
+    workers: int = 0
     max_runs: int = 16
     # Admission by capacity: claim only while the event loop's lag and the pool's wait stayed
     # below these over the last second (a process that lags cannot keep its leases).
@@ -117,6 +121,9 @@ class Settings:
                     "pair_attempts_per_min", "streams_per_device", "max_connections"):
             if getattr(self, key) < 1:
                 raise SettingsError(f"{key} ({_env(key)}) must be >= 1")
+        if not 0 <= self.workers <= MAX_WORKERS:
+            raise SettingsError(f"workers ({_env('workers')}) must be between 0 (one per core) "
+                                f"and {MAX_WORKERS}")
         for key in ("drain_s", "reap_grace_s", "journal_retention_s"):
             if getattr(self, key) < 0:
                 raise SettingsError(f"{key} ({_env(key)}) must be >= 0")
