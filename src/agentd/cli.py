@@ -143,8 +143,9 @@ async def _with_pool(settings: Settings, work: Callable[[Any], Awaitable[int]]) 
 
     database = await open_database(settings)
     try:
-        await migrate_database(database.dsn)
-        pool = await dbmod.create_pool(database.dsn, min_size=1, max_size=2)
+        await migrate_database(settings.direct_dsn(database.dsn))
+        pool = await dbmod.create_pool(database.dsn, min_size=1, max_size=2,
+                                       pooled=settings.pooled)
         try:
             return await work(pool)
         finally:
@@ -230,7 +231,7 @@ async def _migrate(settings: Settings, _args: argparse.Namespace) -> int:
 
     database = await open_database(settings)
     try:
-        applied = await migrate_database(database.dsn)
+        applied = await migrate_database(settings.direct_dsn(database.dsn))
     finally:
         await asyncio.to_thread(database.close)
     print("applied: " + ", ".join(applied) if applied else "schema is up to date")

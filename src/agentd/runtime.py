@@ -38,10 +38,11 @@ from agentd.metrics import Metrics
 from agentd.migrate import migrate
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
-from agentd.queue import WorkerReport
+from agentd.queue import WorkerReport, notify_batch
 from agentd.reaper import reap_forever, sweep
 from agentd.revocation import RevocationWatch
 from agentd.settings import Settings, is_loopback_host
+from agentd.shared_reads import SharedReads
 from agentd.supervisor import (
     Handoff,
     handoff_from_environment,
@@ -53,6 +54,7 @@ from agentd.systemd import sd_notify
 from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
 from agentd.tools import ToolRegistry, default_tools
 from agentd.tools.mcp import McpTools
+from agentd.vocabulary import Channel
 
 log = logging.getLogger("agentd.runtime")
 
@@ -159,8 +161,10 @@ class Runtime:
     revocations: RevocationWatch | None = None
     stream_slots: StreamSlots = field(init=False)
     pair_limiter: AddressRateLimiter = field(init=False)
+    reads: SharedReads = field(init=False)  # tails of one run woken together read once
 
     def __post_init__(self) -> None:
+        self.reads = SharedReads(self.pool)
         self.stream_slots = StreamSlots(self.settings.streams_per_device)
         self.pair_limiter = AddressRateLimiter(self.settings.pair_attempts_per_min)
 
@@ -207,10 +211,11 @@ async def serve(settings: Settings, config_file: Path | None = None) -> int:
         database = await open_database(settings)
         try:
             if handoff is None:  # a supervisor migrated before it started its workers
-                applied = await migrate_database(database.dsn)
+                applied = await migrate_database(settings.direct_dsn(database.dsn))
                 if applied:
                     log.info("migrations applied", extra={"applied": ",".join(applied)})
-            pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max)
+            pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max,
+                                           pooled=settings.pooled)
             try:
                 return await _serve_with_pool(settings, database, pool, stop, sockets,
                                               certificate, handoff)
@@ -244,7 +249,10 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     reconciled = await sweep(pool, settings)
     if reconciled:
         log.warning("boot reconciler failed orphaned runs", extra={"runs": reconciled})
-    hub = Hub(settings.hub_dsn or database.dsn)
+    async def send_probe(token: str) -> None:
+        await notify_batch(pool, [(Channel.HUB_PROBE, token)])
+
+    hub = Hub(settings.hub_dsn or database.dsn, send_probe=send_probe)
     await hub.start()
     providers = ProviderRegistry(settings)
     worker_id = new_worker_id()
@@ -262,7 +270,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
                        max_pool_wait_s=settings.max_pool_wait_ms / 1000)
     runtime.load = load
-    keeper = LeaseKeeper(database.dsn, hub, settings, metrics,
+    keeper = LeaseKeeper(settings.direct_dsn(database.dsn), hub, settings, metrics,
                          report=lambda: _worker_report(runtime))
     runtime.keeper = keeper
     notifier = Notifier(pool)
@@ -359,6 +367,11 @@ def _watch_process(runtime: Runtime) -> None:
     metrics.total_at_scrape("agentd_hub_notifications", "NOTIFY hints received.",
                             lambda: runtime.hub.notifications)
     metrics.read_at_scrape(metrics.streams_open, lambda: runtime.stream_slots.total)
+    metrics.total_at_scrape("agentd_tail_reads_asked", "Journal reads stream tails asked for.",
+                            lambda: runtime.reads.asked)
+    metrics.total_at_scrape("agentd_tail_reads_issued",
+                            "Journal queries sent for them (the rest joined one in flight).",
+                            lambda: runtime.reads.issued)
     guard = runtime.connection_guard
     if guard is not None:
         metrics.read_at_scrape(metrics.connections_open, lambda: guard.open)

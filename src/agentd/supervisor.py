@@ -259,10 +259,11 @@ async def supervise(settings: Settings, count: int, config_file: Path | None) ->
         raise_open_files_limit(settings.max_connections + 256)
         database = await open_database(settings)
         try:
-            applied = await migrate_database(database.dsn)
+            applied = await migrate_database(settings.direct_dsn(database.dsn))
             if applied:
                 log.info("migrations applied", extra={"applied": ",".join(applied)})
-            pool = await dbmod.create_pool(database.dsn, min_size=1, max_size=1)
+            pool = await dbmod.create_pool(database.dsn, min_size=1, max_size=1,
+                                           pooled=settings.pooled)
             try:
                 await ensure_local_client(pool, local_url(settings),
                                           certificate.fingerprint if certificate else None,
