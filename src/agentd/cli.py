@@ -139,7 +139,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 async def _with_pool(settings: Settings, work: Callable[[Any], Awaitable[int]]) -> int:
     from agentd import db as dbmod
-    from agentd.runtime import migrate_database, open_database
+    from agentd.startup import migrate_database, open_database
 
     database = await open_database(settings)
     try:
@@ -187,9 +187,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 async def _serve(settings: Settings, args: argparse.Namespace) -> int:
+    from agentd import supervisor
+
+    handoff = supervisor.handoff_from_environment()
+    if handoff is None:
+        count = supervisor.worker_count(settings)
+        if count > 1:  # the supervisor never imports the daemon's machinery: it stays small
+            return await supervisor.supervise(settings, count, args.config)
     from agentd.runtime import serve
 
-    return await serve(settings, args.config)
+    return await serve(settings, handoff)
 
 
 async def _pair(settings: Settings, args: argparse.Namespace) -> int:
@@ -227,7 +234,7 @@ async def _pair(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _migrate(settings: Settings, _args: argparse.Namespace) -> int:
-    from agentd.runtime import migrate_database, open_database
+    from agentd.startup import migrate_database, open_database
 
     database = await open_database(settings)
     try:

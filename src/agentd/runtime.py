@@ -11,23 +11,18 @@ import asyncio
 import contextlib
 import logging
 import os
-import resource
 import secrets
 import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from urllib.parse import urlsplit
 
 import asyncpg
 from aiohttp import web
 
 from agentd import __version__
 from agentd import db as dbmod
-from agentd.accounts import create_device_token
 from agentd.dispatcher import Dispatcher
-from agentd.embedded_pg import EmbeddedPostgres, default_data_root
 from agentd.executor import TurnRunner
 from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
@@ -35,21 +30,21 @@ from agentd.limits import AddressRateLimiter, ConnectionGuard, GuardedSite, Stre
 from agentd.listen import bind_listen_sockets
 from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
-from agentd.migrate import migrate
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
 from agentd.queue import WorkerReport, notify_batch
 from agentd.reaper import reap_forever, sweep
 from agentd.revocation import RevocationWatch
-from agentd.settings import Settings, is_loopback_host
+from agentd.settings import Settings
 from agentd.shared_reads import SharedReads
-from agentd.supervisor import (
-    Handoff,
-    handoff_from_environment,
-    supervise,
-    watch_parent,
-    worker_count,
+from agentd.startup import (
+    Database,
+    ensure_local_client,
+    migrate_database,
+    open_database,
+    raise_open_files_limit,
 )
+from agentd.supervisor import Handoff, watch_parent
 from agentd.systemd import sd_notify
 from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
 from agentd.tools import ToolRegistry, default_tools
@@ -58,7 +53,6 @@ from agentd.vocabulary import Channel
 
 log = logging.getLogger("agentd.runtime")
 
-LOCAL_ACCOUNT = "local"
 # Test-only: with this variable set to N seconds, SIGUSR1 blocks the event loop for N seconds
 # (a worker that stops making progress while its process lives on, unlike SIGSTOP).
 BLOCK_LOOP_ENV = "AGENTD_TESTHOOK_BLOCK_LOOP_S"
@@ -67,75 +61,6 @@ BLOCK_LOOP_ENV = "AGENTD_TESTHOOK_BLOCK_LOOP_S"
 def new_worker_id() -> str:
     """Unique per process start: host, pid and a random suffix (never a reused host name)."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-@dataclass
-class Database:
-    dsn: str
-    embedded: EmbeddedPostgres | None = None
-
-    def close(self) -> None:
-        if self.embedded is not None:
-            self.embedded.stop()
-
-
-async def open_database(settings: Settings) -> Database:
-    """The configured server, or the private embedded one (started, with its database)."""
-    if settings.dsn:
-        return Database(settings.dsn)
-    server = EmbeddedPostgres(settings.data_dir or default_data_root(), run_as=settings.pg_user)
-    started = time.monotonic()
-    await asyncio.to_thread(server.start)
-    log.info("embedded postgresql ready", extra={
-        "data_dir": str(server.data_dir), "seconds": round(time.monotonic() - started, 3)})
-    admin = await asyncpg.connect(server.dsn("postgres"))
-    try:
-        await dbmod.ensure_agentd_database(admin)
-    finally:
-        await admin.close()
-    return Database(server.dsn(dbmod.EMBEDDED_DATABASE), server)
-
-
-async def migrate_database(dsn: str) -> list[str]:
-    conn = await dbmod.connect(dsn, application_name="agentd-migrate")
-    try:
-        return await migrate(conn)
-    finally:
-        await conn.close()
-
-
-async def ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | None = None,
-                              *, create: bool = True) -> None:
-    """Keep the TUI on this machine attached: give it a token on the first embedded start.
-
-    Over TLS it also pins this daemon's certificate, as `agenttui login` would; a config that
-    already points at this port on loopback follows a switch to or from TLS, or a new
-    certificate (this daemon is the authority on its own certificate, on its own machine).
-    """
-    from agenttui.locations import config_file, read_config, write_client_config
-
-    if config_file().exists():
-        config = read_config()
-        old, token = config.get("url"), config.get("token")
-        if not isinstance(old, str) or not isinstance(token, str):
-            return
-        before, now = urlsplit(old), urlsplit(url)
-        if before.port != now.port or not is_loopback_host(before.hostname or ""):
-            return
-        if (old, config.get("fingerprint")) != (url, fingerprint):
-            device = config.get("device")
-            path = write_client_config(url, token, device=device if isinstance(device, str)
-                                       else None, fingerprint=fingerprint)
-            log.info("updated the local client's address and pin", extra={
-                "path": str(path), "url": url, "fingerprint": fingerprint})
-        return
-    if not create:
-        return
-    token, _ = await create_device_token(pool, account=LOCAL_ACCOUNT,
-                                         device=socket.gethostname() or "local")
-    path = write_client_config(url, token, device=socket.gethostname(),
-                               fingerprint=fingerprint)
-    log.info("wrote a device token for the local client", extra={"path": str(path)})
 
 
 @dataclass
@@ -184,17 +109,12 @@ def build_app(runtime: Runtime) -> web.Application:
     return app
 
 
-async def serve(settings: Settings, config_file: Path | None = None) -> int:
+async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the exit code.
 
-    With more than one worker this process becomes the supervisor (agentd.supervisor); a
-    worker it started serves on the sockets it inherited and reports readiness to it.
+    `handoff`: this process is a worker of a supervisor (agentd.supervisor): it serves on the
+    sockets it inherited and reports readiness to the supervisor instead of systemd.
     """
-    handoff = handoff_from_environment()
-    if handoff is None:
-        count = worker_count(settings)
-        if count > 1:
-            return await supervise(settings, count, config_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -228,18 +148,6 @@ async def serve(settings: Settings, config_file: Path | None = None) -> int:
             parent.cancel()
         for sock in sockets:
             sock.close()
-
-
-def raise_open_files_limit(wanted: int) -> None:
-    """Every connection is a file descriptor: let max_connections fit under RLIMIT_NOFILE."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if hard != resource.RLIM_INFINITY and hard < wanted:
-        log.warning("the open-files limit is below max_connections; lower max_connections "
-                    "or raise LimitNOFILE", extra={"hard_limit": hard, "wanted": wanted})
 
 
 async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg.Pool,

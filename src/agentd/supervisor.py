@@ -238,7 +238,7 @@ async def supervise(settings: Settings, count: int, config_file: Path | None) ->
     """The supervisor's whole life; returns the exit code."""
     from agentd import db as dbmod
     from agentd.listen import bind_listen_sockets
-    from agentd.runtime import (
+    from agentd.startup import (
         ensure_local_client,
         migrate_database,
         open_database,
