@@ -551,7 +551,8 @@ class BenchDaemon:
                 await asyncio.sleep(0.05)
 
     def cpu_seconds(self) -> float:
-        return cpu_seconds(self.pid)
+        """The daemon's CPU, with its workers' when it runs several (`workers` setting)."""
+        return tree_cpu_seconds(self.pid)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:

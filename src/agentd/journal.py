@@ -30,8 +30,9 @@ from agentd.vocabulary import EventType
 DEFAULT_FLUSH_INTERVAL_S = 0.250
 # A dropped connection (the database restarting, a failover) is retried within the lease; the
 # fence decides whether a retry may still write.
+# Shared with the terminal write (executor), which retries its transaction the same way.
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0)
-_TRANSIENT = (OSError, asyncpg.InterfaceError, asyncpg.exceptions.ConnectionFailureError,
+TRANSIENT = (OSError, asyncpg.InterfaceError, asyncpg.exceptions.ConnectionFailureError,
               asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.AdminShutdownError,
               asyncpg.exceptions.ConnectionDoesNotExistError, TimeoutError)
 
@@ -104,6 +105,22 @@ class Emitter:
         self._raise_if_lost()
         await self.flush()
 
+    async def hand_over(self) -> list[NewEvent]:
+        """Stop the clock and hand what is pending to the caller as a numbered batch, which it
+        writes in the terminal write's own transaction (queue.finish_run_journaled); the
+        emitter writes nothing more. Raises LeaseLost if a write was fenced."""
+        if self._timer is not None and not self._timer.done():
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        async with self._lock:  # after any write in flight, so the seqs follow it
+            self._raise_if_lost()
+            batch = [NewEvent(self._next_seq + i, type, payload)
+                     for i, (type, payload) in enumerate(self._take_pending())]
+            self._next_seq += len(batch)
+            self.rows_written += len(batch)
+        return batch
+
     def _take_pending(self) -> list[tuple[EventType, dict[str, Any]]]:
         if not self._pending:
             return []
@@ -163,7 +180,7 @@ class Emitter:
                 self._lost = exc
                 raise
             except Exception as exc:
-                if isinstance(exc, _TRANSIENT) and attempt < len(RETRY_DELAYS_S):
+                if isinstance(exc, TRANSIENT) and attempt < len(RETRY_DELAYS_S):
                     await asyncio.sleep(RETRY_DELAYS_S[attempt])
                     continue
                 # The journal can no longer be vouched for: stop writing to it, so nothing
@@ -178,7 +195,7 @@ class Emitter:
         try:
             found = await read_events(self._db, self._claim.run_id,
                                       after_seq=batch[0].seq - 1, limit=len(batch))
-        except _TRANSIENT:
+        except TRANSIENT:
             return False
         return [(e.seq, e.type, e.payload) for e in found] == \
             [(e.seq, e.type, json.loads(json.dumps(e.payload))) for e in batch]

@@ -487,6 +487,32 @@ async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None
     return row["message_id"]
 
 
+async def finish_run_journaled(db: Db, claim: Claim, status: RunStatus, *,
+                               last: Sequence[NewEvent], seq: int,
+                               content: str | None = None,
+                               message_status: MessageStatus = MessageStatus.COMPLETE,
+                               error: str | None = None, error_code: str | None = None,
+                               usage: dict[str, Any] | None = None,
+                               hint: Hint | None = None) -> UUID | None:
+    """The turn's last journal batch and its terminal write in ONE transaction: one commit
+    (one WAL flush) ends a turn instead of two. Each statement keeps its own fence; either
+    refusing rolls both back (LeaseLost / SeqConflict), as if neither had been tried. Hints
+    are handed on only after the commit, so nobody is woken for rows that are not there yet.
+    """
+    held: list[tuple[Channel, str]] = []
+
+    def keep(channel: Channel, payload: str) -> None:
+        held.append((channel, payload))
+
+    async with _acquire(db) as conn, conn.transaction():
+        await append_events(conn, claim, last, hint=keep)
+        message_id = await finish_run(
+            conn, claim, status, seq=seq, content=content, message_status=message_status,
+            error=error, error_code=error_code, usage=usage, hint=keep)
+    await _send_hints(db, hint, list(dict.fromkeys(held)))
+    return message_id
+
+
 async def journal_endings(conn: asyncpg.Connection, endings: Sequence[Ending]) -> None:
     """Journal 'complete' for runs another party just finalized, in the caller's transaction."""
     if not endings:
