@@ -31,6 +31,7 @@ from agentd.approvals import (
 )
 from agentd.conversations import transcript_for_run
 from agentd.failures import RunFailure, classify, failure, log_failure
+from agentd.group_commit import GroupCommit
 from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.hub import Hub, Subscription
 from agentd.journal import RETRY_DELAYS_S, TRANSIENT, Emitter
@@ -114,8 +115,10 @@ class TurnRunner:
 
     def __init__(self, pool: asyncpg.Pool, hub: Hub, keeper: LeaseKeeper, settings: Settings,
                  providers: ProviderRegistry, tools: ToolRegistry,
-                 hint: Hint | None = None, metrics: Metrics | None = None) -> None:
+                 hint: Hint | None = None, metrics: Metrics | None = None,
+                 group: GroupCommit | None = None) -> None:
         self._pool = pool
+        self._group = group  # journal writes of concurrent turns share commits
         self._hint = hint
         self._hub = hub
         self._keeper = keeper
@@ -140,7 +143,8 @@ class TurnRunner:
                 log.warning("lease gone before the turn started; standing down", extra=ctx)
                 return False
             emitter = Emitter(self._pool, claim,
-                              flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint)
+                              flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint,
+                              group=self._group)
             turn = _Turn(claim, emitter, held, self._settings.max_run_s)
             if beat.cancel_requested:
                 held.cancel.set()
@@ -229,7 +233,8 @@ class TurnRunner:
                     content=answer if (answer or complete) else None,
                     message_status=MessageStatus.COMPLETE if complete else MessageStatus.PARTIAL,
                     hint=self._hint, error=ended.message if ended else None,
-                    error_code=ended.code if ended else None, usage=turn.usage)
+                    error_code=ended.code if ended else None, usage=turn.usage,
+                    group=self._group)
                 break
             except TRANSIENT:
                 # Rolled back, or committed with the answer lost on the wire: a retry either

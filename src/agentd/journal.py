@@ -15,6 +15,7 @@ from typing import Any
 
 import asyncpg
 
+from agentd.group_commit import GroupCommit
 from agentd.queue import (
     Claim,
     Db,
@@ -23,6 +24,7 @@ from agentd.queue import (
     NewEvent,
     SeqConflict,
     append_events,
+    append_events_grouped,
     read_events,
 )
 from agentd.vocabulary import EventType
@@ -32,7 +34,9 @@ DEFAULT_FLUSH_INTERVAL_S = 0.250
 # fence decides whether a retry may still write.
 # Shared with the terminal write (executor), which retries its transaction the same way.
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0)
+# A deadlock is retried too: a shared commit holds several runs' row locks until it commits.
 TRANSIENT = (OSError, asyncpg.InterfaceError, asyncpg.exceptions.ConnectionFailureError,
+             asyncpg.exceptions.DeadlockDetectedError,
               asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.AdminShutdownError,
               asyncpg.exceptions.ConnectionDoesNotExistError, TimeoutError)
 
@@ -42,8 +46,11 @@ class Emitter:
 
     def __init__(self, db: Db, claim: Claim, *,
                  flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic, hint: Hint | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, hint: Hint | None = None,
+                 group: GroupCommit | None = None) -> None:
+        """`group`: the process's group commit; None writes each batch in its own commit."""
         self._db = db
+        self._group = group
         self._claim = claim
         self._interval = flush_interval_s
         self._clock = clock
@@ -168,7 +175,11 @@ class Emitter:
                  for i, (type, payload) in enumerate(events)]
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
-                await append_events(self._db, self._claim, batch, hint=self._hint)
+                if self._group is not None:
+                    await append_events_grouped(self._group, self._claim, batch,
+                                                hint=self._hint)
+                else:
+                    await append_events(self._db, self._claim, batch, hint=self._hint)
                 break
             except SeqConflict as exc:
                 # After a connection died mid-commit, our own earlier attempt may have landed.

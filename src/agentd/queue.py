@@ -18,6 +18,7 @@ from uuid import UUID
 import asyncpg
 
 from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
+from agentd.group_commit import GroupCommit
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
 
@@ -493,24 +494,41 @@ async def finish_run_journaled(db: Db, claim: Claim, status: RunStatus, *,
                                message_status: MessageStatus = MessageStatus.COMPLETE,
                                error: str | None = None, error_code: str | None = None,
                                usage: dict[str, Any] | None = None,
-                               hint: Hint | None = None) -> UUID | None:
+                               hint: Hint | None = None,
+                               group: GroupCommit | None = None) -> UUID | None:
     """The turn's last journal batch and its terminal write in ONE transaction: one commit
     (one WAL flush) ends a turn instead of two. Each statement keeps its own fence; either
     refusing rolls both back (LeaseLost / SeqConflict), as if neither had been tried. Hints
     are handed on only after the commit, so nobody is woken for rows that are not there yet.
+    With `group`, that transaction is shared with other runs' writes (group_commit.py).
     """
     held: list[tuple[Channel, str]] = []
 
     def keep(channel: Channel, payload: str) -> None:
         held.append((channel, payload))
 
-    async with _acquire(db) as conn, conn.transaction():
+    async def both(conn: asyncpg.Connection) -> UUID | None:
         await append_events(conn, claim, last, hint=keep)
-        message_id = await finish_run(
+        return await finish_run(
             conn, claim, status, seq=seq, content=content, message_status=message_status,
             error=error, error_code=error_code, usage=usage, hint=keep)
+
+    if group is not None:
+        message_id = await group.run(both)
+    else:
+        async with _acquire(db) as conn, conn.transaction():
+            message_id = await both(conn)
     await _send_hints(db, hint, list(dict.fromkeys(held)))
     return message_id
+
+
+async def append_events_grouped(group: GroupCommit, claim: Claim, events: Sequence[NewEvent],
+                                *, hint: Hint | None = None) -> None:
+    """append_events in the next group commit (group_commit.py): same fence, same errors."""
+    held: list[tuple[Channel, str]] = []
+    await group.run(lambda conn: append_events(
+        conn, claim, events, hint=lambda channel, payload: held.append((channel, payload))))
+    await _send_hints(group.pool, hint, held)
 
 
 async def journal_endings(conn: asyncpg.Connection, endings: Sequence[Ending]) -> None:

@@ -24,6 +24,7 @@ from agentd import __version__
 from agentd import db as dbmod
 from agentd.dispatcher import Dispatcher
 from agentd.executor import TurnRunner
+from agentd.group_commit import GroupCommit
 from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
 from agentd.limits import AddressRateLimiter, ConnectionGuard, GuardedSite, StreamSlots
@@ -87,6 +88,7 @@ class Runtime:
     stream_slots: StreamSlots = field(init=False)
     pair_limiter: AddressRateLimiter = field(init=False)
     reads: SharedReads = field(init=False)  # tails of one run woken together read once
+    group: GroupCommit | None = None  # journal writes of concurrent turns share commits
 
     def __post_init__(self) -> None:
         self.reads = SharedReads(self.pool)
@@ -183,8 +185,10 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     runtime.keeper = keeper
     notifier = Notifier(pool)
     notifier.start()
+    group = GroupCommit(pool)
+    runtime.group = group
     runner = TurnRunner(pool, hub, keeper, settings, providers, tools, hint=notifier.notify,
-                        metrics=metrics)
+                        metrics=metrics, group=group)
     dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, load, metrics,
                             hint=notifier.notify)
     runtime.dispatcher = dispatcher
@@ -275,6 +279,11 @@ def _watch_process(runtime: Runtime) -> None:
     metrics.total_at_scrape("agentd_hub_notifications", "NOTIFY hints received.",
                             lambda: runtime.hub.notifications)
     metrics.read_at_scrape(metrics.streams_open, lambda: runtime.stream_slots.total)
+    metrics.total_at_scrape("agentd_journal_commits", "Transactions that carried journal writes.",
+                            lambda: runtime.group.groups if runtime.group else 0)
+    metrics.total_at_scrape("agentd_journal_writes",
+                            "Journal writes (batches and terminal writes) they carried.",
+                            lambda: runtime.group.writes if runtime.group else 0)
     metrics.total_at_scrape("agentd_tail_reads_asked", "Journal reads stream tails asked for.",
                             lambda: runtime.reads.asked)
     metrics.total_at_scrape("agentd_tail_reads_issued",
