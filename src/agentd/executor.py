@@ -31,7 +31,7 @@ from agentd.approvals import (
 )
 from agentd.conversations import transcript_for_run
 from agentd.failures import RunFailure, classify, failure, log_failure
-from agentd.group_commit import GroupCommit
+from agentd.group_commit import Batcher, GroupCommit
 from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.hub import Hub, Subscription
 from agentd.journal import RETRY_DELAYS_S, TRANSIENT, Emitter
@@ -46,6 +46,7 @@ from agentd.providers.base import (
 from agentd.queue import (
     Claim,
     Hint,
+    JournalBatch,
     LeaseLost,
     answer_open_tool_calls,
     check_lease,
@@ -116,9 +117,12 @@ class TurnRunner:
     def __init__(self, pool: asyncpg.Pool, hub: Hub, keeper: LeaseKeeper, settings: Settings,
                  providers: ProviderRegistry, tools: ToolRegistry,
                  hint: Hint | None = None, metrics: Metrics | None = None,
-                 group: GroupCommit | None = None) -> None:
+                 group: GroupCommit | None = None,
+                 appends: Batcher[JournalBatch, None] | None = None) -> None:
         self._pool = pool
-        self._group = group  # journal writes of concurrent turns share commits
+        # Journal and terminal writes of concurrent turns share commits (group_commit.py).
+        self._group = group
+        self._appends = appends
         self._hint = hint
         self._hub = hub
         self._keeper = keeper
@@ -144,7 +148,7 @@ class TurnRunner:
                 return False
             emitter = Emitter(self._pool, claim,
                               flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint,
-                              group=self._group)
+                              appends=self._appends)
             turn = _Turn(claim, emitter, held, self._settings.max_run_s)
             if beat.cancel_requested:
                 held.cancel.set()

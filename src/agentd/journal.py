@@ -15,16 +15,17 @@ from typing import Any
 
 import asyncpg
 
-from agentd.group_commit import GroupCommit
+from agentd.group_commit import Batcher
 from agentd.queue import (
     Claim,
     Db,
     Hint,
+    JournalBatch,
     LeaseLost,
     NewEvent,
     SeqConflict,
     append_events,
-    append_events_grouped,
+    append_events_batched,
     read_events,
 )
 from agentd.vocabulary import EventType
@@ -47,10 +48,11 @@ class Emitter:
     def __init__(self, db: Db, claim: Claim, *,
                  flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic, hint: Hint | None = None,
-                 group: GroupCommit | None = None) -> None:
-        """`group`: the process's group commit; None writes each batch in its own commit."""
+                 appends: Batcher[JournalBatch, None] | None = None) -> None:
+        """`appends`: the process's shared journal writes (group commit); None writes each
+        batch in its own commit."""
         self._db = db
-        self._group = group
+        self._appends = appends
         self._claim = claim
         self._interval = flush_interval_s
         self._clock = clock
@@ -175,8 +177,8 @@ class Emitter:
                  for i, (type, payload) in enumerate(events)]
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
-                if self._group is not None:
-                    await append_events_grouped(self._group, self._claim, batch,
+                if self._appends is not None:
+                    await append_events_batched(self._appends, self._claim, batch,
                                                 hint=self._hint)
                 else:
                     await append_events(self._db, self._claim, batch, hint=self._hint)

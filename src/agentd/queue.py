@@ -18,7 +18,7 @@ from uuid import UUID
 import asyncpg
 
 from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
-from agentd.group_commit import GroupCommit
+from agentd.group_commit import Batcher, GroupCommit
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
 
@@ -522,13 +522,47 @@ async def finish_run_journaled(db: Db, claim: Claim, status: RunStatus, *,
     return message_id
 
 
-async def append_events_grouped(group: GroupCommit, claim: Claim, events: Sequence[NewEvent],
-                                *, hint: Hint | None = None) -> None:
-    """append_events in the next group commit (group_commit.py): same fence, same errors."""
-    held: list[tuple[Channel, str]] = []
-    await group.run(lambda conn: append_events(
-        conn, claim, events, hint=lambda channel, payload: held.append((channel, payload))))
-    await _send_hints(group.pool, hint, held)
+JournalBatch = tuple[Claim, Sequence[NewEvent]]
+
+
+async def append_events_many(db: Db, batches: Sequence[JournalBatch]) -> list[Exception | None]:
+    """Several runs' journal batches in one statement and one commit; per batch None (landed)
+    or the LeaseLost / SeqConflict its own append_events would have raised."""
+    rows: list[tuple[UUID, UUID, int, str, str]] = [
+        (claim.run_id, claim.claim_token, e.seq, str(e.type),
+         json.dumps(e.payload, ensure_ascii=False))
+        for claim, events in batches for e in events]
+    try:
+        found = await db.fetch(*Q.append_events_fenced_many.bind(
+            run_ids=[r[0] for r in rows], claim_tokens=[r[1] for r in rows],
+            seqs=[r[2] for r in rows], types=[r[3] for r in rows],
+            payloads=[r[4] for r in rows]))
+    except asyncpg.UniqueViolationError:
+        # Someone took a seq of one of them (a finalizer, after fencing it out): nothing was
+        # written; each alone tells whose.
+        return [await _append_alone(db, claim, events) for claim, events in batches]
+    written = {row["run_id"]: row["written"] for row in found}
+    return [None if written.get(claim.run_id) == len(events) else
+            LeaseLost(claim.run_id, "journal append") for claim, events in batches]
+
+
+async def _append_alone(db: Db, claim: Claim, events: Sequence[NewEvent]) -> Exception | None:
+    try:
+        await append_events(db, claim, events)
+    except LeaseLost as exc:
+        return exc
+    return None
+
+
+async def append_events_batched(batcher: Batcher[JournalBatch, None], claim: Claim,
+                                events: Sequence[NewEvent], *,
+                                hint: Hint | None = None) -> None:
+    """append_events in the next shared statement (group_commit.Batcher over
+    append_events_many): the same fence, the same errors, the hint after the commit."""
+    if not events:
+        return
+    await batcher.submit((claim, events))
+    await _send_hints(batcher.db, hint, [(Channel.RUN_EVENT, str(claim.run_id))])
 
 
 async def journal_endings(conn: asyncpg.Connection, endings: Sequence[Ending]) -> None:

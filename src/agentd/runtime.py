@@ -24,7 +24,7 @@ from agentd import __version__
 from agentd import db as dbmod
 from agentd.dispatcher import Dispatcher
 from agentd.executor import TurnRunner
-from agentd.group_commit import GroupCommit
+from agentd.group_commit import Batcher, GroupCommit
 from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
 from agentd.limits import AddressRateLimiter, ConnectionGuard, GuardedSite, StreamSlots
@@ -33,7 +33,7 @@ from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
-from agentd.queue import WorkerReport, notify_batch
+from agentd.queue import JournalBatch, WorkerReport, append_events_many, notify_batch
 from agentd.reaper import reap_forever, sweep
 from agentd.revocation import RevocationWatch
 from agentd.settings import Settings
@@ -88,7 +88,9 @@ class Runtime:
     stream_slots: StreamSlots = field(init=False)
     pair_limiter: AddressRateLimiter = field(init=False)
     reads: SharedReads = field(init=False)  # tails of one run woken together read once
-    group: GroupCommit | None = None  # journal writes of concurrent turns share commits
+    # Journal and terminal writes of concurrent turns share commits (group_commit.py).
+    group: GroupCommit | None = None
+    appends: Batcher[JournalBatch, None] | None = None
 
     def __post_init__(self) -> None:
         self.reads = SharedReads(self.pool)
@@ -186,9 +188,11 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     notifier = Notifier(pool)
     notifier.start()
     group = GroupCommit(pool)
-    runtime.group = group
+    appends: Batcher[JournalBatch, None] = Batcher(
+        pool, lambda batches: append_events_many(pool, batches))
+    runtime.group, runtime.appends = group, appends
     runner = TurnRunner(pool, hub, keeper, settings, providers, tools, hint=notifier.notify,
-                        metrics=metrics, group=group)
+                        metrics=metrics, group=group, appends=appends)
     dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, load, metrics,
                             hint=notifier.notify)
     runtime.dispatcher = dispatcher
@@ -279,11 +283,14 @@ def _watch_process(runtime: Runtime) -> None:
     metrics.total_at_scrape("agentd_hub_notifications", "NOTIFY hints received.",
                             lambda: runtime.hub.notifications)
     metrics.read_at_scrape(metrics.streams_open, lambda: runtime.stream_slots.total)
-    metrics.total_at_scrape("agentd_journal_commits", "Transactions that carried journal writes.",
-                            lambda: runtime.group.groups if runtime.group else 0)
+    metrics.total_at_scrape("agentd_journal_commits",
+                            "Shared commits of journal batches and terminal writes.",
+                            lambda: (runtime.group.groups if runtime.group else 0) +
+                            (runtime.appends.batches if runtime.appends else 0))
     metrics.total_at_scrape("agentd_journal_writes",
-                            "Journal writes (batches and terminal writes) they carried.",
-                            lambda: runtime.group.writes if runtime.group else 0)
+                            "Journal batches and terminal writes they carried.",
+                            lambda: (runtime.group.writes if runtime.group else 0) +
+                            (runtime.appends.items if runtime.appends else 0))
     metrics.total_at_scrape("agentd_tail_reads_asked", "Journal reads stream tails asked for.",
                             lambda: runtime.reads.asked)
     metrics.total_at_scrape("agentd_tail_reads_issued",

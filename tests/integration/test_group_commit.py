@@ -11,14 +11,15 @@ import uuid
 import asyncpg
 import pytest
 
-from agentd.group_commit import GroupCommit
+from agentd.group_commit import Batcher, GroupCommit
 from agentd.journal import Emitter
 from agentd.queue import (
     Claim,
     LeaseLost,
     NewEvent,
     SeqConflict,
-    append_events_grouped,
+    append_events_batched,
+    append_events_many,
     claim_runs,
     finish_run_journaled,
 )
@@ -45,18 +46,19 @@ def delta(claim: Claim, text: str, offset: int = 1) -> list[NewEvent]:
 async def test_writes_arriving_during_a_commit_share_the_next_and_a_fenced_one_fails_alone(
         pool: asyncpg.Pool) -> None:
     claims = await claimed_runs(pool, RUNS)
-    group = GroupCommit(pool, max_in_flight=1)
+    group = Batcher(pool, lambda batches: append_events_many(pool, batches), max_in_flight=1)
     # One execution that no longer owns its run (another token), and one whose seq is taken.
     stale = dataclasses.replace(claims[1], claim_token=uuid.uuid4())
     taken = claims[2]
-    await append_events_grouped(GroupCommit(pool), taken, delta(taken, "first"))
+    await append_events_batched(group, taken, delta(taken, "first"))
     hinted: list[str] = []
-    writes = [append_events_grouped(group, c, delta(c, f"text {i}"),
+    writes = [append_events_batched(group, c, delta(c, f"text {i}"),
                                     hint=lambda _ch, p: hinted.append(p))
               for i, c in enumerate([claims[0], stale, *claims[2:]])]
     results = await asyncio.gather(*writes, return_exceptions=True)
 
-    assert group.writes == RUNS and group.groups == 2  # the first alone, the rest together
+    # The first alone, the rest together (plus the earlier write of "first").
+    assert group.items == RUNS + 1 and group.batches == 3
     assert isinstance(results[1], LeaseLost) and not isinstance(results[1], SeqConflict)
     assert isinstance(results[2], SeqConflict)
     for i, claim in enumerate(claims):
@@ -76,7 +78,8 @@ async def test_turns_ending_together_finish_in_shared_commits_each_whole(
         pool: asyncpg.Pool) -> None:
     claims = await claimed_runs(pool, RUNS)
     group = GroupCommit(pool, max_in_flight=1)
-    emitters = [Emitter(pool, c, flush_interval_s=3600, group=group) for c in claims]
+    appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
+    emitters = [Emitter(pool, c, flush_interval_s=3600, appends=appends) for c in claims]
     for i, emitter in enumerate(emitters):
         await emitter.delta(f"first {i} ")  # written through at once (in a group of its own)
         await emitter.delta(f"last {i}")  # pending: rides in the terminal write
@@ -105,8 +108,12 @@ async def test_a_failed_commit_fails_every_write_of_its_group(pool: asyncpg.Pool
 
     own = await dbmod.create_pool(dsn, min_size=1, max_size=1)
     group = GroupCommit(own)
+    appends = Batcher(own, lambda batches: append_events_many(own, batches))
     await own.close()
     with pytest.raises(asyncpg.InterfaceError):
-        await append_events_grouped(group, claim, delta(claim, "never"))
+        await append_events_batched(appends, claim, delta(claim, "never"))
+    with pytest.raises(asyncpg.InterfaceError):
+        await finish_run_journaled(own, claim, RunStatus.COMPLETED, last=[], seq=claim.last_seq + 1,
+                                   group=group)
     assert [r for r in await journal(pool, claim.run_id)
             if r["type"] == EventType.CONTENT_DELTA] == []
