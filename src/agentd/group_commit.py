@@ -29,7 +29,7 @@ class Batcher(Generic[I, R]):
 
     def __init__(self, db: Any,
                  write: Callable[[Sequence[I]], Awaitable[Sequence[R | Exception]]], *,
-                 max_batch: int = 256, max_in_flight: int = 2) -> None:
+                 max_batch: int = 64, max_in_flight: int = 4) -> None:
         self.db = db  # where the batches go (hints after them are sent there too)
         self._write = write
         self._max_batch = max_batch
