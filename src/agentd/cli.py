@@ -165,9 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     from agentd.embedded_pg import EmbeddedPgError
     from agentd.listen import ListenError
     from agentd.logs import configure_logging
+    from agentd.supervisor import SLOT_ENV
     from agentd.tls import TLSError
 
-    configure_logging(settings.log_level if args.command == "serve" else "warning")
+    configure_logging(settings.log_level if args.command == "serve" else "warning",
+                      worker=os.environ.get(SLOT_ENV) if args.command == "serve" else None)
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Awaitable[int]]] = {
         "serve": _serve, "pair": _pair, "migrate": _migrate, "token": _token,
         "account": _account, "status": _status, "doctor": _doctor}

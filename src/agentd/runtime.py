@@ -225,8 +225,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                         extra={"listen": settings.listen})
         log.info("agentd worker serving" if handoff else "agentd serving", extra={
             "url": sites[0].name, "worker_id": worker_id, "embedded": database.embedded is not None,
-            "fingerprint": certificate.fingerprint if certificate else None,
-            **({"slot": handoff.slot} if handoff else {})})
+            "fingerprint": certificate.fingerprint if certificate else None})
         if handoff is not None:
             handoff.report_ready()
         else:
