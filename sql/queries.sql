@@ -575,6 +575,21 @@ WHERE run_id = $1::uuid AND seq > $2::bigint
 ORDER BY seq
 LIMIT $3::int;
 
+-- read_events_after_many --
+-- params: run_ids, after_seqs, limit
+-- Many tails' reads in one round trip (shared_reads.py): for each (run, cursor) pair, numbered
+-- by its position, the run's journal rows after that cursor, at most `limit` of them.
+SELECT c.i, e.seq, e.type, e.payload, e.created_at
+FROM unnest($1::uuid[], $2::bigint[]) WITH ORDINALITY AS c (run_id, after_seq, i)
+CROSS JOIN LATERAL (
+    SELECT seq, type, payload, created_at
+    FROM run_event
+    WHERE run_id = c.run_id AND seq > c.after_seq
+    ORDER BY seq
+    LIMIT $3::int
+) e
+ORDER BY c.i, e.seq;
+
 -- get_run --
 -- params: run_id, account_id
 -- A run is visible only to its own account (docs/architecture.md rule 9). Names the device that

@@ -663,6 +663,19 @@ async def read_events(db: Db, run_id: UUID, *, after_seq: int = 0,
     return [Event(r["seq"], EventType(r["type"]), r["payload"], r["created_at"]) for r in rows]
 
 
+async def read_events_many(db: Db, cursors: Sequence[tuple[UUID, int]],
+                           limit: int = 1000) -> list[list[Event]]:
+    """read_events for several (run, cursor) pairs in one query; one list per pair, in order."""
+    rows = await db.fetch(*Q.read_events_after_many.bind(
+        run_ids=[run_id for run_id, _ in cursors], after_seqs=[seq for _, seq in cursors],
+        limit=limit))
+    out: list[list[Event]] = [[] for _ in cursors]
+    for r in rows:
+        out[r["i"] - 1].append(Event(r["seq"], EventType(r["type"]), r["payload"],
+                                     r["created_at"]))
+    return out
+
+
 async def run_status(db: Db, run_id: UUID) -> RunEnding | None:
     """A run's status and error, or None if there is no such run."""
     row = await db.fetchrow(*Q.run_status.bind(run_id=run_id))

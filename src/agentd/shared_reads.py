@@ -1,7 +1,8 @@
 """One read per wake: tails of the same run or conversation in this process share their reads.
 
 A NOTIFY wakes every subscriber of a run in the same loop step; each then asks for the journal
-after its cursor. Identical asks (same run, same cursor) join one query and fan its rows out.
+after its cursor. Identical asks (same run, same cursor) join one query and fan its rows out;
+the asks of different runs made in the same loop step go out together in one query.
 A read is joinable only until its query is sent: one who joins saw every hint that arrived
 before it, and whatever those hints announced was committed before the query went out, so the
 shared rows are as fresh as a read of its own would be (rule 6: the rows stay the truth).
@@ -18,7 +19,7 @@ from uuid import UUID
 import asyncpg
 
 from agentd.conversations import runs_since
-from agentd.queue import Event, read_events
+from agentd.queue import Event, read_events, read_events_many
 
 T = TypeVar("T")
 
@@ -37,6 +38,8 @@ class SharedReads:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
         self._flights: dict[Hashable, _Flight] = {}
+        # Event reads for the next query: run, cursor, limit, flight key, flight.
+        self._batch: list[tuple[UUID, int, int, Hashable, _Flight]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.asked = 0  # reads tails asked for
         self.issued = 0  # queries sent for them (asked - issued were shared)
@@ -75,10 +78,54 @@ class SharedReads:
         flight.future.set_result(result)
 
     async def events(self, run_id: UUID, after_seq: int, limit: int) -> list[Event]:
-        """The run's journal after `after_seq` (at most `limit` rows); a shared list: read only."""
-        return await self._shared(
-            ("events", run_id, after_seq, limit),
-            lambda: read_events(self.pool, run_id, after_seq=after_seq, limit=limit))
+        """The run's journal after `after_seq` (at most `limit` rows); a shared list: read only.
+
+        Reads of different runs asked in the same loop step go out as ONE query too (a group
+        commit of many runs' deltas wakes all their tails at once)."""
+        self.asked += 1
+        key = ("events", run_id, after_seq, limit)
+        flight = self._flights.get(key)
+        if flight is None or not flight.joinable:
+            loop = asyncio.get_running_loop()
+            flight = _Flight(loop.create_future())
+            self._flights[key] = flight
+            self._batch.append((run_id, after_seq, limit, key, flight))
+            if len(self._batch) == 1:
+                task = loop.create_task(self._fly_events())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        result: list[Event] = await asyncio.shield(flight.future)
+        return result
+
+    async def _fly_events(self) -> None:
+        await asyncio.sleep(0)  # one loop step for the others the same hints woke
+        batch, self._batch = self._batch, []
+        by_limit: dict[int, list[tuple[tuple[UUID, int], _Flight]]] = {}
+        for run_id, after_seq, limit, key, flight in batch:
+            flight.joinable = False
+            if self._flights.get(key) is flight:
+                del self._flights[key]
+            by_limit.setdefault(limit, []).append(((run_id, after_seq), flight))
+        for limit, flights in by_limit.items():
+            self.issued += 1
+            cursors = [cursor for cursor, _ in flights]
+            try:
+                if len(cursors) == 1:
+                    results = [await read_events(self.pool, cursors[0][0],
+                                                 after_seq=cursors[0][1], limit=limit)]
+                else:
+                    results = await read_events_many(self.pool, cursors, limit)
+            except asyncio.CancelledError:
+                for _, flight in flights:
+                    flight.future.cancel()
+                raise
+            except Exception as exc:  # every reader sees the failure as its own read would
+                for _, flight in flights:
+                    flight.future.set_exception(exc)
+                    flight.future.exception()
+                continue
+            for (_, flight), events in zip(flights, results, strict=True):
+                flight.future.set_result(events)
 
     async def runs(self, conversation_id: UUID, watermark: tuple[datetime, UUID],
                    open_run_ids: list[UUID]) -> list[asyncpg.Record]:

@@ -134,3 +134,22 @@ async def test_askers_in_one_loop_step_share_and_a_failure_reaches_each(
                                    return_exceptions=True)
     assert reads.issued == 2
     assert all(isinstance(r, asyncpg.InterfaceError) for r in results), results
+
+
+async def test_reads_of_different_runs_in_one_loop_step_go_out_as_one_query(
+        pool: asyncpg.Pool) -> None:
+    claims = [await start_run(pool) for _ in range(6)]
+    for n, claim in enumerate(claims):
+        emitter = Emitter(pool, claim, flush_interval_s=3600)
+        for i in range(n + 1):
+            await emitter.delta(f"run {n} piece {i} ")
+            await emitter.flush()
+    reads = SharedReads(pool)
+    # Every run from its start, and the last run also from a later cursor (its own pair).
+    cursors = [(c.run_id, c.last_seq) for c in claims] + [(claims[-1].run_id,
+                                                            claims[-1].last_seq + 3)]
+    got = await asyncio.gather(*(reads.events(run_id, seq, 500) for run_id, seq in cursors))
+    assert reads.issued == 1 and reads.asked == len(cursors)
+    for (run_id, seq), events in zip(cursors, got, strict=True):
+        assert events == await read_events(pool, run_id, after_seq=seq, limit=500)
+        assert events  # nothing trivially equal
