@@ -218,6 +218,47 @@ def cpu_seconds(pid: int, *, children: bool = False) -> float:
     return ticks / _CLK_TCK
 
 
+def tree_rss_mb(root_pid: int) -> float:
+    """Resident memory of a process and its live children (a supervisor and its workers)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    pids = [root_pid]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                if int((entry / "stat").read_text().rpartition(")")[2].split()[1]) == root_pid:
+                    pids.append(int(entry.name))
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError):
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+    return total / (1 << 20)
+
+
+class PeakRss:
+    """Samples tree_rss_mb(pid) every `every_s` in the background; `.peak` is the largest."""
+
+    def __init__(self, pid: int, every_s: float = 0.5) -> None:
+        self.pid = pid
+        self.every_s = every_s
+        self.peak = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, tree_rss_mb(self.pid))
+            await asyncio.sleep(self.every_s)
+
+    def start(self) -> PeakRss:
+        self._task = asyncio.get_running_loop().create_task(self._sample())
+        return self
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        with contextlib.suppress(OSError):
+            self.peak = max(self.peak, tree_rss_mb(self.pid))
+
+
 def tree_cpu_seconds(root_pid: int) -> float:
     """CPU of a process, its reaped children, and its live children (the PostgreSQL server)."""
     total = cpu_seconds(root_pid, children=True)
@@ -477,6 +518,7 @@ class BenchDaemon:
             env[var] = str(path)
         env["PYTHONUNBUFFERED"] = "1"
         env.pop("NOTIFY_SOCKET", None)
+        env["AGENTD_WORKERS"] = "1"  # one process unless a benchmark sets `workers`
         env.update({f"AGENTD_{k.upper()}": str(v) for k, v in self.settings.items()})
         return env
 
@@ -509,7 +551,8 @@ class BenchDaemon:
                 await asyncio.sleep(0.05)
 
     def cpu_seconds(self) -> float:
-        return cpu_seconds(self.pid)
+        """The daemon's CPU, with its workers' when it runs several (`workers` setting)."""
+        return tree_cpu_seconds(self.pid)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:

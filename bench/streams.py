@@ -23,6 +23,7 @@ import aiohttp
 
 from agentd.providers.demo import expected_answer
 from harness import (
+    PeakRss,
     base_parser,
     bench_database,
     client_session,
@@ -87,6 +88,8 @@ async def main() -> int:
     parser.add_argument("--post-concurrency", type=int, default=64,
                         help="POSTs in flight at once while starting the runs")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--workers", type=int, default=1,
+                        help="agentd serve --workers N (max_runs and pool_max are per worker)")
     args = parser.parse_args()
     if args.quick and args.runs == parser.get_default("runs"):
         args.runs = 100
@@ -96,7 +99,8 @@ async def main() -> int:
         progress(f"open-file limit {nofile} < {needed}: expect connection errors")
     started = time.monotonic()
     # One bench device holds every stream: room for all of them and their connections.
-    settings = daemon_settings(args, max_runs=max(args.runs, 16),
+    settings = daemon_settings(args, workers=args.workers,
+                               max_runs=max(args.runs // args.workers + 1, 16),
                                streams_per_device=args.runs * args.clients + 10,
                                max_connections=args.runs * args.clients + args.runs + 100)
     async with bench_database(args, "streams") as database:
@@ -111,7 +115,8 @@ async def main() -> int:
                     client_session(token) as http:
                 offset = await clock_offset(database.dsn)
                 await asyncio.sleep(1.0)
-                cpu0 = (daemon.cpu_seconds(), tree_cpu_seconds(database.server_pid)
+                rss = PeakRss(daemon.pid).start()
+                cpu0 = (tree_cpu_seconds(daemon.pid), tree_cpu_seconds(database.server_pid)
                         if database.server_pid else None, own_cpu_seconds(), time.monotonic())
                 progress(f"{args.runs} runs × {args.clients} SSE clients, {args.tokens} tokens "
                          f"{args.delay_ms} ms apart")
@@ -132,8 +137,9 @@ async def main() -> int:
                 _done, pending = await asyncio.wait(watchers, timeout=args.timeout)
                 for task in pending:
                     task.cancel()
-                cpu1 = (daemon.cpu_seconds(), tree_cpu_seconds(database.server_pid)
+                cpu1 = (tree_cpu_seconds(daemon.pid), tree_cpu_seconds(database.server_pid)
                         if database.server_pid else None, own_cpu_seconds(), time.monotonic())
+                rss.stop()
                 progress(f"clients done ({len(pending)} timed out) after "
                          f"{cpu1[3] - cpu0[3]:.1f} s")
             # The daemon has exited: its counters are published.
@@ -213,6 +219,7 @@ async def main() -> int:
             "transactions_per_run": round(xacts / len(runs), 1),
             "wal_fsyncs_per_run": round(fsyncs / len(runs), 1) if fsyncs is not None else None,
             "daemon_cpu_ms_per_run": round(daemon_cpu * 1000 / len(runs), 1),
+            "workers": args.workers, "agentd_peak_rss_mb": round(rss.peak, 1),
         },
         "summary": [
             figure(f"delta lag p50 ({len(runs)} runs × {args.clients} clients)", lag.get("p50"),
@@ -222,6 +229,9 @@ async def main() -> int:
             figure(f"run duration p50 (nominal {args.tokens * args.delay_ms / 1000:g} s)",
                    percentiles(durations).get("p50"), "s"),
             figure("daemon CPU (share of one core)", round(daemon_cpu / elapsed, 3), "cores"),
+            figure(f"peak RSS of all agentd processes ({args.workers} worker"
+                   f"{'s' if args.workers > 1 else ''})", round(rss.peak, 1), "MB",
+                   target="≤ 400", met=rss.peak <= 400),
             figure("journal rows/s", round(in_window / window, 1), "rows/s"),
             figure("clients with the exact final text", f"{exact}/{len(clients)}", "",
                    target="all", met=exact == len(clients)),

@@ -323,6 +323,33 @@ WITH owner AS (
 SELECT (SELECT count(*) FROM written) AS written
 FROM owner;
 
+-- append_events_fenced_many --
+-- params: run_ids, claim_tokens, seqs, types, payloads
+-- Group commit (group_commit.py): the journal batches of many runs in ONE statement and one
+-- commit, one row per event (its run and claim token repeated). Each run is fenced on its own
+-- exactly as append_events_fenced fences one: only rows of runs still owned are written, under
+-- FOR SHARE (taken in id order); a run missing from the result, or short of its count, was
+-- refused (LeaseLost) while the others landed. A seq someone else took fails the whole
+-- statement (unique violation): the caller then writes each batch alone to tell whose it was.
+WITH e AS (
+    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::bigint[], $4::text[], $5::text[])
+        AS e (run_id, claim_token, seq, type, payload)
+), owners AS (
+    SELECT r.id
+    FROM agent_run r
+    JOIN (SELECT DISTINCT run_id, claim_token FROM e) asked
+      ON asked.run_id = r.id AND asked.claim_token = r.claim_token
+    WHERE r.status = 'running' AND r.lease_expires_at > clock_timestamp()
+    ORDER BY r.id
+    FOR SHARE OF r
+), written AS (
+    INSERT INTO run_event (run_id, seq, type, payload)
+    SELECT e.run_id, e.seq, e.type, e.payload::jsonb
+    FROM e JOIN owners ON owners.id = e.run_id
+    RETURNING run_id
+)
+SELECT run_id, count(*) AS written FROM written GROUP BY run_id;
+
 -- insert_message_fenced --
 -- params: run_id, claim_token, role, content, status, tool_calls, tool_call_id
 -- A worker's transcript write (assistant tool-call turns, tool results) lands only while it
@@ -547,6 +574,21 @@ FROM run_event
 WHERE run_id = $1::uuid AND seq > $2::bigint
 ORDER BY seq
 LIMIT $3::int;
+
+-- read_events_after_many --
+-- params: run_ids, after_seqs, limit
+-- Many tails' reads in one round trip (shared_reads.py): for each (run, cursor) pair, numbered
+-- by its position, the run's journal rows after that cursor, at most `limit` of them.
+SELECT c.i, e.seq, e.type, e.payload, e.created_at
+FROM unnest($1::uuid[], $2::bigint[]) WITH ORDINALITY AS c (run_id, after_seq, i)
+CROSS JOIN LATERAL (
+    SELECT seq, type, payload, created_at
+    FROM run_event
+    WHERE run_id = c.run_id AND seq > c.after_seq
+    ORDER BY seq
+    LIMIT $3::int
+) e
+ORDER BY c.i, e.seq;
 
 -- get_run --
 -- params: run_id, account_id

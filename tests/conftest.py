@@ -14,4 +14,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="turns posted during the chaos storm (long soak: 500+)")
     group.addoption("--chaos-conversations", type=int, default=25,
                     help="conversations the storm spreads its turns over")
+    group.addoption("--chaos-workers", type=int, default=1,
+                    help="worker processes per storm daemon (agentd serve --workers N)")
 

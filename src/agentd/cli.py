@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     db_options(serve)
     serve.add_argument("--listen", metavar="HOST:PORT", help="HTTP address "
                        "(default 127.0.0.1:8740; any other than loopback serves HTTPS)")
+    serve.add_argument("--workers", type=int, metavar="N",
+                       help="worker processes behind the one address (default: one per core; "
+                            "max_runs and pool_max apply to each)")
     serve.add_argument("--insecure-http", action="store_true", default=None,
                        help="serve plain HTTP on a non-loopback address (tokens cross the "
                             "network in clear text; warned at every start)")
@@ -136,7 +139,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {"dsn": getattr(args, "dsn", None),
                                  "data_dir": getattr(args, "data_dir", None),
                                  "listen": getattr(args, "listen", None),
-                                 "insecure_http": getattr(args, "insecure_http", None)}
+                                 "insecure_http": getattr(args, "insecure_http", None),
+                                 "workers": getattr(args, "workers", None)}
     return load_settings(getattr(args, "config", None), overrides=overrides)
 
 
@@ -147,12 +151,13 @@ def _fail(message: str, code: int = 2) -> NoReturn:
 
 async def _with_pool(settings: Settings, work: Callable[[Any], Awaitable[int]]) -> int:
     from agentd import db as dbmod
-    from agentd.runtime import migrate_database, open_database
+    from agentd.startup import migrate_database, open_database
 
     database = await open_database(settings)
     try:
-        await migrate_database(database.dsn)
-        pool = await dbmod.create_pool(database.dsn, min_size=1, max_size=2)
+        await migrate_database(settings.direct_dsn(database.dsn))
+        pool = await dbmod.create_pool(database.dsn, min_size=1, max_size=2,
+                                       pooled=settings.pooled)
         try:
             return await work(pool)
         finally:
@@ -176,9 +181,11 @@ def main(argv: list[str] | None = None) -> None:
     from agentd.embedded_pg import EmbeddedPgError
     from agentd.listen import ListenError
     from agentd.logs import configure_logging
+    from agentd.supervisor import SLOT_ENV
     from agentd.tls import TLSError
 
-    configure_logging(settings.log_level if args.command == "serve" else "warning")
+    configure_logging(settings.log_level if args.command == "serve" else "warning",
+                      worker=os.environ.get(SLOT_ENV) if args.command == "serve" else None)
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
         "serve": _serve, "pair": _pair, "migrate": _migrate, "token": _token,
         "account": _account, "status": _status, "doctor": _doctor}
@@ -218,10 +225,17 @@ def _name(what: str, value: str) -> str:
         _fail(str(exc))
 
 
-async def _serve(settings: Settings, _args: argparse.Namespace) -> int:
+async def _serve(settings: Settings, args: argparse.Namespace) -> int:
+    from agentd import supervisor
+
+    handoff = supervisor.handoff_from_environment()
+    if handoff is None:
+        count = supervisor.worker_count(settings)
+        if count > 1:  # the supervisor never imports the daemon's machinery: it stays small
+            return await supervisor.supervise(settings, count, args.config)
     from agentd.runtime import serve
 
-    return await serve(settings)
+    return await serve(settings, handoff)
 
 
 async def _pair(settings: Settings, args: argparse.Namespace) -> int:
@@ -261,11 +275,11 @@ async def _pair(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _migrate(settings: Settings, _args: argparse.Namespace) -> int:
-    from agentd.runtime import migrate_database, open_database
+    from agentd.startup import migrate_database, open_database
 
     database = await open_database(settings)
     try:
-        applied = await migrate_database(database.dsn)
+        applied = await migrate_database(settings.direct_dsn(database.dsn))
     finally:
         await asyncio.to_thread(database.close)
     print("applied: " + ", ".join(applied) if applied else "schema is up to date")

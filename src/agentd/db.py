@@ -60,9 +60,20 @@ def server_settings(timeouts: DbTimeouts, application_name: str = "agentd") -> d
 async def create_pool(dsn: str, *, min_size: int = 2, max_size: int = 20,
                       timeouts: DbTimeouts | None = None,
                       application_name: str = "agentd",
-                      statement_cache_size: int = 100) -> asyncpg.Pool:
-    """A pool whose sessions decode json/jsonb and carry bounded lock/statement timeouts."""
+                      statement_cache_size: int = 100,
+                      pooled: bool = False) -> asyncpg.Pool:
+    """A pool whose sessions decode json/jsonb and carry bounded lock/statement timeouts.
+
+    `pooled`: `dsn` is a transaction pooler (PgBouncer pool_mode = transaction). Consecutive
+    statements may run on different server sessions, so nothing may live in one: no named
+    prepared statements (PgBouncer before 1.21 cannot route them) and no session settings at
+    startup (the pooler refuses unknown startup parameters): set the timeouts on the database
+    or role instead (docs/operations.md, "Behind PgBouncer").
+    """
     settings = server_settings(timeouts or DbTimeouts(), application_name)
+    if pooled:
+        settings = {"application_name": application_name}
+        statement_cache_size = 0
     return await asyncpg.create_pool(
         dsn, min_size=min_size, max_size=max_size, init=_init_connection,
         reset=_keep_session, server_settings=settings,

@@ -23,7 +23,7 @@ async def run_checks(settings: Settings) -> list[Check]:
     from agentd.migrate import pending
     from agentd.providers.catalog import provider_checks
     from agentd.queue import notify_conversation
-    from agentd.runtime import open_database
+    from agentd.startup import open_database
     from agentd.vocabulary import Channel
 
     checks = [Check("python", sys.version_info >= (3, 11), sys.version.split()[0])]

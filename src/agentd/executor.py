@@ -31,9 +31,10 @@ from agentd.approvals import (
 )
 from agentd.conversations import transcript_for_run
 from agentd.failures import RunFailure, classify, failure, log_failure
+from agentd.group_commit import Batcher, GroupCommit
 from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.hub import Hub, Subscription
-from agentd.journal import Emitter
+from agentd.journal import RETRY_DELAYS_S, TRANSIENT, Emitter
 from agentd.metrics import Metrics
 from agentd.providers import ModelRef, ProviderRegistry, parse_model
 from agentd.providers.base import (
@@ -45,10 +46,11 @@ from agentd.providers.base import (
 from agentd.queue import (
     Claim,
     Hint,
+    JournalBatch,
     LeaseLost,
     answer_open_tool_calls,
     check_lease,
-    finish_run,
+    finish_run_journaled,
     insert_message,
 )
 from agentd.settings import Settings
@@ -114,8 +116,13 @@ class TurnRunner:
 
     def __init__(self, pool: asyncpg.Pool, hub: Hub, keeper: LeaseKeeper, settings: Settings,
                  providers: ProviderRegistry, tools: ToolRegistry,
-                 hint: Hint | None = None, metrics: Metrics | None = None) -> None:
+                 hint: Hint | None = None, metrics: Metrics | None = None,
+                 group: GroupCommit | None = None,
+                 appends: Batcher[JournalBatch, None] | None = None) -> None:
         self._pool = pool
+        # Journal and terminal writes of concurrent turns share commits (group_commit.py).
+        self._group = group
+        self._appends = appends
         self._hint = hint
         self._hub = hub
         self._keeper = keeper
@@ -141,7 +148,8 @@ class TurnRunner:
                 log.warning("lease gone before the turn started; standing down", extra=ctx)
                 return False
             emitter = Emitter(self._pool, claim,
-                              flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint)
+                              flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint,
+                              appends=self._appends)
             turn = _Turn(claim, emitter, held, self._settings.max_run_s)
             if beat.cancel_requested:
                 held.cancel.set()
@@ -216,17 +224,30 @@ class TurnRunner:
 
     async def _finish(self, turn: _Turn, status: RunStatus, ended: RunFailure | None,
                       ctx: dict[str, Any]) -> bool:
-        await turn.emitter.close()
+        # The last deltas ride in the terminal write's transaction: one commit ends the turn.
+        last = await turn.emitter.hand_over()
         answer = turn.answer
         complete = status == RunStatus.COMPLETED
         turn.held.finishing = True  # a beat that finds the run ended from here on is no news
-        await finish_run(
-            self._pool, turn.claim, status, seq=turn.emitter.next_seq,
-            # A failed turn's answer is its journal's text, taken by the terminal write itself.
-            content=answer if (answer or complete) else None,
-            message_status=MessageStatus.COMPLETE if complete else MessageStatus.PARTIAL,
-            hint=self._hint, error=ended.message if ended else None,
-            error_code=ended.code if ended else None, usage=turn.usage)
+        for attempt in range(len(RETRY_DELAYS_S) + 1):
+            try:
+                await finish_run_journaled(
+                    self._pool, turn.claim, status, last=last, seq=turn.emitter.next_seq,
+                    # A failed turn's answer is its journal's text, taken by the terminal
+                    # write itself.
+                    content=answer if (answer or complete) else None,
+                    message_status=MessageStatus.COMPLETE if complete else MessageStatus.PARTIAL,
+                    hint=self._hint, error=ended.message if ended else None,
+                    error_code=ended.code if ended else None, usage=turn.usage,
+                    group=self._group)
+                break
+            except TRANSIENT:
+                # Rolled back, or committed with the answer lost on the wire: a retry either
+                # lands or is refused by its fence (then the run has ended, by us or a
+                # finalizer, and the dispatcher's backstop finds nothing to do).
+                if attempt == len(RETRY_DELAYS_S):
+                    raise
+                await asyncio.sleep(RETRY_DELAYS_S[attempt])
         self._metrics.run_seconds.labels(status=str(status)).observe(turn.elapsed())
         log.info("run finished", extra={**ctx, "status": str(status),
                                         "error_code": ended.code if ended else None,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import asyncpg
@@ -23,6 +24,9 @@ from agentd.vocabulary import Channel
 log = logging.getLogger("agentd.hub")
 
 RECONNECTED = "*reconnected*"  # payload delivered to every subscriber after a reconnect
+DEAF_MESSAGE = ("the LISTEN connection receives no notifications (is hub_dsn behind a "
+                "transaction pooler? it must reach PostgreSQL directly): working at the poll "
+                "interval")
 
 
 class Subscription:
@@ -80,7 +84,12 @@ class Hub:
 
     def __init__(self, dsn: str, *, channels: Iterable[Channel] = tuple(Channel),
                  queue_size: int = 64, probe_interval_s: float = 5.0,
-                 max_backoff_s: float = 5.0) -> None:
+                 max_backoff_s: float = 5.0,
+                 send_probe: Callable[[str], Awaitable[None]] | None = None,
+                 hear_within_s: float = 3.0) -> None:
+        """`send_probe(token)` sends NOTIFY agentd_hub_probe from another connection: after each
+        connect the hub checks that it comes back within `hear_within_s` (a LISTEN behind a
+        transaction pooler connects and listens fine, then never hears anything)."""
         self._dsn = dsn
         self._channels = tuple(channels)
         self._queue_size = queue_size
@@ -92,11 +101,22 @@ class Hub:
         self._connected = asyncio.Event()
         self._lost = asyncio.Event()
         self._supervisor: asyncio.Task[None] | None = None
+        self._send_probe = send_probe
+        self._hear_within_s = hear_within_s
+        self._probe_token: str | None = None
+        self._probe_heard = asyncio.Event()
+        self.deaf = False  # connected and listening, yet its own probe never came back
         self.reconnects = 0
         self.notifications = 0
 
     @property
     def connected(self) -> bool:
+        """Notifications arrive: wake on hints (else consumers poll at their short interval)."""
+        return self._connected.is_set() and not self.deaf
+
+    @property
+    def listening(self) -> bool:
+        """The LISTEN connection is up (whether or not notifications reach it)."""
         return self._connected.is_set()
 
     @property
@@ -156,6 +176,10 @@ class Hub:
             chan = Channel(channel)
         except ValueError:
             return
+        if chan is Channel.HUB_PROBE:
+            if payload == self._probe_token:
+                self._probe_heard.set()
+            return
         for sub in self._subscribers.get((chan, payload), ()):
             sub.deliver(payload)
         for sub in self._subscribers.get((chan, None), ()):
@@ -207,9 +231,33 @@ class Hub:
                 log.info("hub reconnected", extra={"reconnects": self.reconnects})
                 self._wake_everyone()
             first = False
+            await self._check_hearing()
             await self._watch()
             log.warning("hub connection lost; falling back to polling until it returns")
             await self._disconnect()
+
+    async def _check_hearing(self) -> None:
+        """Send our own probe NOTIFY from another connection; deaf if it does not come back."""
+        if self._send_probe is None:
+            return
+        token = secrets.token_hex(8)
+        self._probe_token = token
+        self._probe_heard.clear()
+        try:
+            await self._send_probe(token)
+            await asyncio.wait_for(self._probe_heard.wait(), timeout=self._hear_within_s)
+        except TimeoutError:
+            if not self.deaf:
+                log.error(DEAF_MESSAGE, extra={"waited_s": self._hear_within_s})
+            self.deaf = True
+            return
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            log.warning("could not send the hub's probe; will retry", extra={"error": str(exc)})
+            return
+        if self.deaf:
+            log.info("the LISTEN connection hears notifications again")
+            self._wake_everyone()
+        self.deaf = False
 
     async def _watch(self) -> None:
         """Return when the connection is gone (terminated, or failing a liveness probe)."""
@@ -219,6 +267,8 @@ class Hub:
                 return
             except TimeoutError:
                 pass
+            if self.deaf:  # until it hears again (someone fixed the pooler's mode)
+                await self._check_hearing()
             conn = self._conn
             if conn is None or conn.is_closed():
                 return

@@ -16,14 +16,17 @@ from typing import Any
 
 import asyncpg
 
+from agentd.group_commit import Batcher
 from agentd.queue import (
     Claim,
     Db,
     Hint,
+    JournalBatch,
     LeaseLost,
     NewEvent,
     SeqConflict,
     append_events,
+    append_events_batched,
     read_events,
 )
 from agentd.vocabulary import EventType
@@ -31,8 +34,11 @@ from agentd.vocabulary import EventType
 DEFAULT_FLUSH_INTERVAL_S = 0.250
 # A dropped connection (the database restarting, a failover) is retried within the lease; the
 # fence decides whether a retry may still write.
+# Shared with the terminal write (executor), which retries its transaction the same way.
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0)
-_TRANSIENT = (OSError, asyncpg.InterfaceError, asyncpg.exceptions.ConnectionFailureError,
+# A deadlock is retried too: a shared commit holds several runs' row locks until it commits.
+TRANSIENT = (OSError, asyncpg.InterfaceError, asyncpg.exceptions.ConnectionFailureError,
+             asyncpg.exceptions.DeadlockDetectedError,
               asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.AdminShutdownError,
               asyncpg.exceptions.ConnectionDoesNotExistError, TimeoutError)
 
@@ -42,8 +48,12 @@ class Emitter:
 
     def __init__(self, db: Db, claim: Claim, *,
                  flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic, hint: Hint | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, hint: Hint | None = None,
+                 appends: Batcher[JournalBatch, None] | None = None) -> None:
+        """`appends`: the process's shared journal writes (group commit); None writes each
+        batch in its own commit."""
         self._db = db
+        self._appends = appends
         self._claim = claim
         self._interval = flush_interval_s
         self._clock = clock
@@ -105,6 +115,22 @@ class Emitter:
         self._raise_if_lost()
         await self.flush()
 
+    async def hand_over(self) -> list[NewEvent]:
+        """Stop the clock and hand what is pending to the caller as a numbered batch, which it
+        writes in the terminal write's own transaction (queue.finish_run_journaled); the
+        emitter writes nothing more. Raises LeaseLost if a write was fenced."""
+        if self._timer is not None and not self._timer.done():
+            self._timer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer
+        async with self._lock:  # after any write in flight, so the seqs follow it
+            self._raise_if_lost()
+            batch = [NewEvent(self._next_seq + i, type, payload)
+                     for i, (type, payload) in enumerate(self._take_pending())]
+            self._next_seq += len(batch)
+            self.rows_written += len(batch)
+        return batch
+
     def _take_pending(self) -> list[tuple[EventType, dict[str, Any]]]:
         if not self._pending:
             return []
@@ -152,7 +178,11 @@ class Emitter:
                  for i, (type, payload) in enumerate(events)]
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
-                await append_events(self._db, self._claim, batch, hint=self._hint)
+                if self._appends is not None:
+                    await append_events_batched(self._appends, self._claim, batch,
+                                                hint=self._hint)
+                else:
+                    await append_events(self._db, self._claim, batch, hint=self._hint)
                 break
             except SeqConflict as exc:
                 # After a connection died mid-commit, our own earlier attempt may have landed.
@@ -164,7 +194,7 @@ class Emitter:
                 self._lost = exc
                 raise
             except Exception as exc:
-                if isinstance(exc, _TRANSIENT) and attempt < len(RETRY_DELAYS_S):
+                if isinstance(exc, TRANSIENT) and attempt < len(RETRY_DELAYS_S):
                     await asyncio.sleep(RETRY_DELAYS_S[attempt])
                     continue
                 # The journal can no longer be vouched for: stop writing to it, so nothing
@@ -179,7 +209,7 @@ class Emitter:
         try:
             found = await read_events(self._db, self._claim.run_id,
                                       after_seq=batch[0].seq - 1, limit=len(batch))
-        except _TRANSIENT:
+        except TRANSIENT:
             return False
         return [(e.seq, e.type, e.payload) for e in found] == \
             [(e.seq, e.type, json.loads(json.dumps(e.payload))) for e in batch]

@@ -19,6 +19,7 @@ import asyncpg
 
 from agentd.db import Conn, fetch_one
 from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
+from agentd.group_commit import Batcher, GroupCommit
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
 
@@ -491,6 +492,83 @@ async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None
     return cast("UUID | None", row["message_id"])
 
 
+async def finish_run_journaled(db: Db, claim: Claim, status: RunStatus, *,
+                               last: Sequence[NewEvent], seq: int,
+                               content: str | None = None,
+                               message_status: MessageStatus = MessageStatus.COMPLETE,
+                               error: str | None = None, error_code: str | None = None,
+                               usage: dict[str, Any] | None = None,
+                               hint: Hint | None = None,
+                               group: GroupCommit | None = None) -> UUID | None:
+    """The turn's last journal batch and its terminal write in ONE transaction: one commit
+    (one WAL flush) ends a turn instead of two. Each statement keeps its own fence; either
+    refusing rolls both back (LeaseLost / SeqConflict), as if neither had been tried. Hints
+    are handed on only after the commit, so nobody is woken for rows that are not there yet.
+    With `group`, that transaction is shared with other runs' writes (group_commit.py).
+    """
+    held: list[tuple[Channel, str]] = []
+
+    def keep(channel: Channel, payload: str) -> None:
+        held.append((channel, payload))
+
+    async def both(conn: Conn) -> UUID | None:
+        await append_events(conn, claim, last, hint=keep)
+        return await finish_run(
+            conn, claim, status, seq=seq, content=content, message_status=message_status,
+            error=error, error_code=error_code, usage=usage, hint=keep)
+
+    if group is not None:
+        message_id = await group.run(both)
+    else:
+        async with _acquire(db) as conn, conn.transaction():
+            message_id = await both(conn)
+    await _send_hints(db, hint, list(dict.fromkeys(held)))
+    return message_id
+
+
+JournalBatch = tuple[Claim, Sequence[NewEvent]]
+
+
+async def append_events_many(db: Db, batches: Sequence[JournalBatch]) -> list[Exception | None]:
+    """Several runs' journal batches in one statement and one commit; per batch None (landed)
+    or the LeaseLost / SeqConflict its own append_events would have raised."""
+    rows: list[tuple[UUID, UUID, int, str, str]] = [
+        (claim.run_id, claim.claim_token, e.seq, str(e.type),
+         json.dumps(e.payload, ensure_ascii=False))
+        for claim, events in batches for e in events]
+    try:
+        found = await db.fetch(*Q.append_events_fenced_many.bind(
+            run_ids=[r[0] for r in rows], claim_tokens=[r[1] for r in rows],
+            seqs=[r[2] for r in rows], types=[r[3] for r in rows],
+            payloads=[r[4] for r in rows]))
+    except asyncpg.UniqueViolationError:
+        # Someone took a seq of one of them (a finalizer, after fencing it out): nothing was
+        # written; each alone tells whose.
+        return [await _append_alone(db, claim, events) for claim, events in batches]
+    written = {row["run_id"]: row["written"] for row in found}
+    return [None if written.get(claim.run_id) == len(events) else
+            LeaseLost(claim.run_id, "journal append") for claim, events in batches]
+
+
+async def _append_alone(db: Db, claim: Claim, events: Sequence[NewEvent]) -> Exception | None:
+    try:
+        await append_events(db, claim, events)
+    except LeaseLost as exc:
+        return exc
+    return None
+
+
+async def append_events_batched(batcher: Batcher[JournalBatch, None], claim: Claim,
+                                events: Sequence[NewEvent], *,
+                                hint: Hint | None = None) -> None:
+    """append_events in the next shared statement (group_commit.Batcher over
+    append_events_many): the same fence, the same errors, the hint after the commit."""
+    if not events:
+        return
+    await batcher.submit((claim, events))
+    await _send_hints(batcher.db, hint, [(Channel.RUN_EVENT, str(claim.run_id))])
+
+
 async def journal_endings(conn: Conn, endings: Sequence[Ending]) -> None:
     """Journal 'complete' for runs another party just finalized, in the caller's transaction."""
     if not endings:
@@ -589,6 +667,19 @@ async def read_events(db: Db, run_id: UUID, *, after_seq: int = 0,
     rows = await db.fetch(*Q.read_events_after.bind(run_id=run_id, after_seq=after_seq,
                                                     limit=limit))
     return [Event(r["seq"], EventType(r["type"]), r["payload"], r["created_at"]) for r in rows]
+
+
+async def read_events_many(db: Db, cursors: Sequence[tuple[UUID, int]],
+                           limit: int = 1000) -> list[list[Event]]:
+    """read_events for several (run, cursor) pairs in one query; one list per pair, in order."""
+    rows = await db.fetch(*Q.read_events_after_many.bind(
+        run_ids=[run_id for run_id, _ in cursors], after_seqs=[seq for _, seq in cursors],
+        limit=limit))
+    out: list[list[Event]] = [[] for _ in cursors]
+    for r in rows:
+        out[r["i"] - 1].append(Event(r["seq"], EventType(r["type"]), r["payload"],
+                                     r["created_at"]))
+    return out
 
 
 async def run_status(db: Db, run_id: UUID) -> RunEnding | None:

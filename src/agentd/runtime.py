@@ -11,44 +11,49 @@ import asyncio
 import contextlib
 import logging
 import os
-import resource
 import secrets
 import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import asyncpg
 from aiohttp import web
 
 from agentd import __version__
 from agentd import db as dbmod
-from agentd.accounts import create_device_token
 from agentd.dispatcher import Dispatcher
-from agentd.embedded_pg import EmbeddedPostgres, default_data_root
 from agentd.executor import TurnRunner
+from agentd.group_commit import Batcher, GroupCommit
 from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
 from agentd.limits import AddressRateLimiter, ConnectionGuard, GuardedSite, StreamSlots
 from agentd.listen import bind_listen_sockets
 from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
-from agentd.migrate import migrate
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
-from agentd.queue import WorkerReport
+from agentd.queue import JournalBatch, WorkerReport, append_events_many, notify_batch
 from agentd.reaper import reap_forever, sweep
 from agentd.revocation import RevocationWatch
-from agentd.settings import Settings, is_loopback_host
+from agentd.settings import Settings
+from agentd.shared_reads import SharedReads
+from agentd.startup import (
+    Database,
+    ensure_local_client,
+    migrate_database,
+    open_database,
+    raise_open_files_limit,
+)
+from agentd.supervisor import Handoff, watch_parent
 from agentd.systemd import sd_notify
 from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
 from agentd.tools import ToolRegistry, default_tools
 from agentd.tools.mcp import McpTools
+from agentd.vocabulary import Channel
 
 log = logging.getLogger("agentd.runtime")
 
-LOCAL_ACCOUNT = "local"
 # Test-only: with this variable set to N seconds, SIGUSR1 blocks the event loop for N seconds
 # (a worker that stops making progress while its process lives on, unlike SIGSTOP).
 BLOCK_LOOP_ENV = "AGENTD_TESTHOOK_BLOCK_LOOP_S"
@@ -57,75 +62,6 @@ BLOCK_LOOP_ENV = "AGENTD_TESTHOOK_BLOCK_LOOP_S"
 def new_worker_id() -> str:
     """Unique per process start: host, pid and a random suffix (never a reused host name)."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-@dataclass
-class Database:
-    dsn: str
-    embedded: EmbeddedPostgres | None = None
-
-    def close(self) -> None:
-        if self.embedded is not None:
-            self.embedded.stop()
-
-
-async def open_database(settings: Settings) -> Database:
-    """The configured server, or the private embedded one (started, with its database)."""
-    if settings.dsn:
-        return Database(settings.dsn)
-    server = EmbeddedPostgres(settings.data_dir or default_data_root(), run_as=settings.pg_user)
-    started = time.monotonic()
-    await asyncio.to_thread(server.start)
-    log.info("embedded postgresql ready", extra={
-        "data_dir": str(server.data_dir), "seconds": round(time.monotonic() - started, 3)})
-    admin = await asyncpg.connect(server.dsn("postgres"))
-    try:
-        await dbmod.ensure_agentd_database(admin)
-    finally:
-        await admin.close()
-    return Database(server.dsn(dbmod.EMBEDDED_DATABASE), server)
-
-
-async def migrate_database(dsn: str) -> list[str]:
-    conn = await dbmod.connect(dsn, application_name="agentd-migrate")
-    try:
-        return await migrate(conn)
-    finally:
-        await conn.close()
-
-
-async def ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | None = None,
-                              *, create: bool = True) -> None:
-    """Keep the TUI on this machine attached: give it a token on the first embedded start.
-
-    Over TLS it also pins this daemon's certificate, as `agenttui login` would; a config that
-    already points at this port on loopback follows a switch to or from TLS, or a new
-    certificate (this daemon is the authority on its own certificate, on its own machine).
-    """
-    from agentd.client_config import config_file, read_config, write_client_config
-
-    if config_file().exists():
-        config = read_config()
-        old, token = config.get("url"), config.get("token")
-        if not isinstance(old, str) or not isinstance(token, str):
-            return
-        before, now = urlsplit(old), urlsplit(url)
-        if before.port != now.port or not is_loopback_host(before.hostname or ""):
-            return
-        if (old, config.get("fingerprint")) != (url, fingerprint):
-            device = config.get("device")
-            path = write_client_config(url, token, device=device if isinstance(device, str)
-                                       else None, fingerprint=fingerprint)
-            log.info("updated the local client's address and pin", extra={
-                "path": str(path), "url": url, "fingerprint": fingerprint})
-        return
-    if not create:
-        return
-    token, _ = await create_device_token(pool, account=LOCAL_ACCOUNT,
-                                         device=socket.gethostname() or "local")
-    path = write_client_config(url, token, device=socket.gethostname(),
-                               fingerprint=fingerprint)
-    log.info("wrote a device token for the local client", extra={"path": str(path)})
 
 
 @dataclass
@@ -151,8 +87,13 @@ class Runtime:
     revocations: RevocationWatch | None = None
     stream_slots: StreamSlots = field(init=False)
     pair_limiter: AddressRateLimiter = field(init=False)
+    reads: SharedReads = field(init=False)  # tails of one run woken together read once
+    # Journal and terminal writes of concurrent turns share commits (group_commit.py).
+    group: GroupCommit | None = None
+    appends: Batcher[JournalBatch, None] | None = None
 
     def __post_init__(self) -> None:
+        self.reads = SharedReads(self.pool)
         self.stream_slots = StreamSlots(self.settings.streams_per_device)
         self.pair_limiter = AddressRateLimiter(self.settings.pair_attempts_per_min)
 
@@ -172,56 +113,58 @@ def build_app(runtime: Runtime) -> web.Application:
     return app
 
 
-async def serve(settings: Settings) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit code."""
+async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit code.
+
+    `handoff`: this process is a worker of a supervisor (agentd.supervisor): it serves on the
+    sockets it inherited and reports readiness to the supervisor instead of systemd.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     # Bound (not listening) before the database is opened: a busy address touches nothing.
-    sockets = bind_listen_sockets(settings.listen_host, settings.listen_port)
+    sockets = handoff.sockets if handoff else bind_listen_sockets(settings.listen_host,
+                                                                  settings.listen_port)
+    parent = asyncio.create_task(watch_parent(handoff, stop)) if handoff else None
     try:
         # The certificate next: a bad one fails the start before the database is touched.
         certificate = await asyncio.to_thread(server_certificate, settings) \
             if settings.serves_tls else None
-        _raise_open_files_limit(settings.max_connections + 256)
+        raise_open_files_limit(settings.max_connections + 256)
         database = await open_database(settings)
         try:
-            applied = await migrate_database(database.dsn)
-            if applied:
-                log.info("migrations applied", extra={"applied": ",".join(applied)})
-            pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max)
+            if handoff is None:  # a supervisor migrated before it started its workers
+                applied = await migrate_database(settings.direct_dsn(database.dsn))
+                if applied:
+                    log.info("migrations applied", extra={"applied": ",".join(applied)})
+            pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max,
+                                           pooled=settings.pooled)
             try:
                 return await _serve_with_pool(settings, database, pool, stop, sockets,
-                                              certificate)
+                                              certificate, handoff)
             finally:
                 await pool.close()
         finally:
             await asyncio.to_thread(database.close)
     finally:
+        if parent is not None:
+            parent.cancel()
         for sock in sockets:
             sock.close()
 
 
-def _raise_open_files_limit(wanted: int) -> None:
-    """Every connection is a file descriptor: let max_connections fit under RLIMIT_NOFILE."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if hard != resource.RLIM_INFINITY and hard < wanted:
-        log.warning("the open-files limit is below max_connections; lower max_connections "
-                    "or raise LimitNOFILE", extra={"hard_limit": hard, "wanted": wanted})
-
-
 async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg.Pool,
                            stop: asyncio.Event, sockets: list[socket.socket],
-                           certificate: ServerCertificate | None) -> int:
+                           certificate: ServerCertificate | None,
+                           handoff: Handoff | None = None) -> int:
     reconciled = await sweep(pool, settings)
     if reconciled:
         log.warning("boot reconciler failed orphaned runs", extra={"runs": reconciled})
-    hub = Hub(settings.hub_dsn or database.dsn)
+    async def send_probe(token: str) -> None:
+        await notify_batch(pool, [(Channel.HUB_PROBE, token)])
+
+    hub = Hub(settings.hub_dsn or database.dsn, send_probe=send_probe)
     await hub.start()
     providers = ProviderRegistry(settings)
     worker_id = new_worker_id()
@@ -239,13 +182,17 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
                        max_pool_wait_s=settings.max_pool_wait_ms / 1000)
     runtime.load = load
-    keeper = LeaseKeeper(database.dsn, hub, settings, metrics,
+    keeper = LeaseKeeper(settings.direct_dsn(database.dsn), hub, settings, metrics,
                          report=lambda: _worker_report(runtime))
     runtime.keeper = keeper
     notifier = Notifier(pool)
     notifier.start()
+    group = GroupCommit(pool)
+    appends: Batcher[JournalBatch, None] = Batcher(
+        pool, lambda batches: append_events_many(pool, batches))
+    runtime.group, runtime.appends = group, appends
     runner = TurnRunner(pool, hub, keeper, settings, providers, tools, hint=notifier.notify,
-                        metrics=metrics)
+                        metrics=metrics, group=group, appends=appends)
     dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, load, metrics,
                             hint=notifier.notify)
     runtime.dispatcher = dispatcher
@@ -267,20 +214,25 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                              ssl_context=ssl_context) for sock in sockets]
         for site in sites:
             await site.start()
-        await ensure_local_client(pool, local_url(settings),
-                                  certificate.fingerprint if certificate else None,
-                                  create=database.embedded is not None)
+        if handoff is None:  # else the supervisor did, once for all its workers
+            await ensure_local_client(pool, local_url(settings),
+                                      certificate.fingerprint if certificate else None,
+                                      create=database.embedded is not None)
         dispatcher.start()
         if not settings.serves_tls and not settings.listen_is_loopback:
             log.warning("serving PLAIN HTTP on a non-loopback address (insecure_http): tokens "
                         "and pairing codes cross the network in clear text",
                         extra={"listen": settings.listen})
-        log.info("agentd serving", extra={
+        log.info("agentd worker serving" if handoff else "agentd serving", extra={
             "url": sites[0].name, "worker_id": worker_id, "embedded": database.embedded is not None,
             "fingerprint": certificate.fingerprint if certificate else None})
-        sd_notify("READY=1")
+        if handoff is not None:
+            handoff.report_ready()
+        else:
+            sd_notify("READY=1")
         await stop.wait()
-        sd_notify("STOPPING=1")
+        if handoff is None:
+            sd_notify("STOPPING=1")
         runtime.draining = True
         started = time.monotonic()
         await dispatcher.stop_claiming()
@@ -330,6 +282,19 @@ def _watch_process(runtime: Runtime) -> None:
     metrics.total_at_scrape("agentd_hub_notifications", "NOTIFY hints received.",
                             lambda: runtime.hub.notifications)
     metrics.read_at_scrape(metrics.streams_open, lambda: runtime.stream_slots.total)
+    metrics.total_at_scrape("agentd_journal_commits",
+                            "Shared commits of journal batches and terminal writes.",
+                            lambda: (runtime.group.groups if runtime.group else 0) +
+                            (runtime.appends.batches if runtime.appends else 0))
+    metrics.total_at_scrape("agentd_journal_writes",
+                            "Journal batches and terminal writes they carried.",
+                            lambda: (runtime.group.writes if runtime.group else 0) +
+                            (runtime.appends.items if runtime.appends else 0))
+    metrics.total_at_scrape("agentd_tail_reads_asked", "Journal reads stream tails asked for.",
+                            lambda: runtime.reads.asked)
+    metrics.total_at_scrape("agentd_tail_reads_issued",
+                            "Journal queries sent for them (the rest joined one in flight).",
+                            lambda: runtime.reads.issued)
     guard = runtime.connection_guard
     if guard is not None:
         metrics.read_at_scrape(metrics.connections_open, lambda: guard.open)

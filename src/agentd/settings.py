@@ -32,6 +32,7 @@ MAX_MODEL_NAME = 200  # `<provider>:<model>`, as the API accepts it and a conver
 MAX_ACCOUNT_RUNNING = 10_000
 MAX_ACCOUNT_QUEUED = 1_000_000
 MAX_RUN_S = 86_400
+MAX_WORKERS = 256
 
 
 def dsn_problem(dsn: str | None) -> str | None:
@@ -74,6 +75,10 @@ class ProviderConfig:
 class Settings:
     dsn: str | None = None  # None: run the embedded PostgreSQL
     hub_dsn: str | None = None  # LISTEN must bypass transaction poolers; defaults to dsn
+    # "transaction": dsn goes through a transaction pooler (PgBouncer pool_mode = transaction):
+    # no prepared-statement cache and no session settings on the pool; migrations, the hub and
+    # the heartbeat connection use hub_dsn, which must then reach PostgreSQL directly.
+    pooler: str = "none"
     listen: str = "127.0.0.1:8740"
     data_dir: Path | None = None  # embedded PostgreSQL's root; None: the platform default
     pg_user: str | None = None  # account the embedded server runs as when agentd is root
@@ -82,6 +87,9 @@ class Settings:
     reap_interval_s: float = 5.0
     reap_grace_s: float = 5.0
     tick_s: float = 10.0
+    # Worker processes behind the one listen address (0: one per core). max_runs and pool_max
+    # are per worker: N workers run up to N x max_runs turns on up to N x pool_max connections.
+    workers: int = 0
     max_runs: int = 16
     # Admission by capacity: claim only while the event loop's lag and the pool's wait stayed
     # below these over the last second (a process that lags cannot keep its leases).
@@ -133,6 +141,9 @@ class Settings:
                     "pair_attempts_per_min", "streams_per_device", "max_connections"):
             if getattr(self, key) < 1:
                 raise SettingsError(f"{key} ({_env(key)}) must be >= 1")
+        if not 0 <= self.workers <= MAX_WORKERS:
+            raise SettingsError(f"workers ({_env('workers')}) must be between 0 (one per core) "
+                                f"and {MAX_WORKERS}")
         for key in ("drain_s", "reap_grace_s", "journal_retention_s"):
             if getattr(self, key) < 0:
                 raise SettingsError(f"{key} ({_env(key)}) must be >= 0")
@@ -148,6 +159,13 @@ class Settings:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise SettingsError(f"listen ({_env('listen')}) must be HOST:PORT, got "
                                 f"{self.listen!r}")
+        if self.pooler not in ("none", "transaction"):
+            raise SettingsError(f"pooler ({_env('pooler')}) must be none or transaction, got "
+                                f"{self.pooler!r}")
+        if self.pooler == "transaction" and not (self.dsn and self.hub_dsn):
+            raise SettingsError("pooler = transaction needs dsn (through the pooler) and hub_dsn "
+                                "(PostgreSQL itself: LISTEN, migrations and heartbeats need a "
+                                "session of their own)")
         if self.tls not in ("auto", "on", "off"):
             raise SettingsError(f"tls ({_env('tls')}) must be auto, on or off, got {self.tls!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -179,6 +197,16 @@ class Settings:
                 if not getattr(provider, key) > 0:
                     raise SettingsError(f"providers.{provider.name}.{key} must be > 0")
         return self
+
+    @property
+    def pooled(self) -> bool:
+        """The pool's DSN goes through a transaction pooler."""
+        return self.pooler == "transaction"
+
+    def direct_dsn(self, dsn: str) -> str:
+        """Where sessions that need one go (migrations' lock, the heartbeat): `dsn` (the
+        database's) unless that goes through a transaction pooler, then hub_dsn."""
+        return self.hub_dsn if self.pooled and self.hub_dsn else dsn
 
     @property
     def listen_host(self) -> str:

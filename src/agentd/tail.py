@@ -20,9 +20,9 @@ from uuid import UUID
 
 import asyncpg
 
-from agentd.conversations import runs_since
 from agentd.hub import RECONNECTED, Hub
 from agentd.queue import Event, read_events, run_status
+from agentd.shared_reads import SharedReads
 from agentd.vocabulary import Channel, EventType, RunStatus
 
 PAGE = 500
@@ -71,8 +71,13 @@ async def _ending(pool: asyncpg.Pool, run_id: UUID,
 
 
 async def run_tail(pool: asyncpg.Pool, hub: Hub, run_id: UUID, after_seq: int, *,
-                   keepalive_s: float) -> AsyncIterator[Event | None]:
-    """Yield the run's events after `after_seq` until `complete`; None means "send keepalive"."""
+                   keepalive_s: float,
+                   reads: SharedReads | None = None) -> AsyncIterator[Event | None]:
+    """Yield the run's events after `after_seq` until `complete`; None means "send keepalive".
+
+    `reads`: the process's shared reads, so that tails of one run woken together read once.
+    """
+    reads = reads or SharedReads(pool)
     cursor = after_seq
     loop = asyncio.get_running_loop()
     last_sent = loop.time()
@@ -80,7 +85,7 @@ async def run_tail(pool: asyncpg.Pool, hub: Hub, run_id: UUID, after_seq: int, *
         quiet_checks = 0
         while True:
             sub.clear()
-            events = await read_events(pool, run_id, after_seq=cursor, limit=PAGE)
+            events = await reads.events(run_id, cursor, PAGE)
             for event in events:
                 cursor = event.seq
                 yield event
@@ -150,15 +155,17 @@ class FeedItem:
 async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
                             cursor: FeedCursor, *, keepalive_s: float,
                             lease_reader: Any, presence_reader: Any, meta_reader: Any,
-                            meta_seen: Any, on_idle: Any = None) -> AsyncIterator[FeedItem]:
+                            meta_seen: Any, on_idle: Any = None,
+                            reads: SharedReads | None = None) -> AsyncIterator[FeedItem]:
     """Every run's events in run order, plus lease, presence and conversation changes, after
     `cursor`; ends with a `deleted` item once the conversation is gone.
 
     `lease_reader()` / `presence_reader()` / `meta_reader()` return JSON-ready values (the
     last None when the conversation no longer exists); an item is yielded when they change
     (`meta_seen`: the value the client already has, from its snapshot). `on_idle()` runs on
-    each quiet poll (presence renewal).
+    each quiet poll (presence renewal). `reads`: the process's shared reads.
     """
+    reads = reads or SharedReads(pool)
     loop = asyncio.get_running_loop()
     last_sent = loop.time()
     lease_seen: Any = object()
@@ -171,7 +178,7 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
         recheck = True
         while True:
             sub.clear()
-            runs = await runs_since(pool, conversation_id, cursor.watermark, list(cursor.open))
+            runs = await reads.runs(conversation_id, cursor.watermark, list(cursor.open))
             progressed = False
             for row in runs:
                 run_id = row["id"]
@@ -188,7 +195,7 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
                     yield FeedItem("run_state", cursor.encode(), run_id, data={
                         "run_id": str(run_id), "status": row["status"],
                         "cancel_requested": True})
-                async for item in _drain_run(pool, cursor, run_id, row["status"]):
+                async for item in _drain_run(pool, reads, cursor, run_id, row["status"]):
                     progressed = True
                     if item.event is not None and item.event.type in (
                             EventType.RUN_STARTED, EventType.COMPLETE):
@@ -229,10 +236,10 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
                 yield FeedItem("keepalive", cursor.encode())
 
 
-async def _drain_run(pool: asyncpg.Pool, cursor: FeedCursor, run_id: UUID,
+async def _drain_run(pool: asyncpg.Pool, reads: SharedReads, cursor: FeedCursor, run_id: UUID,
                      status: str) -> AsyncIterator[FeedItem]:
     while True:
-        events = await read_events(pool, run_id, after_seq=cursor.open[run_id], limit=PAGE)
+        events = await reads.events(run_id, cursor.open[run_id], PAGE)
         for event in events:
             cursor.open[run_id] = event.seq
             if event.type == EventType.COMPLETE:

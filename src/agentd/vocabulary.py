@@ -85,6 +85,7 @@ class Channel(StrEnum):
     CONVERSATION = "agentd_conversation"  # payload: conversation id; ownership/presence changed
     DEVICE = "agentd_device"  # payload: device id; it was revoked (its streams end)
     APPROVAL = "agentd_approval"  # payload: run id; a tool approval of that run was decided
+    HUB_PROBE = "agentd_hub_probe"  # payload: a random token; a hub checks its LISTEN hears
 
 
 # The SSE event that ends a stream the server will not continue (e.g. its device was revoked):

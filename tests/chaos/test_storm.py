@@ -1,7 +1,9 @@
 """The storm: 3 daemons, scripted clients, and every failure the design claims to survive.
 
 `pytest tests/chaos --chaos-runs 500 --chaos-conversations 50 -s` for a long soak; the default
-is small enough for CI. The summary line is printed either way.
+is small enough for CI. `--chaos-workers 2` makes each daemon a supervisor with two workers
+(a kill -9 or a pause then takes the whole daemon: supervisor and workers). The summary line
+is printed either way.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ async def test_storm_breaks_no_promise(storm_server: tuple[EmbeddedPostgres, str
     server, dsn = storm_server
     config = StormConfig(runs=request.config.getoption("--chaos-runs"),
                          conversations=request.config.getoption("--chaos-conversations"))
+    config.daemon_settings["workers"] = request.config.getoption("--chaos-workers")
     rng = random.Random(config.seed)
     log = StormLog()
     workdir = Path(tmp_path_factory.mktemp("storm"))

@@ -126,6 +126,8 @@ class Daemon:
             env[var] = str(path)
         env["PYTHONUNBUFFERED"] = "1"
         env.pop("NOTIFY_SOCKET", None)  # never report readiness to a real supervisor
+        # One process unless a test asks for workers: signals and pids reach the daemon itself.
+        env["AGENTD_WORKERS"] = "1"
         env.update(self.extra_env)
         return env
 
@@ -176,13 +178,18 @@ class Daemon:
 
         Returns once the kernel reports the process stopped (signal delivery is asynchronous).
         """
-        self.send_signal(signal.SIGSTOP)
+        self._signal_group(signal.SIGSTOP)
         self._await_state(lambda state: state == "T", "stopped")
 
     def cont(self) -> None:
         """SIGCONT: resumes a stopped process; returns once it is no longer stopped."""
-        self.send_signal(signal.SIGCONT)
+        self._signal_group(signal.SIGCONT)
         self._await_state(lambda state: state != "T", "resumed")
+
+    def _signal_group(self, signum: int) -> None:
+        """The daemon's whole process group: its workers too, when it runs several."""
+        assert self.running, f"{self.name} is not running (exit code {self.returncode})"
+        os.killpg(self.pid, signum)
 
     def _await_state(self, reached: Callable[[str | None], bool], what: str,
                      timeout: float = 5.0) -> None:

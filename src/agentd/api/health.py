@@ -13,6 +13,7 @@ from aiohttp import web
 from agentd.api import RUNTIME
 from agentd.api.auth import loopback_peer, trusted
 from agentd.db import ping
+from agentd.hub import DEAF_MESSAGE
 
 
 def add_routes(app: web.Application) -> None:
@@ -29,7 +30,11 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready = the database answers, the hub listens, and we are not draining."""
+    """Ready = the database answers, the hub listens, and we are not draining.
+
+    A hub that listens but hears nothing (its LISTEN behind a transaction pooler) is still
+    ready: everything works at the poll interval; the body says so.
+    """
     runtime = request.app[RUNTIME]
     database = True
     try:
@@ -37,9 +42,13 @@ async def readyz(request: web.Request) -> web.Response:
             await ping(runtime.pool)
     except Exception:
         database = False
-    body = {"database": database, "hub": runtime.hub.connected, "draining": runtime.draining,
-            "worker_id": runtime.worker_id}
-    ready = database and runtime.hub.connected and not runtime.draining
+    hub = runtime.hub
+    body: dict[str, object] = {"database": database, "hub": hub.listening,
+                               "draining": runtime.draining, "worker_id": runtime.worker_id}
+    if hub.deaf:
+        body["hub_notifications"] = False
+        body["hub_problem"] = DEAF_MESSAGE
+    ready = database and hub.listening and not runtime.draining
     answer: dict[str, object] = {"status": "ready" if ready else "unready"}
     # Without the database no token can be checked: then only a loopback peer sees why.
     if loopback_peer(request) or (database and await trusted(request)):

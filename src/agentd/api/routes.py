@@ -277,7 +277,8 @@ async def run_events(request: web.Request) -> web.StreamResponse:
 
         async def pump() -> None:
             async for event in run_tail(service.pool, service.hub, run_id, after,
-                                        keepalive_s=service.settings.keepalive_s):
+                                        keepalive_s=service.settings.keepalive_s,
+                                        reads=request.app[RUNTIME].reads):
                 if event is None:
                     await sse.keepalive(response)
                 else:
@@ -343,7 +344,8 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
                     service.pool, service.hub, conversation_id, cursor,
                     keepalive_s=service.settings.keepalive_s, lease_reader=read_lease,
                     presence_reader=read_presence, meta_reader=read_meta,
-                    meta_seen=_snapshot_meta(snapshot), on_idle=renew):
+                    meta_seen=_snapshot_meta(snapshot), on_idle=renew,
+                    reads=request.app[RUNTIME].reads):
                 if item.kind == "event":
                     event = item.event
                     assert event is not None  # an "event" item carries its event

@@ -1,0 +1,122 @@
+"""Group commit: writes of many runs that arrive while a commit is under way share the next one,
+so N turns streaming at once cost a few WAL flushes per clock tick, not N.
+
+`Batcher` is the mechanism: items submitted while `max_in_flight` batches are being written wait
+and go together into the next batch; an idle process waits for nothing (a lone item starts a
+batch at once). Its writer returns one outcome per item: each caller gets the result or the
+error its own write would have had. Journal appends use it with one statement for the whole
+batch (queue.append_events_many, each run fenced on its own). `GroupCommit` runs arbitrary
+fenced writes (a turn's terminal write) in one transaction, each in a savepoint of its own, so
+one that is refused rolls back alone. A failed commit fails every item of its batch, as each
+one's own failed commit would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+import asyncpg
+
+from agentd.db import Conn
+
+I = TypeVar("I")  # noqa: E741 - an item
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class Batcher(Generic[I, R]):
+    """Submit items; `write(items)` writes each batch and returns an outcome per item."""
+
+    def __init__(self, db: Any,
+                 write: Callable[[Sequence[I]], Awaitable[Sequence[R | Exception]]], *,
+                 max_batch: int = 64, max_in_flight: int = 4) -> None:
+        self.db = db  # where the batches go (hints after them are sent there too)
+        self._write = write
+        self._max_batch = max_batch
+        self._max_in_flight = max_in_flight
+        self._queue: list[tuple[I, asyncio.Future[R]]] = []
+        self._in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.batches = 0  # batches written (or tried)
+        self.items = 0  # items they carried
+
+    async def submit(self, item: I) -> R:
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._queue.append((item, future))
+        self._start_batches()
+        return await future
+
+    def _start_batches(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._queue and self._in_flight < self._max_in_flight:
+            batch = self._queue[:self._max_batch]
+            del self._queue[:self._max_batch]
+            self._in_flight += 1
+            task = loop.create_task(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list[tuple[I, asyncio.Future[R]]]) -> None:
+        try:
+            self.batches += 1
+            self.items += len(batch)
+            try:
+                outcomes = await self._write([item for item, _ in batch])
+            except asyncio.CancelledError:
+                for _, future in batch:
+                    future.cancel()
+                raise
+            except Exception as exc:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                return
+            for (_, future), outcome in zip(batch, outcomes, strict=True):
+                if future.done():  # its caller was cancelled; the write stands or fell alone
+                    continue
+                if isinstance(outcome, Exception):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+        finally:
+            self._in_flight -= 1
+            self._start_batches()
+
+
+Work = Callable[[Conn], Awaitable[Any]]
+
+
+class GroupCommit:
+    """Runs `work(conn)` callables in shared transactions, each in its own savepoint."""
+
+    def __init__(self, pool: asyncpg.Pool, *, max_group: int = 64,
+                 max_in_flight: int = 2) -> None:
+        self.pool = pool
+        self._batcher: Batcher[Work, Any] = Batcher(
+            pool, self._commit, max_batch=max_group, max_in_flight=max_in_flight)
+
+    @property
+    def groups(self) -> int:
+        return self._batcher.batches
+
+    @property
+    def writes(self) -> int:
+        return self._batcher.items
+
+    async def run(self, work: Callable[[Conn], Awaitable[T]]) -> T:
+        """`work` in the next group's transaction; its result once that group committed."""
+        result: T = await self._batcher.submit(work)
+        return result
+
+    async def _commit(self, works: Sequence[Work]) -> list[Any]:
+        outcomes: list[Any] = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            for work in works:
+                try:
+                    async with conn.transaction():  # a savepoint: refused alone
+                        outcomes.append(await work(conn))
+                except Exception as exc:
+                    outcomes.append(exc)
+        return outcomes

@@ -1,0 +1,109 @@
+"""What every start does before serving, shared by a single agentd and a supervisor: open the
+database (the embedded server or the DSN), migrate, keep the local client attached, and the
+open-files limit. Light on imports: a supervisor runs only this, not the daemon's machinery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import resource
+import socket
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import asyncpg
+
+from agentd import db as dbmod
+from agentd.accounts import create_device_token
+from agentd.embedded_pg import EmbeddedPostgres, default_data_root
+from agentd.migrate import migrate
+from agentd.settings import Settings, is_loopback_host
+
+log = logging.getLogger("agentd.startup")
+
+LOCAL_ACCOUNT = "local"
+
+
+@dataclass
+class Database:
+    dsn: str
+    embedded: EmbeddedPostgres | None = None
+
+    def close(self) -> None:
+        if self.embedded is not None:
+            self.embedded.stop()
+
+
+async def open_database(settings: Settings) -> Database:
+    """The configured server, or the private embedded one (started, with its database)."""
+    if settings.dsn:
+        return Database(settings.dsn)
+    server = EmbeddedPostgres(settings.data_dir or default_data_root(), run_as=settings.pg_user)
+    started = time.monotonic()
+    await asyncio.to_thread(server.start)
+    log.info("embedded postgresql ready", extra={
+        "data_dir": str(server.data_dir), "seconds": round(time.monotonic() - started, 3)})
+    admin = await asyncpg.connect(server.dsn("postgres"))
+    try:
+        await dbmod.ensure_agentd_database(admin)
+    finally:
+        await admin.close()
+    return Database(server.dsn(dbmod.EMBEDDED_DATABASE), server)
+
+
+async def migrate_database(dsn: str) -> list[str]:
+    conn = await dbmod.connect(dsn, application_name="agentd-migrate")
+    try:
+        return await migrate(conn)
+    finally:
+        await conn.close()
+
+
+async def ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | None = None,
+                              *, create: bool = True) -> None:
+    """Keep the TUI on this machine attached: give it a token on the first embedded start.
+
+    Over TLS it also pins this daemon's certificate, as `agenttui login` would; a config that
+    already points at this port on loopback follows a switch to or from TLS, or a new
+    certificate (this daemon is the authority on its own certificate, on its own machine).
+    """
+    from agentd.client_config import config_file, read_config, write_client_config
+
+    if config_file().exists():
+        config = read_config()
+        old, token = config.get("url"), config.get("token")
+        if not isinstance(old, str) or not isinstance(token, str):
+            return
+        before, now = urlsplit(old), urlsplit(url)
+        if before.port != now.port or not is_loopback_host(before.hostname or ""):
+            return
+        if (old, config.get("fingerprint")) != (url, fingerprint):
+            device = config.get("device")
+            path = write_client_config(url, token, device=device if isinstance(device, str)
+                                       else None, fingerprint=fingerprint)
+            log.info("updated the local client's address and pin", extra={
+                "path": str(path), "url": url, "fingerprint": fingerprint})
+        return
+    if not create:
+        return
+    token, _ = await create_device_token(pool, account=LOCAL_ACCOUNT,
+                                         device=socket.gethostname() or "local")
+    path = write_client_config(url, token, device=socket.gethostname(),
+                               fingerprint=fingerprint)
+    log.info("wrote a device token for the local client", extra={"path": str(path)})
+
+
+
+def raise_open_files_limit(wanted: int) -> None:
+    """Every connection is a file descriptor: let max_connections fit under RLIMIT_NOFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        log.warning("the open-files limit is below max_connections; lower max_connections "
+                    "or raise LimitNOFILE", extra={"hard_limit": hard, "wanted": wanted})

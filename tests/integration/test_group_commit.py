@@ -1,0 +1,120 @@
+"""Group commit: journal writes of many runs share a transaction, each still behind its own
+fence; a refused one rolls back alone, and the others land whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+
+import asyncpg
+import pytest
+
+from agentd.group_commit import Batcher, GroupCommit
+from agentd.journal import Emitter
+from agentd.queue import (
+    Claim,
+    LeaseLost,
+    NewEvent,
+    SeqConflict,
+    append_events_batched,
+    append_events_many,
+    claim_runs,
+    finish_run_journaled,
+)
+from agentd.vocabulary import EventType, RunStatus
+from tests.support.factories import enqueue, new_tenant
+from tests.support.journal import assert_journal_sound, read_journal
+
+RUNS = 12
+LONG_S = 60.0
+
+
+async def claimed_runs(pool: asyncpg.Pool, count: int) -> list[Claim]:
+    for _ in range(count):
+        tenant = await new_tenant(pool)
+        await enqueue(pool, tenant.account_id, tenant.conversation_id, "go")
+    claims = await claim_runs(pool, worker_id="worker", lease_ttl_s=LONG_S, limit=count)
+    assert len(claims) == count
+    return claims
+
+
+def delta(claim: Claim, text: str, offset: int = 1) -> list[NewEvent]:
+    return [NewEvent(claim.last_seq + offset, EventType.CONTENT_DELTA, {"delta": text})]
+
+
+async def test_writes_arriving_during_a_commit_share_the_next_and_a_fenced_one_fails_alone(
+        pool: asyncpg.Pool) -> None:
+    claims = await claimed_runs(pool, RUNS)
+    group = Batcher(pool, lambda batches: append_events_many(pool, batches), max_in_flight=1)
+    # One execution that no longer owns its run (another token), and one whose seq is taken.
+    stale = dataclasses.replace(claims[1], claim_token=uuid.uuid4())
+    taken = claims[2]
+    await append_events_batched(group, taken, delta(taken, "first"))
+    hinted: list[str] = []
+    writes = [append_events_batched(group, c, delta(c, f"text {i}"),
+                                    hint=lambda _ch, p: hinted.append(p))
+              for i, c in enumerate([claims[0], stale, *claims[2:]])]
+    results = await asyncio.gather(*writes, return_exceptions=True)
+
+    # The first alone, the rest together (plus the earlier write of "first").
+    assert group.items == RUNS + 1 and group.batches == 3
+    assert isinstance(results[1], LeaseLost) and not isinstance(results[1], SeqConflict)
+    assert isinstance(results[2], SeqConflict)
+    for i, claim in enumerate(claims):
+        rows = await read_journal(pool, claim.run_id)
+        deltas = [r["payload"]["delta"] for r in rows if r["type"] == EventType.CONTENT_DELTA]
+        if i == 1:
+            assert deltas == [] and results[i] is not None
+        elif i == 2:
+            assert deltas == ["first"]
+        else:
+            assert results[i] is None and deltas == [f"text {i}"]
+    # Hints only for what landed, after the commit.
+    assert sorted(hinted) == sorted(str(c.run_id) for i, c in enumerate(claims) if i not in (1, 2))
+
+
+async def test_turns_ending_together_finish_in_shared_commits_each_whole(
+        pool: asyncpg.Pool) -> None:
+    claims = await claimed_runs(pool, RUNS)
+    group = GroupCommit(pool, max_in_flight=1)
+    appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
+    emitters = [Emitter(pool, c, flush_interval_s=3600, appends=appends) for c in claims]
+    for i, emitter in enumerate(emitters):
+        await emitter.delta(f"first {i} ")  # written through at once (in a group of its own)
+        await emitter.delta(f"last {i}")  # pending: rides in the terminal write
+    lasts = [await e.hand_over() for e in emitters]
+    before = group.groups
+    await asyncio.gather(*(finish_run_journaled(
+        pool, c, RunStatus.COMPLETED, last=last, seq=e.next_seq,
+        content=f"first {i} last {i}", group=group)
+        for i, (c, e, last) in enumerate(zip(claims, emitters, lasts, strict=True))))
+    assert group.groups - before == 2
+    for i, claim in enumerate(claims):
+        rows = await assert_journal_sound(pool, claim.run_id)
+        text = "".join(r["payload"]["delta"] for r in rows
+                       if r["type"] == EventType.CONTENT_DELTA)
+        assert text == f"first {i} last {i}"
+        assert rows[-1]["type"] == EventType.COMPLETE
+        status = await pool.fetchval("SELECT status FROM agent_run WHERE id = $1",
+                                     claim.run_id)
+        assert status == RunStatus.COMPLETED
+
+
+async def test_a_failed_commit_fails_every_write_of_its_group(pool: asyncpg.Pool,
+                                                               dsn: str) -> None:
+    [claim] = await claimed_runs(pool, 1)
+    from agentd import db as dbmod
+
+    own = await dbmod.create_pool(dsn, min_size=1, max_size=1)
+    group = GroupCommit(own)
+    appends = Batcher(own, lambda batches: append_events_many(own, batches))
+    await own.close()
+    with pytest.raises(asyncpg.InterfaceError):
+        await append_events_batched(appends, claim, delta(claim, "never"))
+    with pytest.raises(asyncpg.InterfaceError):
+        await finish_run_journaled(own, claim, RunStatus.COMPLETED, last=[], seq=claim.last_seq + 1,
+                                   group=group)
+    assert [r for r in await read_journal(pool, claim.run_id)
+            if r["type"] == EventType.CONTENT_DELTA] == []

@@ -1,0 +1,160 @@
+"""One read per wake: N tails of one run in one process share each journal read, and every one
+of them still gets the exact text; a read already sent is never joined by a later asker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from agentd import db as dbmod
+from agentd.hub import Hub
+from agentd.journal import Emitter
+from agentd.notifier import Notifier
+from agentd.queue import Claim, claim_runs, finish_run, read_events
+from agentd.shared_reads import SharedReads
+from agentd.tail import run_tail
+from agentd.vocabulary import EventType, RunStatus
+from tests.integration.helpers import DEFAULT_TIMEOUT_S
+from tests.support.daemon import poll_until
+from tests.support.factories import enqueue, new_tenant
+
+TAILS = 25
+WAKES = 6
+LONG_S = 60.0
+
+
+@pytest.fixture
+async def hub(dsn: str) -> AsyncIterator[Hub]:
+    hub = Hub(dsn)
+    await hub.start()
+    assert hub.connected
+    try:
+        yield hub
+    finally:
+        await hub.close()
+
+
+@pytest.fixture
+async def notifier(pool: asyncpg.Pool) -> AsyncIterator[Notifier]:
+    notifier = Notifier(pool)
+    notifier.start()
+    try:
+        yield notifier
+    finally:
+        await notifier.close()
+
+
+async def start_run(pool: asyncpg.Pool) -> Claim:
+    tenant = await new_tenant(pool)
+    await enqueue(pool, tenant.account_id, tenant.conversation_id, "go")
+    [claim] = await claim_runs(pool, worker_id="worker", lease_ttl_s=LONG_S)
+    return claim
+
+
+async def test_tails_of_one_run_woken_together_cause_one_read_per_wake_and_get_exact_text(
+        pool: asyncpg.Pool, hub: Hub, notifier: Notifier) -> None:
+    claim = await start_run(pool)
+    reads = SharedReads(pool)
+    # Deltas written one row each (an interval never reached: only flush() writes).
+    emitter = Emitter(pool, claim, flush_interval_s=3600, hint=notifier.notify)
+    got: list[list[str]] = [[] for _ in range(TAILS)]
+    ended: list[bool] = [False] * TAILS
+
+    async def tail(i: int) -> None:
+        async for event in run_tail(pool, hub, claim.run_id, claim.last_seq, keepalive_s=3600,
+                                    reads=reads):
+            if event is not None and event.type == EventType.CONTENT_DELTA:
+                got[i].append(event.payload["delta"])
+        ended[i] = True
+
+    tasks = [asyncio.create_task(tail(i)) for i in range(TAILS)]
+    pieces = [f"piece {n} ü✓ " for n in range(WAKES + 1)]
+
+    async def everyone_has(count: int) -> bool:
+        return all(len(g) == count for g in got)
+
+    try:
+        # Warm-up: once every tail has the first delta, every tail waits on the hub (a tail
+        # goes from handing out an event to waiting without another read).
+        await emitter.delta(pieces[0])
+        await poll_until(lambda: everyone_has(1), DEFAULT_TIMEOUT_S, interval=0.002,
+                         what="every tail to get the first delta")
+        asked, issued = reads.asked, reads.issued
+        for n in range(1, WAKES + 1):
+            await emitter.delta(pieces[n])
+            await emitter.flush()
+            await poll_until(lambda n=n: everyone_has(n + 1), DEFAULT_TIMEOUT_S, interval=0.002,
+                                 what=f"every tail to get delta {n}")
+        assert reads.asked - asked == TAILS * WAKES
+        assert reads.issued - issued == WAKES, "one journal read per wake, not one per tail"
+
+        await finish_run(pool, claim, RunStatus.COMPLETED, seq=emitter.next_seq,
+                         content="".join(pieces), hint=notifier.notify)
+        await poll_until(lambda: _true(all(ended)), DEFAULT_TIMEOUT_S, interval=0.002,
+                         what="every tail to end at complete")
+        assert all("".join(g) == "".join(pieces) for g in got)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_read_already_sent_is_not_joined_by_a_later_asker(pool: asyncpg.Pool) -> None:
+    claim = await start_run(pool)
+    reads = SharedReads(pool)
+    first = asyncio.create_task(reads.events(claim.run_id, claim.last_seq, 500))
+    await poll_until(lambda: _true(reads.issued == 1), DEFAULT_TIMEOUT_S, interval=0.002,
+                     what="the first query sent")
+    emitter = Emitter(pool, claim, flush_interval_s=3600)
+    await emitter.delta("after the first read was sent")
+    second = await reads.events(claim.run_id, claim.last_seq, 500)
+    await first
+    assert reads.issued == 2
+    assert [e.seq for e in second] == [e.seq for e in await read_events(
+        pool, claim.run_id, after_seq=claim.last_seq)]
+    assert second[-1].payload["delta"] == "after the first read was sent"
+
+
+async def test_askers_in_one_loop_step_share_and_a_failure_reaches_each(
+        pool: asyncpg.Pool, dsn: str) -> None:
+    claim = await start_run(pool)
+    own = await dbmod.create_pool(dsn, min_size=1, max_size=2)
+    reads = SharedReads(own)
+    same = await asyncio.gather(*(reads.events(claim.run_id, 0, 500) for _ in range(10)))
+    assert reads.issued == 1 and reads.asked == 10
+    assert all(s is same[0] for s in same)
+    await own.close()  # a closed pool: the one query fails, and so does each asker's read
+    results = await asyncio.gather(*(reads.events(claim.run_id, 0, 500) for _ in range(3)),
+                                   return_exceptions=True)
+    assert reads.issued == 2
+    assert all(isinstance(r, asyncpg.InterfaceError) for r in results), results
+
+
+async def test_reads_of_different_runs_in_one_loop_step_go_out_as_one_query(
+        pool: asyncpg.Pool) -> None:
+    claims = [await start_run(pool) for _ in range(6)]
+    for n, claim in enumerate(claims):
+        emitter = Emitter(pool, claim, flush_interval_s=3600)
+        for i in range(n + 1):
+            await emitter.delta(f"run {n} piece {i} ")
+            await emitter.flush()
+    reads = SharedReads(pool)
+    # Every run from its start, and the last run also from a later cursor (its own pair).
+    cursors = [(c.run_id, c.last_seq) for c in claims] + [(claims[-1].run_id,
+                                                            claims[-1].last_seq + 3)]
+    got = await asyncio.gather(*(reads.events(run_id, seq, 500) for run_id, seq in cursors))
+    assert reads.issued == 1 and reads.asked == len(cursors)
+    for (run_id, seq), events in zip(cursors, got, strict=True):
+        assert events == await read_events(pool, run_id, after_seq=seq, limit=500)
+        assert events  # nothing trivially equal

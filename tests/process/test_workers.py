@@ -1,0 +1,137 @@
+"""`agentd serve --workers N`: one supervisor, N worker processes on one port.
+
+Kill one worker: the others go on serving (and reap its runs), the supervisor starts a new one.
+SIGTERM to the supervisor: every worker drains its turns, all exit, the supervisor exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import psutil
+
+from agentd.vocabulary import RunStatus
+from tests.process.helpers import wait_status
+from tests.remote.helpers import spawn_remote
+from tests.support.daemon import Daemon, poll_until
+from tests.support.factories import enqueue_demo, new_account, new_conversation
+from tests.support.journal import assistant_messages, run_row
+
+__all__ = ["spawn_remote"]
+
+FAST_REAP = {"lease_ttl_s": 2, "heartbeat_s": 0.5, "reap_interval_s": 0.2, "reap_grace_s": 0}
+
+
+def worker_pids(daemon: Daemon) -> set[int]:
+    """The supervisor's worker processes (its python children)."""
+    return {child.pid for child in psutil.Process(daemon.pid).children()
+            if "agentd" in " ".join(child.cmdline())}
+
+
+async def two_workers(daemon: Daemon) -> set[int]:
+    async def both() -> set[int] | None:
+        pids = worker_pids(daemon)
+        return pids if len(pids) == 2 else None
+
+    return await poll_until(both, 30, what="two worker processes")
+
+
+async def running_on_both(pool, runs) -> dict[int, list]:
+    """Wait until every run is running; map worker pid -> its runs (both workers hold some)."""
+    ids = [r.run_id for r in runs]
+
+    async def placed() -> dict[int, list] | None:
+        rows = await pool.fetch("SELECT id, worker_id FROM agent_run WHERE id = ANY($1) "
+                                "AND status = 'running'", ids)
+        if len(rows) != len(ids):
+            return None
+        by_pid: dict[int, list] = {}
+        for row in rows:
+            pid = int(row["worker_id"].rsplit(":", 2)[1])
+            by_pid.setdefault(pid, []).append(row["id"])
+        return by_pid if len(by_pid) == 2 else None
+
+    return await poll_until(placed, 20, what="runs running on both workers")
+
+
+async def test_killed_worker_is_restarted_while_the_other_serves_and_reaps_its_runs(
+        spawn_daemon, pool):
+    daemon = spawn_daemon(workers=2, max_runs=2, **FAST_REAP)
+    await daemon.wait_ready()
+    before = await two_workers(daemon)
+    account = await new_account(pool)
+    runs = [await enqueue_demo(pool, account, await new_conversation(pool, account), f"w{n}",
+                               tokens=150, delay_ms=20) for n in range(4)]  # ~3 s each
+    by_pid = await running_on_both(pool, runs)
+    victim, survivor = max(by_pid), min(by_pid)
+    assert {victim, survivor} == before
+
+    psutil.Process(victim).send_signal(signal.SIGKILL)
+
+    # The port still answers (the survivor accepts on the shared socket) …
+    assert (await daemon.readyz())["status"] == "ready"
+    # … the supervisor starts a new worker in the victim's place …
+    async def replaced() -> set[int] | None:
+        pids = worker_pids(daemon)
+        return pids if len(pids) == 2 and victim not in pids else None
+
+    after = await poll_until(replaced, 30, what="a new worker in place of the killed one")
+    assert survivor in after
+    await daemon.wait_for_log("worker exited; restarting it", 5)
+    # … the victim's runs end failed (reaped, never re-run), the survivor's complete.
+    for run_id in by_pid[victim]:
+        row = await wait_status(pool, run_id, RunStatus.FAILED, timeout=20)
+        assert row["error_code"] is not None
+    for run in runs:
+        if run.run_id in by_pid[survivor]:
+            await wait_status(pool, run.run_id, RunStatus.COMPLETED, timeout=20)
+    # The new worker claims and serves: a fresh turn completes with the exact text.
+    late = await enqueue_demo(pool, account, await new_conversation(pool, account), "late",
+                              tokens=5, delay_ms=0)
+    await wait_status(pool, late.run_id, RunStatus.COMPLETED, timeout=20)
+    [answer] = await assistant_messages(pool, late.run_id)
+    assert answer["content"] == late.expected
+    assert daemon.running
+
+
+async def test_sigterm_drains_every_worker_and_the_supervisor_exits_zero(spawn_daemon, pool):
+    daemon = spawn_daemon(workers=2, max_runs=2, drain_s=10)
+    await daemon.wait_ready()
+    pids = await two_workers(daemon)
+    account = await new_account(pool)
+    runs = [await enqueue_demo(pool, account, await new_conversation(pool, account), f"d{n}",
+                               tokens=60, delay_ms=20) for n in range(4)]  # ~1.2 s each
+    await running_on_both(pool, runs)
+
+    daemon.terminate()
+    assert await daemon.wait_exit(30) == 0
+    for run in runs:  # in flight on both workers at the signal: each drained to completion
+        row = await run_row(pool, run.run_id)
+        assert row["status"] == RunStatus.COMPLETED, row["error"]
+        [answer] = await assistant_messages(pool, run.run_id)
+        assert answer["content"] == run.expected
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                   for pid in pids)
+    assert "workers stopped" in daemon.log_text()
+
+
+async def test_workers_serve_tls_on_the_one_port(spawn_remote, pool):
+    daemon = spawn_remote(tls=True, workers=2)
+    await daemon.wait_ready()
+    await two_workers(daemon)
+    # Several handshakes over fresh connections: every worker serves the one certificate.
+    seen: set[str] = set()
+    for _ in range(12):
+        async with daemon.client() as client:  # verifies against the daemon's certificate
+            response = await client.get("/healthz")
+        assert response.status_code == 200
+        seen.add(response.json()["worker_id"])
+        assert response.http_version == "HTTP/1.1"
+    assert seen  # at least one worker answered over TLS; plain HTTP is refused:
+    async with httpx.AsyncClient(trust_env=False, timeout=5) as plain:
+        try:
+            answer = await plain.get(f"http://{daemon.host}:{daemon.port}/healthz")
+        except httpx.TransportError:
+            return
+    assert answer.status_code == 400
