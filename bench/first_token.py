@@ -157,11 +157,14 @@ async def stop_series(http: aiohttp.ClientSession, pool: asyncpg.Pool, url: str,
     parts: dict[str, list[float]] = {"post_to_cancel_journaled": [],
                                      "cancel_journaled_to_complete_journaled": [],
                                      "complete_journaled_to_client": []}
+    # Long enough never to end on its own before the stop (about five minutes), short enough
+    # for the demo provider's cap, which keeps a demo turn inside the default turn deadline.
+    long_tokens = 300_000 // max(delay_ms, 1)
     for i, conversation in enumerate(conversations):
         async with Feed(http, f"{url}/v1/conversations/{conversation}/events").open() as feed:
             await feed.next(_is("presence"))
             run_id = (await post_json(http, f"{url}/v1/conversations/{conversation}/runs", {
-                "content": f"stop {i}", "params": {"tokens": 100_000,
+                "content": f"stop {i}", "params": {"tokens": long_tokens,
                                                    "delay_ms": delay_ms}}))["run_id"]
             await feed.next(_is("content_delta", run_id))
             # Land the stop at a random point of the flush clock and of the heartbeat cycle.
