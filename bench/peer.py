@@ -194,6 +194,8 @@ def libpq_env(dsn: str) -> dict[str, str]:
                                                  if parts.password else None),
         "PGDATABASE": unquote(parts.path.lstrip("/")) or None,
         "PGSSLMODE": query.get("sslmode"),
+        # The embedded server authenticates with a password kept in a file the DSN names.
+        "PGPASSFILE": query.get("passfile"),
     }
     env.update({k: v for k, v in values.items() if v})
     env["PYTHONUNBUFFERED"] = "1"
