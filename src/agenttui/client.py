@@ -33,6 +33,7 @@ from agenttui.models import (
     CreatedRun,
     Lease,
     Me,
+    MessagePage,
     Models,
     Run,
     RunEvent,
@@ -356,9 +357,26 @@ class AgentClient:
         data = await self._json("GET", "/v1/conversations", params=params, retries=2)
         return [Conversation.from_wire(c) for c in data["conversations"]]
 
-    async def get_conversation(self, conversation_id: str) -> ConversationState:
+    async def get_conversation(self, conversation_id: str, *,
+                               limit: int | None = None) -> ConversationState:
+        """The state; with `limit`, only the newest page of its transcript."""
+        params = {"limit": limit} if limit is not None else None
         return ConversationState.from_wire(
-            await self._json("GET", f"/v1/conversations/{_id(conversation_id)}", retries=2))
+            await self._json("GET", f"/v1/conversations/{_id(conversation_id)}", params=params,
+                             retries=2))
+
+    async def list_messages(self, conversation_id: str, *, before: str | None = None,
+                            limit: int = 100, until: str | None = None) -> MessagePage:
+        """A page of the transcript: the newest one, or the one older than `before`; with
+        `until`, reaching back to that message."""
+        params: dict[str, Any] = {"limit": limit}
+        if before is not None:
+            params["before"] = before
+        if until is not None:
+            params["until"] = until
+        return MessagePage.from_wire(await self._json(
+            "GET", f"/v1/conversations/{_id(conversation_id)}/messages", params=params,
+            retries=2))
 
     async def rename_conversation(self, conversation_id: str, title: str) -> Conversation:
         return await self.update_conversation(conversation_id, title=title)
@@ -473,9 +491,10 @@ class AgentClient:
     def run_events(self, run_id: str, *, after: int = 0) -> RunStream:
         return RunStream(self, run_id, after=after)
 
-    def conversation_events(self, conversation_id: str, *,
-                            cursor: str | None = None) -> ConversationStream:
-        return ConversationStream(self, conversation_id, cursor=cursor)
+    def conversation_events(self, conversation_id: str, *, cursor: str | None = None,
+                            page: int | None = None) -> ConversationStream:
+        """The feed; with `page`, its snapshots carry only the newest `page` messages."""
+        return ConversationStream(self, conversation_id, cursor=cursor, page=page)
 
     # -- devices and pairing ------------------------------------------------------------------
 
@@ -516,9 +535,11 @@ def _id(value: str) -> str:
 class _ResumableStream:
     """The reconnect loop shared by both feeds; subclasses interpret the frames."""
 
-    def __init__(self, client: AgentClient, path: str) -> None:
+    def __init__(self, client: AgentClient, path: str,
+                 params: Mapping[str, Any] | None = None) -> None:
         self._client = client
         self._path = path
+        self._params = params
         self._done = False
         self.status = ConnectionStatus(ConnectionState.CONNECTING)
         self.reconnects = 0
@@ -554,7 +575,8 @@ class _ResumableStream:
                 await asyncio.sleep(delay)
             sent = self._resume_id()
             try:
-                async with self._client.open_sse(self._path, last_event_id=sent) as source:
+                async with self._client.open_sse(self._path, last_event_id=sent,
+                                                 params=self._params) as source:
                     if attempt:
                         self.reconnects += 1
                     opened = self._opened(sent is not None)
@@ -595,8 +617,9 @@ class ConversationStream(_ResumableStream):
     """
 
     def __init__(self, client: AgentClient, conversation_id: str, *,
-                 cursor: str | None = None) -> None:
-        super().__init__(client, f"/v1/conversations/{_id(conversation_id)}/events")
+                 cursor: str | None = None, page: int | None = None) -> None:
+        super().__init__(client, f"/v1/conversations/{_id(conversation_id)}/events",
+                         {"limit": page} if page is not None else None)
         self.conversation_id = conversation_id
         self.cursor = cursor
         self._seqs: dict[str, int] = {}

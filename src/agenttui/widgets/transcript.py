@@ -1,15 +1,21 @@
 """The transcript: one view per turn — question, compact tool lines, the answer as Markdown.
 
-Views redraw from the ConversationModel only where it changed. A running answer is appended
-through Markdown.get_stream(); once it stops, one final update() renders the whole text again
-(a stream can lose text inside a partial code fence). `layout: stream` keeps long chats fast.
+Only a window of turns is mounted (see Transcript): a conversation of thousands of messages
+costs what its visible part costs. Views redraw from the ConversationModel only where it
+changed. A running answer is appended through Markdown.get_stream() (which re-parses only the
+last block); once it stops, one final update() renders the whole text again (a stream can lose
+text inside a partial code fence).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
+from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
@@ -205,54 +211,251 @@ def tool_line(step: ToolStep) -> str:
     return f"⚙ {step.summary()}"
 
 
+WINDOW_TURNS = 40  # the most turns mounted at once: widget count stays bounded however long
+PAGE_TURNS = 6  # turns mounted per step when the reader scrolls past what is mounted
+EDGE_LINES = 2  # this close to the top (bottom) of what is mounted, mount the next turns
+
+
 class Transcript(VerticalScroll):
-    """All turns of the open conversation, newest at the bottom (kept in view while at it)."""
+    """The open conversation, newest at the bottom (kept in view while at it), virtualized:
+    only a window of turns is mounted (what fits the screen plus a margin at first, at most
+    WINDOW_TURNS), older ones mount as the reader scrolls up and far-off ones are unmounted,
+    so opening and streaming cost the same however long the conversation is. Turns the model
+    does not hold yet are fetched through `fetch_older` (the next older page of the API).
+
+    `sync` runs under `lock` held by its caller; the paging methods take it themselves.
+    """
 
     DEFAULT_CSS = """
     Transcript { layout: stream; height: 1fr; padding: 0 0 0 1; }
     Transcript > .empty { color: $text-muted; padding: 1 2; }
+    Transcript > .more { color: $text-muted; text-style: italic; height: 1; }
     """
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, *, lock: asyncio.Lock | None = None, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.views: dict[str, TurnView] = {}
+        self.lock = lock or asyncio.Lock()
+        self.views: dict[str, TurnView] = {}  # the mounted turns, top to bottom
+        self.keys: list[str] = []  # the model's turn order as last synced
+        self.start = 0  # keys[start:end] are mounted
+        self.end = 0
+        self.model: ConversationModel | None = None
+        self.fetch_older: Callable[[], Awaitable[None]] | None = None
+        self.paging = False  # mounting (or fetching) older or newer turns right now
+        self.older = Static("", classes="more older", markup=False)
+        self.newer = Static("", classes="more newer", markup=False)
         self.empty = Static("", classes="empty", markup=False)
         self._empty_message = ""
 
     def compose(self) -> ComposeResult:
+        yield self.older
+        yield self.newer
         yield self.empty
 
     def on_mount(self) -> None:
         self.anchor()
+        self._show_edges()
 
     async def reset(self, message: str = "") -> None:
+        await self._unmount_all()
+        self.keys, self.model = [], None
+        self.set_empty(message)
+        self._show_edges()
+
+    async def _unmount_all(self) -> None:
         views, self.views = list(self.views.values()), {}
+        self.start = self.end = 0
         if views:
             await self.remove_children(views)
-        self.set_empty(message)
 
     def set_empty(self, message: str) -> None:
         self._empty_message = message
         self.empty.update(message)
         self.empty.display = bool(message) and not self.views
 
+    @property
+    def following(self) -> bool:
+        """The newest turn is mounted: new turns mount below it as they arrive."""
+        return self.end >= len(self.keys)
+
     async def sync(self, model: ConversationModel, changes: Changes) -> None:
-        keys = model.order
-        touched = set(changes.turns)
+        self.model = model
         if changes.rebuild:
-            mounted = list(self.views)
-            if mounted != keys[: len(mounted)]:
-                # Removed or reordered (a fresh snapshot disagreed): rebuild in server order.
-                await self.reset()
-            new_keys = [key for key in keys if key not in self.views]
-            new_views = [TurnView(key) for key in new_keys]
-            self.views.update(zip(new_keys, new_views, strict=True))
-            if new_views:
-                await self.mount_all(new_views)
-            touched |= set(new_keys)
+            await self._rewindow(model.order)
+        touched = set(changes.turns)
         if model.queued_turns:
             touched |= {t.key for t in model.queued_turns}  # queue positions move together
-        for key in keys:
-            if key in touched and key in self.views:
-                await self.views[key].show(model.turns[key], model)
+        for key in touched:
+            view = self.views.get(key)
+            if view is not None:
+                await view.show(model.turns[key], model)
         self.empty.display = bool(self._empty_message) and not self.views
+        self._show_edges()
+
+    async def _rewindow(self, keys: list[str]) -> None:
+        """Place the mounted turns in the model's new order; mount new turns at the bottom
+        when the newest was in view; start over from the newest if the order changed."""
+        mounted = list(self.views)
+        following = self.following
+        at = _index(keys, mounted[0]) if mounted else None
+        if at is None or keys[at: at + len(mounted)] != mounted:
+            # First sync, or removed/reordered (a fresh snapshot disagreed): the newest turns.
+            await self._unmount_all()
+            self.keys = list(keys)
+            self.start = self.end = len(keys)
+            await self._mount(max(0, len(keys) - PAGE_TURNS), len(keys))
+            self.call_after_refresh(self._fill)
+            return
+        self.keys = list(keys)
+        self.start, self.end = at, at + len(mounted)
+        if following and self.end < len(keys):
+            await self._mount(self.end, len(keys))
+            await self._trim(top=True)
+
+    async def _mount(self, lo: int, hi: int) -> None:
+        """Mount keys[lo:hi] next to the mounted ones (above them when lo < start)."""
+        if lo >= hi or self.model is None:
+            return
+        keys = self.keys[lo:hi]
+        views = [TurnView(key) for key in keys]
+        was_empty = not self.views
+        if not was_empty and lo < self.start:
+            first = next(iter(self.views.values()))
+            await self.mount_all(views, before=first)
+            self.views = {**dict(zip(keys, views, strict=True)), **self.views}
+            self.start = lo
+        else:
+            await self.mount_all(views, before=self.newer)
+            self.views.update(zip(keys, views, strict=True))
+            if was_empty:
+                self.start = lo
+            self.end = hi
+        for key, view in zip(keys, views, strict=True):
+            await view.show(self.model.turns[key], self.model)
+
+    async def _trim(self, *, top: bool) -> None:
+        """Unmount the turns farthest from the reader beyond WINDOW_TURNS (top or bottom)."""
+        extra = len(self.views) - WINDOW_TURNS
+        if extra <= 0:
+            return
+        keys = list(self.views)
+        gone = keys[:extra] if top else keys[-extra:]
+        views = [self.views.pop(key) for key in gone]
+        if top:
+            self.start += extra
+        else:
+            self.end -= extra
+        await self.remove_children(views)
+
+    def _fill(self) -> None:
+        """Mount older turns until the screen (plus a margin) is full."""
+        if self.start > 0 and self.virtual_size.height < 2 * self.size.height:
+            self.run_worker(self.page_older(scroll=False), group="transcript-page",
+                            exit_on_error=False)
+
+    async def page_older(self, *, scroll: bool = True) -> None:
+        """Mount the turns above the mounted ones (fetching a page first if the model has
+        none), keeping what the reader sees in place."""
+        if self.paging:
+            return
+        self.paging = True
+        try:
+            model = self.model
+            if self.start == 0 and model is not None and model.has_more and self.fetch_older:
+                await self.fetch_older()
+            async with self.lock:
+                if self.start == 0 or not self.views:
+                    return
+                first = next(iter(self.views.values()))
+                before = first.virtual_region.y
+                await self._mount(max(0, self.start - PAGE_TURNS), self.start)
+                await self._trim(top=False)
+                self._show_edges()
+            self._keep_in_place(first, before)
+        finally:
+            self.paging = False
+        if not scroll:
+            self.call_after_refresh(self._fill)
+
+    async def page_newer(self) -> None:
+        """Mount the turns below the mounted ones (unmounting far-off ones above)."""
+        if self.paging:
+            return
+        self.paging = True
+        try:
+            async with self.lock:
+                if self.following or not self.views:
+                    return
+                last = list(self.views.values())[-1]
+                before = last.virtual_region.y
+                await self._mount(self.end, min(len(self.keys), self.end + PAGE_TURNS))
+                await self._trim(top=True)
+                self._show_edges()
+            self._keep_in_place(last, before)
+        finally:
+            self.paging = False
+
+    def _keep_in_place(self, view: Widget, before: int) -> None:
+        def restore() -> None:
+            shift = view.virtual_region.y - before
+            if shift:
+                self.scroll_to(y=self.scroll_y + shift, animate=False, immediate=True)
+
+        self.call_after_refresh(restore)
+
+    async def show_newest(self) -> None:
+        """Back to the newest turns (after a jump or a long scroll up); runs under `lock`."""
+        if not self.following:
+            await self._unmount_all()
+            self.start = self.end = len(self.keys)
+            await self._mount(max(0, len(self.keys) - PAGE_TURNS), len(self.keys))
+            self._show_edges()
+            self.call_after_refresh(self._fill)
+        self.anchor()
+
+    async def reveal(self, key: str) -> TurnView | None:
+        """Mount the turn `key` (with its neighbours) and scroll to it; runs under `lock`."""
+        view = self.views.get(key)
+        if view is None:
+            at = _index(self.keys, key)
+            if at is None:
+                return None
+            await self._unmount_all()
+            lo = max(0, at - PAGE_TURNS // 2)
+            self.start = self.end = lo
+            await self._mount(lo, min(len(self.keys), lo + PAGE_TURNS))
+            self._show_edges()
+            view = self.views[key]
+        self.release_anchor()
+        self.call_after_refresh(self.scroll_to_widget, view, animate=False, top=True)
+        return view
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        if self.paging or not self.views:
+            return
+        if new_value <= EDGE_LINES and (self.start > 0 or (self.model and self.model.has_more)):
+            self.run_worker(self.page_older(), group="transcript-page", exit_on_error=False)
+        elif new_value >= self.max_scroll_y - EDGE_LINES and not self.following:
+            self.run_worker(self.page_newer(), group="transcript-page", exit_on_error=False)
+
+    def _show_edges(self) -> None:
+        above = self.start
+        more = self.model is not None and self.model.has_more
+        if above or more:
+            count = f"{above} earlier turn{'s' if above != 1 else ''}" if above else \
+                "earlier messages"
+            self.older.update(f"↑ {count}{' and more on the server' if above and more else ''}"
+                              f" · PageUp or scroll up to read")
+        self.older.display = bool(self.views) and bool(above or more)
+        below = len(self.keys) - self.end
+        self.newer.update(f"↓ {below} newer turn{'s' if below != 1 else ''} · Ctrl+End "
+                          f"jumps to the newest")
+        self.newer.display = bool(self.views) and below > 0
+
+
+def _index(keys: list[str], key: str) -> int | None:
+    try:
+        return keys.index(key)
+    except ValueError:
+        return None
