@@ -98,21 +98,23 @@ async def test_a_streaming_answer_grows_in_its_own_view(daemon: Daemon, pool, de
                                                         agenttui_dirs: Path):
     conversation_id = await _long(daemon, pool, desk, turns=200)
     async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation_id,
-                           params={"tokens": 60, "delay_ms": 20}) as (app, pilot):
+                           params={"tokens": 400, "delay_ms": 20}) as (app, pilot):
         await wait_for(pilot, lambda: last_line(200) in screen_text(app),
                        "the last answer on screen")
         transcript = _transcript(app)
         before = dict(transcript.views)
         await pilot.press(*"tail please", "enter")
         model = app.screen.model
-        await wait_for(pilot, lambda: model.running_turn is not None, "the turn running")
-        running = model.running_turn
-        await wait_for(pilot, lambda: running.key in transcript.views
-                       and transcript.views[running.key].answer.streaming, "a stream")
-        await wait_for(pilot, lambda: running.finished, "the turn to finish")
-        view = transcript.views[running.key]
-        await wait_for(pilot, lambda: view.answer.shown_text == running.text and running.text,
+        await wait_for(pilot, lambda: model.asked_here, "the turn created")
+        (run_id,) = model.asked_here
+        await wait_for(pilot, lambda: run_id in transcript.views
+                       and transcript.views[run_id].answer.streaming, "its answer streaming")
+        view = transcript.views[run_id]
+        turn = model.turns[run_id]
+        await wait_for(pilot, lambda: turn.finished, "the turn to finish")
+        await wait_for(pilot, lambda: view.answer.shown_text == turn.text and turn.text,
                        "the whole answer shown")
+        assert transcript.views.get(run_id) is view, "one view for the whole stream"
         kept = [key for key, old in before.items() if transcript.views.get(key) is old]
         assert kept, "the turns already on screen were not re-created"
         assert len(transcript.views) <= WINDOW_TURNS

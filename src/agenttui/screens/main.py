@@ -160,6 +160,7 @@ class MainScreen(LifecycleScreen):
 
     def on_mount(self) -> None:
         self.transcript.fetch_older = self.fetch_older
+        self.transcript.remounted = lambda: self.apply_selection(rebuilt=True)
         self.composer.focus()
         self.bar.show(None, f"◌ connecting to {self.client.url}…")
         self.set_interval(LIST_REFRESH_S, self._refresh_list_quietly)

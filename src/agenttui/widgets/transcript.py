@@ -3,8 +3,8 @@
 Only a window of turns is mounted (see Transcript): a conversation of thousands of messages
 costs what its visible part costs. Views redraw from the ConversationModel only where it
 changed. A running answer is appended through Markdown.get_stream() (which re-parses only the
-last block); once it stops, one final update() renders the whole text again (a stream can lose
-text inside a partial code fence).
+last block); once it stops, its whole text is rendered again into one cheap widget
+(SettledMarkdown), which also repairs what a stream can lose inside a partial code fence.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+from rich.markdown import Markdown as RichMarkdown
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
@@ -22,6 +23,29 @@ from textual.widgets.markdown import MarkdownStream
 from agentd.vocabulary import MessageStatus, RunStatus
 from agenttui.conversation import Changes, ConversationModel, ToolStep, Turn
 from agenttui.widgets.marks import SUPERSEDED_NOTE, answer_usage
+
+
+class SettledMarkdown(Static):
+    """A finished answer, rendered once through Rich's Markdown into ONE widget.
+
+    Textual's Markdown widget mounts a widget per block (each list item, each paragraph): about
+    five times the cost of this when older turns are mounted while scrolling. It stays the
+    widget for the answer that is streaming (Markdown.get_stream()); an answer that stopped is
+    rendered here from its whole text, which also repairs what a stream can lose inside a
+    partial code fence."""
+
+    DEFAULT_CSS = """
+    SettledMarkdown { height: auto; padding: 0; background: transparent; }
+    """
+
+    def __init__(self) -> None:
+        super().__init__("", markup=False)
+        self.source = ""
+
+    def show(self, text: str) -> None:
+        if text != self.source:
+            self.source = text
+            self.update(RichMarkdown(text) if text else "")
 
 
 class AnswerView(Vertical):
@@ -38,16 +62,23 @@ class AnswerView(Vertical):
 
     def __init__(self) -> None:
         super().__init__(classes="answer")
-        self.md = Markdown("")
+        self.live = Markdown("")  # the streaming answer, appended to block by block
+        self.settled = SettledMarkdown()
         self.status_line = Static("", classes="answer-status", markup=False)
         self._stream: MarkdownStream | None = None
-        self._shown = ""  # text already handed to the widget (streamed or updated)
-        self._settled = False  # the widget holds exactly _shown through update()
+        self._shown = ""  # text already handed to the widgets (streamed or settled)
+        self._live = False  # the live widget holds the text (streaming, or it just stopped)
         self.status_text = ""
 
     def compose(self) -> ComposeResult:
-        yield self.md
+        yield self.live
+        yield self.settled
         yield self.status_line
+
+    @property
+    def md(self) -> Markdown | SettledMarkdown:
+        """The widget that shows the answer's text now (both have `source`)."""
+        return self.live if self._live else self.settled
 
     @property
     def shown_text(self) -> str:
@@ -62,7 +93,8 @@ class AnswerView(Vertical):
         self.display = bool(turn.text) or turn.started or (
             turn.finished and turn.question_status != MessageStatus.DRAFT)
         await self._render_text(turn.text, streaming=turn.running)
-        self.md.display = bool(turn.text)
+        self.live.display = self._live and bool(turn.text)
+        self.settled.display = not self._live and bool(turn.text)
         status, kind = answer_status(turn)
         status = " · ".join(part for part in (status, answer_usage(turn)) if part)
         self.status_text = status
@@ -74,26 +106,24 @@ class AnswerView(Vertical):
 
     async def _render_text(self, text: str, *, streaming: bool) -> None:
         if streaming:
-            if text == self._shown:
+            if text == self._shown and self._live:
                 return
-            if text.startswith(self._shown) and (self._stream is not None or not self._shown
-                                                 or self._settled):
+            if self._live and text.startswith(self._shown):
                 if self._stream is None:
-                    self._stream = Markdown.get_stream(self.md)
-                await self._stream.write(text[len(self._shown):])
+                    self._stream = Markdown.get_stream(self.live)
+                await self._stream.write(text[len(self._shown):])  # only the tail re-parses
             else:
                 await self._stop_stream()
-                await self.md.update(text)
+                await self.live.update(text)
+                self._live = True
             self._shown = text
-            self._settled = False
             return
-        if self._stream is not None:
-            await self._stop_stream()
-        elif self._settled and text == self._shown:
-            return
-        await self.md.update(text)  # the final, whole render
+        await self._stop_stream()
+        if self._live:
+            self._live = False
+            await self.live.update("")  # its block widgets go; the settled view shows it all
+        self.settled.show(text)
         self._shown = text
-        self._settled = True
 
     async def _stop_stream(self) -> None:
         stream, self._stream = self._stream, None
@@ -212,8 +242,8 @@ def tool_line(step: ToolStep) -> str:
 
 
 WINDOW_TURNS = 40  # the most turns mounted at once: widget count stays bounded however long
-PAGE_TURNS = 6  # turns mounted per step when the reader scrolls past what is mounted
-EDGE_LINES = 2  # this close to the top (bottom) of what is mounted, mount the next turns
+PAGE_TURNS = 4  # turns mounted per step when the reader scrolls past what is mounted
+PAGE_TURNS_MARGIN = 1  # screens of mounted text kept above (below) the view before mounting more
 
 
 class Transcript(VerticalScroll):
@@ -227,7 +257,7 @@ class Transcript(VerticalScroll):
     """
 
     DEFAULT_CSS = """
-    Transcript { layout: stream; height: 1fr; padding: 0 0 0 1; }
+    Transcript { height: 1fr; padding: 0 0 0 1; }
     Transcript > .empty { color: $text-muted; padding: 1 2; }
     Transcript > .more { color: $text-muted; text-style: italic; height: 1; }
     """
@@ -241,6 +271,7 @@ class Transcript(VerticalScroll):
         self.end = 0
         self.model: ConversationModel | None = None
         self.fetch_older: Callable[[], Awaitable[None]] | None = None
+        self.remounted: Callable[[], None] | None = None  # views came back: re-mark selection
         self.paging = False  # mounting (or fetching) older or newer turns right now
         self.older = Static("", classes="more older", markup=False)
         self.newer = Static("", classes="more newer", markup=False)
@@ -372,6 +403,8 @@ class Transcript(VerticalScroll):
                 await self._trim(top=False)
                 self._show_edges()
             self._keep_in_place(first, before)
+            if self.remounted is not None:
+                self.remounted()
         finally:
             self.paging = False
         if not scroll:
@@ -392,6 +425,8 @@ class Transcript(VerticalScroll):
                 await self._trim(top=True)
                 self._show_edges()
             self._keep_in_place(last, before)
+            if self.remounted is not None:
+                self.remounted()
         finally:
             self.paging = False
 
@@ -434,9 +469,10 @@ class Transcript(VerticalScroll):
         super().watch_scroll_y(old_value, new_value)
         if self.paging or not self.views:
             return
-        if new_value <= EDGE_LINES and (self.start > 0 or (self.model and self.model.has_more)):
+        margin = PAGE_TURNS_MARGIN * self.size.height  # mount before the reader reaches the edge
+        if new_value <= margin and (self.start > 0 or (self.model and self.model.has_more)):
             self.run_worker(self.page_older(), group="transcript-page", exit_on_error=False)
-        elif new_value >= self.max_scroll_y - EDGE_LINES and not self.following:
+        elif new_value >= self.max_scroll_y - margin and not self.following:
             self.run_worker(self.page_newer(), group="transcript-page", exit_on_error=False)
 
     def _show_edges(self) -> None:
