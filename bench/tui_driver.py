@@ -5,8 +5,9 @@ object on stdout.
   open      app start → the last answer of the conversation drawn (fresh app each round)
   echo      a key sent → the composer holds it and the next screen refresh has run, while a
             turn streams into that conversation at `--tokens-per-s`
-  pageup    PageUp sent → the transcript scrolled (older turns mounted and older pages fetched
-            as needed) and the next refresh has run
+  pageup    PageUp sent → the transcript moved (at the top: once older turns are mounted, an
+            older page fetched if need be) and the next refresh has run; between PageUps the
+            driver waits until background mounting settled (a reader reading the page)
   memory    (--mode memory) RSS after paging up through the conversation until all of its
             messages are loaded, turn by turn as a reader scrolling up would
 """
@@ -148,16 +149,16 @@ async def measure_echo_and_pageup(args: argparse.Namespace,
             transcript = screen.query_one(Transcript)
             pageup = []
             for _ in range(args.pageups):
+                await until(lambda: not transcript.paging, "paging to settle", step=0.005)
+                await next_refresh(app)  # the reader reads the page before the next PageUp
                 before = (transcript.scroll_y, len(model.order), transcript.start)
                 sent = time.perf_counter()
                 app._driver.send_message(events.Key("pageup", None))
+                # At the very top the page moves only once older turns are in: wait for them.
                 await until(lambda b=before: (transcript.scroll_y, len(model.order),
-                                              transcript.start) != b or transcript.paging,
-                            "PageUp to act", step=0)
-                await until(lambda: not transcript.paging, "paging to settle", step=0)
+                                              transcript.start) != b, "PageUp to act", step=0)
                 await next_refresh(app)
                 pageup.append((time.perf_counter() - sent) * 1000)
-                await asyncio.sleep(0.02)
             widgets = len(list(app.screen.walk_children()))
             return echo, pageup, widgets if still else -widgets
 

@@ -10,6 +10,7 @@ last block); once it stops, its whole text is rendered again into one cheap widg
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 
 from rich.markdown import Markdown as RichMarkdown
@@ -48,12 +49,40 @@ class SettledMarkdown(Static):
             self.update(RichMarkdown(text) if text else "")
 
 
+FREEZE_AT = 1500  # a streaming tail longer than this (characters) freezes its head
+KEEP_LIVE = 200  # what stays live after a freeze: the last block may still change
+FENCE = re.compile(r"^(```|~~~)", re.MULTILINE)
+
+
+def freeze_point(tail: str) -> int:
+    """Where to cut a long streaming tail: after the last paragraph break that is not inside a
+    code fence and leaves KEEP_LIVE characters live; else at the last space outside a fence
+    (one long paragraph); 0: nowhere safe (inside a long code block)."""
+    limit = len(tail) - KEEP_LIVE
+    at = tail.rfind("\n\n", 0, limit)
+    while at > 0:
+        if len(FENCE.findall(tail, 0, at)) % 2 == 0:
+            return at + 2
+        at = tail.rfind("\n\n", 0, at)
+    space = tail.rfind(" ", 0, limit)
+    if space > 0 and len(FENCE.findall(tail, 0, space)) % 2 == 0:
+        return space + 1
+    return 0
+
+
 class AnswerView(Vertical):
-    """The assistant's answer and one line saying how it ended (or that it is still going)."""
+    """The assistant's answer and one line saying how it ended (or that it is still going).
+
+    A streaming answer re-renders only its tail: the live Markdown widget holds at most about
+    FREEZE_AT characters; its head is frozen into Rich-rendered chunks, each drawn once, so a
+    delta costs the same at the 20,000th character as at the first. When the answer stops, the
+    whole text is drawn once into the settled widget."""
 
     DEFAULT_CSS = """
     AnswerView { height: auto; padding: 0 0 0 1; }
     AnswerView > Markdown { margin: 0; padding: 0; background: transparent; }
+    AnswerView > .frozen { height: auto; }
+    AnswerView > .frozen > Static { height: auto; }
     AnswerView > .answer-status { color: $text-muted; height: auto; }
     AnswerView > .answer-status.-stopped { color: $warning; }
     AnswerView > .answer-status.-failed { color: $error; }
@@ -62,23 +91,25 @@ class AnswerView(Vertical):
 
     def __init__(self) -> None:
         super().__init__(classes="answer")
-        self.live = Markdown("")  # the streaming answer, appended to block by block
+        # Created when the answer first streams: most turns never need them.
+        self.frozen: Vertical | None = None
+        self.live: Markdown | None = None
         self.settled = SettledMarkdown()
         self.status_line = Static("", classes="answer-status", markup=False)
         self._stream: MarkdownStream | None = None
         self._shown = ""  # text already handed to the widgets (streamed or settled)
-        self._live = False  # the live widget holds the text (streaming, or it just stopped)
+        self._frozen = 0  # characters of _shown drawn in frozen chunks (the rest is live)
+        self._live = False  # the live widgets hold the text (streaming, or it just stopped)
         self.status_text = ""
 
     def compose(self) -> ComposeResult:
-        yield self.live
         yield self.settled
         yield self.status_line
 
     @property
     def md(self) -> Markdown | SettledMarkdown:
         """The widget that shows the answer's text now (both have `source`)."""
-        return self.live if self._live else self.settled
+        return self.live if self._live and self.live is not None else self.settled
 
     @property
     def shown_text(self) -> str:
@@ -93,7 +124,8 @@ class AnswerView(Vertical):
         self.display = bool(turn.text) or turn.started or (
             turn.finished and turn.question_status != MessageStatus.DRAFT)
         await self._render_text(turn.text, streaming=turn.running)
-        self.live.display = self._live and bool(turn.text)
+        if self.live is not None:
+            self.live.display = self._live and bool(turn.text)
         self.settled.display = not self._live and bool(turn.text)
         status, kind = answer_status(turn)
         status = " · ".join(part for part in (status, answer_usage(turn)) if part)
@@ -108,22 +140,52 @@ class AnswerView(Vertical):
         if streaming:
             if text == self._shown and self._live:
                 return
+            live = await self._live_widget()
             if self._live and text.startswith(self._shown):
                 if self._stream is None:
-                    self._stream = Markdown.get_stream(self.live)
+                    self._stream = Markdown.get_stream(live)
                 await self._stream.write(text[len(self._shown):])  # only the tail re-parses
             else:
                 await self._stop_stream()
-                await self.live.update(text)
+                await self._unfreeze()
+                await live.update(text)
                 self._live = True
             self._shown = text
+            await self._freeze_head()
             return
         await self._stop_stream()
         if self._live:
             self._live = False
-            await self.live.update("")  # its block widgets go; the settled view shows it all
+            await self._unfreeze()
+            if self.live is not None:
+                await self.live.update("")  # its blocks go; the settled view shows it all
         self.settled.show(text)
         self._shown = text
+
+    async def _live_widget(self) -> Markdown:
+        if self.live is None:
+            self.frozen = Vertical(classes="frozen")
+            self.live = Markdown("")
+            await self.mount_all([self.frozen, self.live], before=self.settled)
+        return self.live
+
+    async def _freeze_head(self) -> None:
+        """Move the head of a long live tail into a frozen chunk (drawn once, never again)."""
+        tail = self._shown[self._frozen:]
+        if len(tail) <= FREEZE_AT or self.frozen is None or self.live is None:
+            return
+        cut = freeze_point(tail)
+        if cut <= 0:
+            return
+        await self._stop_stream()
+        await self.frozen.mount(Static(RichMarkdown(tail[:cut])))
+        self._frozen += cut
+        await self.live.update(tail[cut:])
+
+    async def _unfreeze(self) -> None:
+        self._frozen = 0
+        if self.frozen is not None and self.frozen.children:
+            await self.frozen.remove_children()
 
     async def _stop_stream(self) -> None:
         stream, self._stream = self._stream, None
@@ -174,7 +236,7 @@ class TurnView(Vertical):
         self.key = key
         self.head = Static("", classes="turn-head", markup=False)
         self.question = Static("", classes="question", markup=False)
-        self.tools = Vertical(classes="tools")
+        self.tools: Vertical | None = None  # created with the first tool call: most turns have none
         self.answer = AnswerView()
         self._tool_lines: dict[str, Static] = {}
         self._question_text: str | None = None
@@ -188,7 +250,6 @@ class TurnView(Vertical):
     def compose(self) -> ComposeResult:
         yield self.head
         yield self.question
-        yield self.tools
         yield self.answer
 
     async def show(self, turn: Turn, model: ConversationModel) -> None:
@@ -213,8 +274,10 @@ class TurnView(Vertical):
             line.update(self._tool_texts[call_id])
             line.set_class(bool(step.error), "-error")
         if new_lines:
+            if self.tools is None:
+                self.tools = Vertical(classes="tools")
+                await self.mount(self.tools, before=self.answer)
             await self.tools.mount_all(new_lines)
-        self.tools.display = bool(self._tool_lines)
         await self.answer.show(turn)
 
 
