@@ -159,6 +159,10 @@ async def measure_echo_and_pageup(args: argparse.Namespace,
                                               transcript.start) != b, "PageUp to act", step=0)
                 await next_refresh(app)
                 pageup.append((time.perf_counter() - sent) * 1000)
+                if pageup[-1] > 100:
+                    after = (transcript.scroll_y, len(model.order), transcript.start)
+                    log(f"slow PageUp {pageup[-1]:.0f} ms: (scroll_y, turns loaded, first "
+                        f"mounted) {before} -> {after}")
             widgets = len(list(app.screen.walk_children()))
             return echo, pageup, widgets if still else -widgets
 

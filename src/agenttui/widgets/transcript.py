@@ -49,7 +49,7 @@ class SettledMarkdown(Static):
             self.update(RichMarkdown(text) if text else "")
 
 
-FREEZE_AT = 1500  # a streaming tail longer than this (characters) freezes its head
+FREEZE_AT = 1000  # a streaming tail longer than this (characters) freezes its head
 KEEP_LIVE = 200  # what stays live after a freeze: the last block may still change
 FENCE = re.compile(r"^(```|~~~)", re.MULTILINE)
 
@@ -533,10 +533,15 @@ class Transcript(VerticalScroll):
         if self.paging or not self.views:
             return
         margin = PAGE_TURNS_MARGIN * self.size.height  # mount before the reader reaches the edge
+        # After the next refresh: the page the reader scrolled to is drawn first.
         if new_value <= margin and (self.start > 0 or (self.model and self.model.has_more)):
-            self.run_worker(self.page_older(), group="transcript-page", exit_on_error=False)
+            self.call_after_refresh(self._start_paging, self.page_older)
         elif new_value >= self.max_scroll_y - margin and not self.following:
-            self.run_worker(self.page_newer(), group="transcript-page", exit_on_error=False)
+            self.call_after_refresh(self._start_paging, self.page_newer)
+
+    def _start_paging(self, page: Callable[[], Awaitable[None]]) -> None:
+        if not self.paging:
+            self.run_worker(page(), group="transcript-page", exit_on_error=False)
 
     def _show_edges(self) -> None:
         above = self.start
