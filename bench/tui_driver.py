@@ -62,11 +62,12 @@ def shows(app: Any, text: str) -> bool:
     return any(text in strip.text for strip in app.screen._compositor.render_strips())
 
 
-async def next_refresh(app: Any) -> None:
-    """Until the app has refreshed the screen once more (what a user would then see)."""
-    done = asyncio.get_running_loop().create_future()
-    app.call_after_refresh(lambda: done.done() or done.set_result(None))
-    await asyncio.wait_for(done, WAIT_S)
+async def next_refresh(app: Any) -> float:
+    """Until the app has refreshed the screen once more (what a user would then see); returns
+    when (perf_counter) that refresh was done — work the app starts after it is not counted."""
+    done: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+    app.call_after_refresh(lambda: done.done() or done.set_result(time.perf_counter()))
+    return await asyncio.wait_for(done, WAIT_S)
 
 
 async def until(predicate: Any, what: str, within: float = WAIT_S, step: float = 0.0) -> None:
@@ -137,8 +138,7 @@ async def measure_echo_and_pageup(args: argparse.Namespace,
                 sent = time.perf_counter()
                 app._driver.send_message(events.Key(char, char))  # as a terminal delivers it
                 await until(lambda e=expected: composer.text == e, "the echo", step=0)
-                await next_refresh(app)
-                echo.append((time.perf_counter() - sent) * 1000)
+                echo.append((await next_refresh(app) - sent) * 1000)
                 await asyncio.sleep(args.key_interval_ms / 1000)
             still = running is not None and running.running
             log(f"echo done (turn still streaming: {still}); stopping it")
@@ -157,8 +157,7 @@ async def measure_echo_and_pageup(args: argparse.Namespace,
                 # At the very top the page moves only once older turns are in: wait for them.
                 await until(lambda b=before: (transcript.scroll_y, len(model.order),
                                               transcript.start) != b, "PageUp to act", step=0)
-                await next_refresh(app)
-                pageup.append((time.perf_counter() - sent) * 1000)
+                pageup.append((await next_refresh(app) - sent) * 1000)
                 if pageup[-1] > 100:
                     after = (transcript.scroll_y, len(model.order), transcript.start)
                     log(f"slow PageUp {pageup[-1]:.0f} ms: (scroll_y, turns loaded, first "
