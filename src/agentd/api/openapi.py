@@ -284,6 +284,7 @@ def build_spec() -> dict[str, Any]:
                 "get": {"summary": "transcript, active and queued runs, lease, attached devices",
                         "parameters": [_PAGE_LIMIT],
                         "responses": {"200": _json(_ref("ConversationState"), "the state"),
+                                      "400": _error("invalid_limit"),
                                       "404": _error("no such conversation"), **_ERRORS}},
                 "patch": {"summary": "rename, set the model, archive or restore (every attached "
                                      "device sees it live)", "requestBody": {
