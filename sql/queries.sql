@@ -608,6 +608,42 @@ LEFT JOIN message asked ON asked.id = r.user_message_id
 WHERE m.conversation_id = $1::uuid
 ORDER BY coalesce(asked.position, m.position), m.position;
 
+-- message_turn_position --
+-- params: conversation_id, message_id
+-- A paging cursor: where a message sits in its conversation's turn order (its question's
+-- position). No row: not a message of this conversation (the caller answers 400, never a page).
+SELECT coalesce(asked.position, m.position) AS turn_position
+FROM message m
+LEFT JOIN agent_run r ON r.id = m.run_id
+LEFT JOIN message asked ON asked.id = r.user_message_id
+WHERE m.id = $2::uuid AND m.conversation_id = $1::uuid;
+
+-- list_messages_page --
+-- params: conversation_id, before_turn, limit, until_turn
+-- One page of the transcript, pages newest first, each in turn order (as list_messages): the
+-- $3 newest messages of turns before turn position $2, widened to whole turns (a page never
+-- splits a turn) and, with $4, back to that turn (a jump loads everything down to its target).
+-- has_more: older turns remain before the page.
+WITH ordered AS (
+    SELECT m.id, m.run_id, m.role, m.content, m.status, m.tool_calls, m.tool_call_id,
+           m.created_at, m.position, coalesce(asked.position, m.position) AS turn_position
+    FROM message m
+    LEFT JOIN agent_run r ON r.id = m.run_id
+    LEFT JOIN message asked ON asked.id = r.user_message_id
+    WHERE m.conversation_id = $1::uuid AND coalesce(asked.position, m.position) < $2::bigint
+), newest AS (
+    SELECT turn_position FROM ordered ORDER BY turn_position DESC, position DESC LIMIT $3::int
+), start AS (
+    SELECT least(min(turn_position), coalesce($4::bigint, min(turn_position))) AS turn_position
+    FROM newest
+)
+SELECT o.id, o.run_id, o.role, o.content, o.status, o.tool_calls, o.tool_call_id, o.created_at,
+       EXISTS (SELECT 1 FROM ordered WHERE turn_position < (SELECT turn_position FROM start))
+           AS has_more
+FROM ordered o
+WHERE o.turn_position >= (SELECT turn_position FROM start)
+ORDER BY o.turn_position, o.position;
+
 -- list_active_runs --
 -- params: conversation_id
 -- The running turn and the queued ones behind it, in the order they will run.

@@ -109,6 +109,25 @@ class ConversationState:
     runs: list[RunRow]  # running first (at most one), then queued in run order
     lease: Lease | None
     usage: dict[str, int] = field(default_factory=dict)  # token totals of all its runs
+    # Paged (a `limit` was asked): older turns remain before `messages`; page on from `before`.
+    has_more: bool = False
+    before: UUID | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MessagePage:
+    """One page of a transcript (turn order), and the cursor of the next older page."""
+
+    messages: list[Message]
+    has_more: bool
+    before: UUID | None  # the page's first message: `before` of the next older page
+
+
+class UnknownCursor(LookupError):
+    """A paging cursor that names no message of the conversation; args[0] is the parameter."""
+
+
+NO_TURN_BOUND = 2**63 - 1  # "before the end": every turn position is below it
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,23 +176,67 @@ async def get_run(db: Db, account_id: UUID, run_id: UUID) -> RunRow | None:
     return RunRow.from_record(row) if row else None
 
 
-async def conversation_state(db: Db, account_id: UUID,
-                             conversation_id: UUID) -> ConversationState | None:
-    """The server's authority on a conversation, as every client reconciles to it."""
+async def conversation_state(db: Db, account_id: UUID, conversation_id: UUID, *,
+                             limit: int | None = None) -> ConversationState | None:
+    """The server's authority on a conversation, as every client reconciles to it. With a
+    `limit`, the transcript is its newest page only (see message_page)."""
     meta = await conversation_meta(db, account_id, conversation_id)
     if meta is None:
         return None
-    messages = [
-        Message(r["id"], r["run_id"], MessageRole(r["role"]), r["content"],
-                MessageStatus(r["status"]), r["tool_calls"], r["tool_call_id"], r["created_at"],
-                meta.superseded.get(r["id"]))
-        for r in await db.fetch(*Q.list_messages.bind(conversation_id=conversation_id))]
-    messages = _with_usage(messages, await db.fetch(*Q.conversation_run_usage.bind(
+    if limit is None:
+        rows = await db.fetch(*Q.list_messages.bind(conversation_id=conversation_id))
+        page = MessagePage(_messages(rows, meta), False, None)
+    else:
+        page = await _page(db, meta, conversation_id, NO_TURN_BOUND, limit, None)
+    messages = _with_usage(page.messages, await db.fetch(*Q.conversation_run_usage.bind(
         conversation_id=conversation_id)))
     runs = await list_active_runs(db, conversation_id)
     runs.sort(key=lambda run: run.status != RunStatus.RUNNING)
     lease = await get_lease(db, account_id, conversation_id)
-    return ConversationState(meta.conversation, messages, runs, lease, meta.usage)
+    return ConversationState(meta.conversation, messages, runs, lease, meta.usage,
+                             page.has_more, page.before)
+
+
+async def message_page(db: Db, account_id: UUID, conversation_id: UUID, *,
+                       before: UUID | None, limit: int,
+                       until: UUID | None = None) -> MessagePage | None:
+    """The `limit` newest messages of the turns before message `before` (the newest page when
+    None), whole turns only, reaching back to message `until`'s turn if given. None: not a
+    conversation of this account; UnknownCursor: a cursor names no message of it."""
+    meta = await conversation_meta(db, account_id, conversation_id)
+    if meta is None:
+        return None
+    before_turn = NO_TURN_BOUND if before is None else \
+        await _turn_position(db, conversation_id, before, "before")
+    until_turn = None if until is None else \
+        await _turn_position(db, conversation_id, until, "until")
+    page = await _page(db, meta, conversation_id, before_turn, limit, until_turn)
+    messages = _with_usage(page.messages, await db.fetch(*Q.conversation_run_usage.bind(
+        conversation_id=conversation_id)))
+    return dataclasses.replace(page, messages=messages)
+
+
+async def _turn_position(db: Db, conversation_id: UUID, message_id: UUID, name: str) -> int:
+    position = await db.fetchval(*Q.message_turn_position.bind(
+        conversation_id=conversation_id, message_id=message_id))
+    if position is None:
+        raise UnknownCursor(name)
+    return int(position)
+
+
+async def _page(db: Db, meta: ConversationMeta, conversation_id: UUID, before_turn: int,
+                limit: int, until_turn: int | None) -> MessagePage:
+    rows = await db.fetch(*Q.list_messages_page.bind(
+        conversation_id=conversation_id, before_turn=before_turn, limit=limit,
+        until_turn=until_turn))
+    has_more = bool(rows and rows[0]["has_more"])
+    return MessagePage(_messages(rows, meta), has_more, rows[0]["id"] if has_more else None)
+
+
+def _messages(rows: list[Any], meta: ConversationMeta) -> list[Message]:
+    return [Message(r["id"], r["run_id"], MessageRole(r["role"]), r["content"],
+                    MessageStatus(r["status"]), r["tool_calls"], r["tool_call_id"],
+                    r["created_at"], meta.superseded.get(r["id"])) for r in rows]
 
 
 def _with_usage(messages: list[Message], runs: list[Any]) -> list[Message]:

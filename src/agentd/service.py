@@ -110,6 +110,16 @@ class CreatedRun:
 
 
 @dataclass(frozen=True, slots=True)
+class MessagePaging:
+    """`before` (a message id; None: the newest page), `limit`, and `until` (a message id the
+    page must reach back to: a jump's target)."""
+
+    before: UUID | None
+    limit: int
+    until: UUID | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class FeedSnapshot:
     """Where a conversation feed starts, read in one snapshot so the parts agree."""
 
@@ -213,17 +223,39 @@ class Service:
         return await convs.search_messages(self.pool, who.account_id, f"%{escaped}%", limit)
 
     async def conversation_state(self, who: Principal, conversation_id: UUID,
-                                 db: queue.Db | None = None) -> convs.ConversationState:
-        state = await convs.conversation_state(db or self.pool, who.account_id, conversation_id)
+                                 db: queue.Db | None = None, *,
+                                 limit: int | None = None) -> convs.ConversationState:
+        state = await convs.conversation_state(db or self.pool, who.account_id, conversation_id,
+                                               limit=limit)
         if state is None:
             raise not_found("conversation")
         return state
 
-    async def feed_snapshot(self, who: Principal, conversation_id: UUID) -> FeedSnapshot:
-        """Transcript, runs, lease, watermark and attached devices from ONE snapshot."""
+    async def message_page(self, who: Principal, conversation_id: UUID, page: MessagePaging,
+                           ) -> convs.MessagePage:
+        """One page of the transcript, older than the `before` cursor (newest pages first)."""
         async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read",
                                                                  readonly=True):
-            state = await self.conversation_state(who, conversation_id, db=conn)
+            try:
+                found = await convs.message_page(conn, who.account_id, conversation_id,
+                                                 before=page.before, limit=page.limit,
+                                                 until=page.until)
+            except convs.UnknownCursor as exc:
+                name = exc.args[0]
+                raise ServiceError(400, f"invalid_{name}",
+                                   f"{name} must be the id of a message of this conversation"
+                                   ) from None
+        if found is None:
+            raise not_found("conversation")
+        return found
+
+    async def feed_snapshot(self, who: Principal, conversation_id: UUID, *,
+                            limit: int | None = None) -> FeedSnapshot:
+        """Transcript (its newest page, given a limit), runs, lease, watermark and attached
+        devices from ONE snapshot."""
+        async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read",
+                                                                 readonly=True):
+            state = await self.conversation_state(who, conversation_id, db=conn, limit=limit)
             watermark = await convs.latest_run(conn, conversation_id)
             attached = await self.attached(conversation_id, db=conn)
         return FeedSnapshot(state, watermark, attached)

@@ -9,6 +9,7 @@ from datetime import datetime
 from functools import partial
 from typing import Any, ClassVar
 
+from textual import events
 from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.command import DiscoveryHit, Hit, Hits, Matcher, Provider
@@ -18,6 +19,7 @@ from textual.theme import Theme
 
 from agenttui.client import AgentClient, ApiError, describe
 from agenttui.drafts import DraftLedger
+from agenttui.idle_gc import IdleCollector
 from agenttui.screens.help import HelpScreen
 from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.main import MainScreen
@@ -98,6 +100,7 @@ class AgentTUI(App[None]):
         self.clock = clock
         self.drafts = drafts or DraftLedger()
         self._close_client = close_client
+        self.idle_gc = IdleCollector()
         self.register_theme(AGENTTUI_THEME)
         if settings.keys:
             self.set_keymap(settings.keys)
@@ -123,8 +126,16 @@ class AgentTUI(App[None]):
                         markup=False)
         self.install_screen(MainScreen(), "main")
         self.push_screen("main")
+        self.idle_gc.start()
+        self.set_interval(0.25, self.idle_gc.tick)
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, events.Key):
+            self.idle_gc.touch()
+        await super().on_event(event)
 
     async def on_unmount(self) -> None:
+        self.idle_gc.stop()
         if self._close_client:
             await self.client.aclose()
 

@@ -38,6 +38,7 @@ from agenttui.models import (
     Lease,
     Me,
     Message,
+    MessagePage,
     Run,
     RunEvent,
     StopResult,
@@ -223,6 +224,9 @@ class ConversationModel:
         self._is_consumed = is_consumed
         self._pending_drafts: list[Draft] = []
         self._offered: set[str] = set()
+        # A paged transcript: older turns remain on the server, the next page before `before`.
+        self.has_more = False
+        self.before: str | None = None
 
     # -- feeding -----------------------------------------------------------------------------
 
@@ -281,17 +285,7 @@ class ConversationModel:
         self._learn_attached()
         runs = {r.id: r for r in state.runs}
         old = self.turns
-        turns: dict[str, Turn] = {}
-        key = ""
-        for message in state.messages:
-            # A message of no run (a fork's copy) belongs with the question before it.
-            if message.run_id or message.role == MessageRole.USER or not key:
-                key = message.run_id or message.id
-            turn = turns.get(key)
-            if turn is None:
-                turn = _fresh_from(old.get(key), key, message.run_id, keep_stream=resumed)
-                turns[key] = turn
-            _take_message(turn, message)
+        turns = _group(state.messages, old, keep_stream=resumed)
         for run in state.runs:  # active runs always have their question in the transcript
             turn = turns.setdefault(run.id, _fresh_from(old.get(run.id), run.id, run.id,
                                                         keep_stream=resumed))
@@ -303,16 +297,53 @@ class ConversationModel:
             if turn.status in ACTIVE_RUN_STATUSES:
                 turn.status = None  # it was active; the server says it no longer is
                 turn.resolved = False
-            if turn.status is None and turn.answer_status == MessageStatus.COMPLETE:
-                turn.status = RunStatus.COMPLETED
-            if turn.question_status == MessageStatus.DRAFT and turn.status is None:
-                turn.status = RunStatus.CANCELLED
+            _settle(turn)
+        kept = self._older_than(turns) if state.has_more else {}
+        if not kept:
+            self.has_more, self.before = state.has_more, state.before
+        turns = {**kept, **turns}
         self.turns = turns
         self.order = list(turns)
         changes = Changes(turns=set(turns), rebuild=True, bar=True)
         for turn in turns.values():
             changes.drafts |= self._offer_draft(turn)
         return changes
+
+    def _older_than(self, page: dict[str, Turn]) -> dict[str, Turn]:
+        """Turns loaded earlier (older pages) that precede a fresh newest page: kept, since
+        that page does not cover them. Nothing if the page does not join what is held."""
+        first = next(iter(page), None)
+        if first is None or first not in self.turns:
+            return {}
+        kept: dict[str, Turn] = {}
+        for key in self.order:
+            if key == first:
+                return kept
+            if key not in page:
+                kept[key] = self.turns[key]
+        return {}
+
+    def apply_page(self, page: MessagePage) -> Changes:
+        """An older page of the transcript (GET …/messages?before=): its turns go on top."""
+        grouped = _group(page.messages, {}, keep_stream=False)
+        new = {key: turn for key, turn in grouped.items() if key not in self.turns}
+        for turn in new.values():
+            _settle(turn)
+        self.turns.update(new)
+        self.order = list(new) + self.order
+        self.has_more, self.before = page.has_more, page.before
+        changes = Changes(turns=set(new), rebuild=bool(new))
+        for turn in new.values():
+            changes.drafts |= self._offer_draft(turn)
+        return changes
+
+    def key_of_message(self, message_id: str) -> str | None:
+        """The turn holding message `message_id` (question or answer), if loaded."""
+        for key in reversed(self.order):
+            turn = self.turns[key]
+            if message_id in (turn.question_id, turn.answer_id, key):
+                return key
+        return None
 
     def apply_event(self, event: RunEvent) -> Changes:
         turn = self.turns.get(event.run_id)
@@ -576,6 +607,31 @@ class ConversationModel:
     def _learn_attached(self) -> None:
         for item in self.attached:
             self.device_names[item.device_id] = item.device
+
+
+def _group(messages: Iterable[Message], old: dict[str, Turn], *,
+           keep_stream: bool) -> dict[str, Turn]:
+    """Messages in turn order -> turns: a question and everything its run wrote."""
+    turns: dict[str, Turn] = {}
+    key = ""
+    for message in messages:
+        # A message of no run (a fork's copy) belongs with the question before it.
+        if message.run_id or message.role == MessageRole.USER or not key:
+            key = message.run_id or message.id
+        turn = turns.get(key)
+        if turn is None:
+            turn = _fresh_from(old.get(key), key, message.run_id, keep_stream=keep_stream)
+            turns[key] = turn
+        _take_message(turn, message)
+    return turns
+
+
+def _settle(turn: Turn) -> None:
+    """What the messages of a turn with no active run say about how it ended."""
+    if turn.status is None and turn.answer_status == MessageStatus.COMPLETE:
+        turn.status = RunStatus.COMPLETED
+    if turn.question_status == MessageStatus.DRAFT and turn.status is None:
+        turn.status = RunStatus.CANCELLED
 
 
 def _fresh_from(old: Turn | None, key: str, run_id: str | None, *, keep_stream: bool) -> Turn:

@@ -178,6 +178,8 @@ class ConversationState:
     lease: Lease | None
     attached: tuple[Attached, ...]
     usage: dict[str, Any] = field(default_factory=dict)  # token totals of all its runs
+    has_more: bool = False  # a paged transcript: older turns remain on the server
+    before: str | None = None  # the cursor of the next older page
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> ConversationState:
@@ -186,7 +188,22 @@ class ConversationState:
                    tuple(Run.from_wire(r) for r in data.get("runs") or ()),
                    Lease.from_wire(data.get("lease")),
                    tuple(Attached.from_wire(a) for a in data.get("attached") or ()),
-                   dict(data.get("usage") or {}))
+                   dict(data.get("usage") or {}), bool(data.get("has_more")),
+                   _opt_str(data.get("before")))
+
+
+@dataclass(frozen=True, slots=True)
+class MessagePage:
+    """GET /v1/conversations/{id}/messages: whole turns in order, and the next older cursor."""
+
+    messages: tuple[Message, ...]
+    has_more: bool
+    before: str | None
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> MessagePage:
+        return cls(tuple(Message.from_wire(m) for m in data.get("messages") or ()),
+                   bool(data.get("has_more")), _opt_str(data.get("before")))
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,8 @@ SUCCESS_TESTED = {
     # tests/api/test_lifecycle.py
     ("DELETE", "/v1/conversations/{id}"), ("POST", "/v1/conversations/{id}/fork"),
     ("GET", "/v1/models"),
+    # tests/api/test_paging.py
+    ("GET", "/v1/conversations/{id}/messages"),
 }
 # The one /v1 call a pairing code authorizes instead of a bearer token.
 UNAUTHENTICATED = {("POST", "/v1/pair")}

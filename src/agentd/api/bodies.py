@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 from uuid import UUID
 
@@ -16,6 +17,7 @@ from agentd.api import RUNTIME
 from agentd.service import (
     LAST,
     ConversationChange,
+    MessagePaging,
     RunAsk,
     ServiceError,
     validate_model,
@@ -30,6 +32,9 @@ UPDATE_FIELDS = {"title", "model", "archived"}
 MAX_TITLE = 500
 MAX_NOTE = 2000
 MAX_CALL_ID = 200
+PAGE_LIMIT = 100  # messages per transcript page unless asked otherwise
+MAX_PAGE_LIMIT = 1000
+PAGING_FIELDS = {"before", "limit", "until"}
 
 
 async def json_body(request: web.Request, *, optional: bool = False) -> Any:
@@ -181,3 +186,41 @@ def validate_approval(body: Any) -> tuple[ApprovalDecision, str | None]:
                            f"note must be a string of at most {MAX_NOTE} characters")
     note = note.strip() if note else None
     return decision, note or None
+
+
+def validate_paging(query: Mapping[str, str]) -> MessagePaging:
+    """`GET …/messages?before=<message id>&limit=N&until=<message id>`: all optional."""
+    unknown = set(query) - PAGING_FIELDS
+    if unknown:
+        raise ServiceError(400, "unknown_parameter",
+                           f"unknown query parameters: {', '.join(sorted(unknown))}")
+    limit = page_limit(query)
+    return MessagePaging(_message_cursor(query, "before"),
+                         PAGE_LIMIT if limit is None else limit,
+                         _message_cursor(query, "until"))
+
+
+def page_limit(query: Mapping[str, str]) -> int | None:
+    """The `limit` of a transcript page (None: not given), 1..MAX_PAGE_LIMIT."""
+    text = query.get("limit")
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_PAGE_LIMIT:
+        raise ServiceError(400, "invalid_limit",
+                           f"limit must be an integer in [1, {MAX_PAGE_LIMIT}]")
+    return value
+
+
+def _message_cursor(query: Mapping[str, str], name: str) -> UUID | None:
+    text = query.get(name)
+    if text is None:
+        return None
+    try:
+        return UUID(text)
+    except ValueError:
+        raise ServiceError(400, f"invalid_{name}",
+                           f"{name} must be a message id (a cursor from a page)") from None

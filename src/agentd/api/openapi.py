@@ -42,6 +42,9 @@ _TOO_MANY = {"description": "over a limit (stable code); retry after Retry-After
              "content": {"application/json": {"schema": _ref("Error")}}}
 _STREAM_ERRORS = {**_ERRORS, "429": _TOO_MANY}
 _ID = {"name": "id", "in": "path", "required": True, "schema": UUID}
+_PAGE_LIMIT = {"name": "limit", "in": "query", "description": "transcript page: the newest "
+               "`limit` messages (widened to whole turns); default: the whole transcript",
+               "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}
 
 SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "required": ["error"], "properties": {"error": {
@@ -115,7 +118,22 @@ SCHEMAS: dict[str, Any] = {
         "properties": {"messages": {"type": "array", "items": _ref("Message")},
                        "runs": {"type": "array", "items": _ref("Run")},
                        "lease": _ref("Lease"), "attached": _ref("Attached"),
-                       "usage": {**_ref("Usage"), "description": "totals of all its runs"}}}]},
+                       "usage": {**_ref("Usage"), "description": "totals of all its runs"},
+                       "has_more": {"type": "boolean", "description": "with `limit`: older "
+                                    "turns remain before `messages`"},
+                       "before": {"type": ["string", "null"], "format": "uuid",
+                                  "description": "the cursor of the next older page "
+                                                 "(GET …/messages?before=)"}}}]},
+    "MessagePage": {"type": "object", "required": ["messages", "has_more", "before"],
+                    "properties": {
+                        "messages": {"type": "array", "items": _ref("Message"),
+                                     "description": "in turn order (oldest first); whole "
+                                                    "turns only"},
+                        "has_more": {"type": "boolean",
+                                     "description": "older turns remain before this page"},
+                        "before": {"type": ["string", "null"], "format": "uuid",
+                                   "description": "pass as `before` for the next older page; "
+                                                  "null when there is none"}}},
     "Draft": {"type": "object", "required": ["run_id", "message_id", "content"],
               "properties": {"run_id": UUID, "message_id": UUID,
                              "content": {"type": "string"}}},
@@ -385,7 +403,9 @@ def build_spec() -> dict[str, Any]:
             "/v1/conversations/{id}": {
                 "parameters": [_ID],
                 "get": {"summary": "transcript, active and queued runs, lease, attached devices",
+                        "parameters": [_PAGE_LIMIT],
                         "responses": {"200": _json(_ref("ConversationState"), "the state"),
+                                      "400": _error("invalid_limit"),
                                       "404": _error("no such conversation"), **_ERRORS}},
                 "patch": {"summary": "rename, set the model, archive or restore (every attached "
                                      "device sees it live)", "requestBody": {
@@ -402,6 +422,25 @@ def build_spec() -> dict[str, Any]:
                            "responses": {"204": {"description": "deleted"},
                                          "404": _error("no such conversation (or deleted "
                                                        "already)"), **_ERRORS}}},
+            "/v1/conversations/{id}/messages": {"get": {
+                "summary": "a page of the transcript, pages newest first: the `limit` newest "
+                           "messages of the turns before message `before` (whole turns), "
+                           "reaching back to message `until` when given",
+                "parameters": [
+                    _ID,
+                    {"name": "before", "in": "query", "schema": UUID,
+                     "description": "a message id (a page's `before`); omitted: the newest "
+                                    "page"},
+                    {"name": "limit", "in": "query",
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000,
+                                "default": 100}},
+                    {"name": "until", "in": "query", "schema": UUID,
+                     "description": "a message id the page must include (jump to a message)"}],
+                "responses": {"200": _json(_ref("MessagePage"), "the page"),
+                              "400": _error("invalid_before / invalid_until (not a message "
+                                            "of this conversation), invalid_limit, "
+                                            "unknown_parameter"),
+                              "404": _error("no such conversation"), **_ERRORS}}},
             "/v1/conversations/{id}/fork": {"post": {
                 "summary": "a new conversation holding the transcript up to and including "
                            "message_id (ended turns only; the original is untouched)",
@@ -475,9 +514,12 @@ def build_spec() -> dict[str, Any]:
                            "token totals); `deleted` ends it; resumable with Last-Event-ID or "
                            "?cursor=",
                 "parameters": [_ID, {"name": "cursor", "in": "query",
-                                     "schema": {"type": "string"}}],
+                                     "schema": {"type": "string"}},
+                               {**_PAGE_LIMIT, "description": "the snapshot's transcript: "
+                                "its newest `limit` messages (whole turns) with has_more and "
+                                "before; default: all of it"}],
                 "responses": {"200": _sse("ConversationStreamEvent"),
-                              "400": _error("bad cursor"),
+                              "400": _error("bad cursor or limit"),
                               "404": _error("no such conversation"), **_STREAM_ERRORS}}},
             "/v1/runs/{id}": {"get": {"summary": "the run", "parameters": [_ID], "responses": {
                 "200": _json(_ref("Run"), "the run"), "404": _error("no such run"),

@@ -17,10 +17,12 @@ from agentd.api.auth import auth_middleware, principal
 from agentd.api.bodies import (
     MAX_CALL_ID,
     json_body,
+    page_limit,
     storable_text,
     validate_approval,
     validate_conversation,
     validate_fork,
+    validate_paging,
     validate_run_request,
 )
 from agentd.api.errors import error_middleware
@@ -47,6 +49,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/conversations", create_conversation)
     r.add_get("/v1/conversations", list_conversations)
     r.add_get("/v1/conversations/{id}", get_conversation)
+    r.add_get("/v1/conversations/{id}/messages", list_messages)
     r.add_patch("/v1/conversations/{id}", update_conversation)
     r.add_delete("/v1/conversations/{id}", delete_conversation)
     r.add_post("/v1/conversations/{id}/fork", fork_conversation)
@@ -113,9 +116,17 @@ async def list_conversations(request: web.Request) -> web.Response:
 async def get_conversation(request: web.Request) -> web.Response:
     service = _service(request)
     conversation_id = _path_id(request, "conversation")
-    state = await service.conversation_state(principal(request), conversation_id)
+    state = await service.conversation_state(principal(request), conversation_id,
+                                             limit=page_limit(request.query))
     attached = await service.attached(conversation_id)
     return web.json_response(wire.conversation_state(state, attached))
+
+
+async def list_messages(request: web.Request) -> web.Response:
+    conversation_id = _path_id(request, "conversation")
+    paging = validate_paging(request.query)
+    page = await _service(request).message_page(principal(request), conversation_id, paging)
+    return web.json_response(wire.message_page(page))
 
 
 async def update_conversation(request: web.Request) -> web.Response:
@@ -298,7 +309,7 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
         cursor = _checked_cursor(cursor_text) if cursor_text else None
     except BadCursor as exc:
         raise ServiceError(400, "invalid_cursor", str(exc)) from None
-    start = await service.feed_snapshot(who, conversation_id)
+    start = await service.feed_snapshot(who, conversation_id, limit=page_limit(request.query))
     state, attached = start.state, start.attached
     if cursor is None:
         cursor = FeedCursor(start.watermark or (EPOCH, NIL_UUID),

@@ -11,6 +11,7 @@ from agentd.conversations import (
     ConversationState,
     Lease,
     Message,
+    MessagePage,
     RunRow,
 )
 from agentd.providers.catalog import Offer
@@ -95,7 +96,15 @@ def conversation_state(state: ConversationState, attached_rows: list[Any]) -> di
             "runs": [run(r) for r in state.runs],
             "lease": lease(state.lease),
             "attached": attached(attached_rows),
-            "usage": state.usage}
+            "usage": state.usage,
+            "has_more": state.has_more,
+            "before": str(state.before) if state.before else None}
+
+
+def message_page(page: MessagePage) -> dict[str, Any]:
+    """A transcript page: its messages in turn order, and where the next older page starts."""
+    return {"messages": [message(m) for m in page.messages], "has_more": page.has_more,
+            "before": str(page.before) if page.before else None}
 
 
 def event(e: Event, run_id: str | None = None) -> dict[str, Any]:

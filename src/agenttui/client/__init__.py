@@ -39,6 +39,7 @@ from agenttui.models import (
     Draft,
     Lease,
     Me,
+    MessagePage,
     Models,
     Run,
     RunEvent,
@@ -50,7 +51,8 @@ __all__ = [
     "DEFAULT_URL", "UNSET", "AgentClient", "ApiError", "Attached", "Backoff", "CertificateMismatch",
     "Conflict", "ConnectionState", "ConnectionStatus", "Conversation", "ConversationChanged",
     "ConversationDeleted", "ConversationState", "ConversationStream", "CreatedRun", "Draft",
-    "FeedItem", "Lease", "LeaseChanged", "Me", "Models", "NotFound", "PresenceChanged", "Run",
+    "FeedItem", "Lease", "LeaseChanged", "Me", "MessagePage", "Models", "NotFound",
+    "PresenceChanged", "Run",
     "RunEvent", "RunStateChanged", "RunStream", "SearchHit", "Snapshot", "StopResult",
     "Unauthorized", "Unavailable", "describe", "token_problem", "url_problem",
 ]

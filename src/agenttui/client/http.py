@@ -31,6 +31,7 @@ from agenttui.models import (
     ConversationState,
     CreatedRun,
     Me,
+    MessagePage,
     Models,
     Run,
     SearchHit,
@@ -189,9 +190,26 @@ class AgentClient:
         data = await self._json("GET", "/v1/conversations", params=params, retries=2)
         return [Conversation.from_wire(c) for c in data["conversations"]]
 
-    async def get_conversation(self, conversation_id: str) -> ConversationState:
+    async def get_conversation(self, conversation_id: str, *,
+                               limit: int | None = None) -> ConversationState:
+        """The state; with `limit`, only the newest page of its transcript."""
+        params = {"limit": limit} if limit is not None else None
         return ConversationState.from_wire(
-            await self._json("GET", f"/v1/conversations/{quote_id(conversation_id)}", retries=2))
+            await self._json("GET", f"/v1/conversations/{quote_id(conversation_id)}",
+                             params=params, retries=2))
+
+    async def list_messages(self, conversation_id: str, *, before: str | None = None,
+                            limit: int = 100, until: str | None = None) -> MessagePage:
+        """A page of the transcript: the newest one, or the one older than `before`; with
+        `until`, reaching back to that message."""
+        params: dict[str, Any] = {"limit": limit}
+        if before is not None:
+            params["before"] = before
+        if until is not None:
+            params["until"] = until
+        return MessagePage.from_wire(await self._json(
+            "GET", f"/v1/conversations/{quote_id(conversation_id)}/messages", params=params,
+            retries=2))
 
     async def rename_conversation(self, conversation_id: str, title: str) -> Conversation:
         return await self.update_conversation(conversation_id, title=title)
@@ -307,9 +325,10 @@ class AgentClient:
     def run_events(self, run_id: str, *, after: int = 0) -> RunStream:
         return RunStream(self, run_id, after=after)
 
-    def conversation_events(self, conversation_id: str, *,
-                            cursor: str | None = None) -> ConversationStream:
-        return ConversationStream(self, conversation_id, cursor=cursor)
+    def conversation_events(self, conversation_id: str, *, cursor: str | None = None,
+                            page: int | None = None) -> ConversationStream:
+        """The feed; with `page`, its snapshots carry only the newest `page` messages."""
+        return ConversationStream(self, conversation_id, cursor=cursor, page=page)
 
     # -- devices and pairing ------------------------------------------------------------------
 

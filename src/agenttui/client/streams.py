@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -145,9 +145,11 @@ def quote_id(value: str) -> str:
 class _ResumableStream:
     """The reconnect loop shared by both feeds; subclasses interpret the frames."""
 
-    def __init__(self, client: AgentClient, path: str) -> None:
+    def __init__(self, client: AgentClient, path: str,
+                 params: Mapping[str, Any] | None = None) -> None:
         self._client = client
         self._path = path
+        self._params = params
         self._done = False
         self.status = ConnectionStatus(ConnectionState.CONNECTING)
         self.reconnects = 0
@@ -183,7 +185,8 @@ class _ResumableStream:
                 await asyncio.sleep(delay)
             sent = self._resume_id()
             try:
-                async with self._client.open_sse(self._path, last_event_id=sent) as source:
+                async with self._client.open_sse(self._path, last_event_id=sent,
+                                                 params=self._params) as source:
                     if attempt:
                         self.reconnects += 1
                     opened = self._opened(sent is not None)
@@ -224,8 +227,9 @@ class ConversationStream(_ResumableStream):
     """
 
     def __init__(self, client: AgentClient, conversation_id: str, *,
-                 cursor: str | None = None) -> None:
-        super().__init__(client, f"/v1/conversations/{quote_id(conversation_id)}/events")
+                 cursor: str | None = None, page: int | None = None) -> None:
+        super().__init__(client, f"/v1/conversations/{quote_id(conversation_id)}/events",
+                         {"limit": page} if page is not None else None)
         self.conversation_id = conversation_id
         self.cursor = cursor
         self._seqs: dict[str, int] = {}

@@ -118,6 +118,9 @@ class LifecycleScreen(Screen[None]):
     async def render_changes(self, model: ConversationModel, changes: Changes) -> None:
         raise NotImplementedError
 
+    async def reveal(self, key: str) -> None:
+        raise NotImplementedError
+
     async def _refresh_list(self) -> list[Any]:
         raise NotImplementedError
 
@@ -160,6 +163,8 @@ class LifecycleScreen(Screen[None]):
         if view is not None and scroll:
             target = view.question if selection.part == QUESTION else view.answer
             self.transcript.scroll_to_widget(target, animate=False)
+        elif view is None and scroll:  # scrolled out of the mounted window: mount it
+            self.run_worker(self.reveal(selection.key), group="reveal", exit_on_error=False)
         self.bar.show(model, f"selected: the {selection.part} · F3 fork from here · "
                              f"F4 retry · F5 edit · Ctrl+G cancel if queued · Alt+↓ to leave")
 

@@ -35,7 +35,7 @@ from agenttui.client import (
 )
 from agenttui.conversation import Changes, ConversationModel
 from agenttui.locations import clipboard_file
-from agenttui.models import Conversation, Me, RunEvent
+from agenttui.models import Conversation, Me, RunEvent, SearchHit
 from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.prompt import TextPrompt
 from agenttui.screens.search import SearchScreen
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from agenttui.app import AgentTUI
 
 TITLE_CHARS = 60
+SNAPSHOT_MESSAGES = 100  # the feed's snapshot: the newest messages only (older ones paged in)
+PAGE_MESSAGES = 100  # an older page, fetched when the reader scrolls past what is loaded
 LIST_REFRESH_S = 30.0
 CODE_FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.DOTALL | re.MULTILINE)
 
@@ -85,6 +87,10 @@ class MainScreen(LifecycleScreen):
                 tooltip="Give the open conversation a title"),
         Binding("ctrl+f", "search", "Search", id="search",
                 tooltip="Find words in every conversation"),
+        # PageUp/PageDown reach the transcript through the composer (Composer.PageTurned).
+        Binding("ctrl+end", "transcript_newest", "Newest", id="transcript_newest", show=False,
+                priority=True,
+                tooltip="Back to the newest messages"),
         # Not ctrl+y / ctrl+e / ctrl+k: the composer uses those (redo, line end, delete).
         Binding("ctrl+o", "copy_answer", "Copy answer", id="copy_answer",
                 tooltip="To the clipboard (and the clipboard file)"),
@@ -116,6 +122,7 @@ class MainScreen(LifecycleScreen):
         # Sends go out one at a time, in the order they were made (the lock wakes waiters in
         # order): messages typed in one burst are queued in the order they were typed.
         self._send_lock = asyncio.Lock()
+        self._jump_to: str | None = None  # a message to show once its conversation is open
 
     def notify(self, message: str, *, title: str = "",
                markup: bool = False, **kwargs: Any) -> None:
@@ -134,7 +141,7 @@ class MainScreen(LifecycleScreen):
         with Horizontal(id="body"):
             yield ConversationList(id="conversations")
             with Vertical(id="chat"):
-                yield Transcript(id="transcript")
+                yield Transcript(id="transcript", lock=self._render_lock)
                 yield ApprovalPanel(id="approval")
                 yield OwnershipBar(self.app.server_now, id="ownership")
                 yield Composer(id="composer")
@@ -161,6 +168,8 @@ class MainScreen(LifecycleScreen):
         return self.query_one(ConversationList)
 
     def on_mount(self) -> None:
+        self.transcript.fetch_older = self.fetch_older
+        self.transcript.remounted = lambda: self.apply_selection(rebuilt=True)
         self.composer.focus()
         self.bar.show(None, f"◌ connecting to {self.client.url}…")
         self.set_interval(LIST_REFRESH_S, self._refresh_list_quietly)
@@ -231,7 +240,7 @@ class MainScreen(LifecycleScreen):
 
     @work(group="follow", exclusive=True, exit_on_error=False)
     async def follow(self, model: ConversationModel) -> None:
-        stream = self.client.conversation_events(model.conversation_id)
+        stream = self.client.conversation_events(model.conversation_id, page=SNAPSHOT_MESSAGES)
         try:
             async with contextlib.aclosing(stream.__aiter__()) as items:
                 async for item in items:
@@ -247,6 +256,9 @@ class MainScreen(LifecycleScreen):
                     if isinstance(item, Snapshot) or (isinstance(item, RunEvent) and
                                                       item.type == EventType.USER_MESSAGE):
                         self.resolve_runs(model)
+                    if isinstance(item, Snapshot) and self._jump_to is not None:
+                        target, self._jump_to = self._jump_to, None
+                        self.jump_to(model, target)
         except NotFound:
             self.bar.show(None, f"✗ conversation {model.conversation_id} does not exist "
                                 f"(or belongs to another account)")
@@ -258,6 +270,73 @@ class MainScreen(LifecycleScreen):
                                          error=f"internal error: {describe(exc)}"))
             self.bar.show(model)
             raise
+
+    # -- paging through a long transcript ----------------------------------------------------
+
+    async def fetch_older(self) -> None:
+        """The page before the oldest loaded turn, from the API, into the model."""
+        model = self.model
+        if model is None or not model.has_more or model.before is None:
+            return
+        try:
+            page = await self.client.list_messages(model.conversation_id, before=model.before,
+                                                   limit=PAGE_MESSAGES)
+        except ApiError as exc:
+            self.notify(f"Could not load earlier messages: {describe(exc)}", severity="warning")
+            return
+        if model is self.model and model.before is not None:
+            await self.render_changes(model, model.apply_page(page))
+
+    @on(Composer.PageTurned)
+    def _page_turned(self, event: Composer.PageTurned) -> None:
+        self.action_transcript_page(event.step)
+
+    def action_transcript_page(self, step: int) -> None:
+        transcript = self.transcript
+        if step < 0:
+            if transcript.scroll_y <= 0:  # already at the top: the scroll will not move
+                self.run_worker(transcript.page_older(), group="transcript-page",
+                                exit_on_error=False)
+            transcript.scroll_page_up(animate=False)
+        else:
+            transcript.scroll_page_down(animate=False)
+
+    def action_transcript_newest(self) -> None:
+        self.run_worker(self._show_newest(), group="transcript-page", exit_on_error=False)
+
+    async def _show_newest(self) -> None:
+        async with self._render_lock:
+            await self.transcript.show_newest()
+        self.apply_selection(rebuilt=True)
+
+    @work(group="jump", exclusive=True, exit_on_error=False)
+    async def jump_to(self, model: ConversationModel, message_id: str) -> None:
+        """Show message `message_id`: load the pages down to it if needed, mount the turns
+        around it, scroll to it."""
+        key = model.key_of_message(message_id)
+        if key is None and model.has_more and model.before is not None:
+            try:
+                page = await self.client.list_messages(
+                    model.conversation_id, before=model.before, limit=PAGE_MESSAGES,
+                    until=message_id)
+            except ApiError as exc:
+                self.notify(f"Could not load that message: {describe(exc)}", severity="warning")
+                return
+            if model is not self.model:
+                return
+            await self.render_changes(model, model.apply_page(page))
+            key = model.key_of_message(message_id)
+        if key is None or model is not self.model:
+            self.notify("That message is no longer in the conversation.")
+            return
+        await self.reveal(key)
+
+    async def reveal(self, key: str) -> None:
+        """Mount turn `key` (and its neighbours) and scroll to it."""
+        async with self._render_lock:
+            view = await self.transcript.reveal(key)
+        if view is not None:
+            self.apply_selection(rebuilt=True)
 
     @work(group="resolve", exit_on_error=False)
     async def resolve_runs(self, model: ConversationModel) -> None:
@@ -333,6 +412,8 @@ class MainScreen(LifecycleScreen):
             self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
             return
         model.note_created(run.run_id)
+        if not self.transcript.following:  # read far up: the new turn shows at the bottom
+            await self._show_newest()
         await self.render_changes(model, Changes(turns={run.run_id}, bar=True))
 
     # -- tool approvals ----------------------------------------------------------------------
@@ -438,9 +519,15 @@ class MainScreen(LifecycleScreen):
         await self._refresh_list()
 
     def action_search(self) -> None:
-        def chosen(conversation_id: str | None) -> None:
-            if conversation_id:
-                self.action_open(conversation_id)
+        def chosen(hit: SearchHit | None) -> None:
+            if hit is None:
+                return
+            model = self.model
+            if model is not None and model.conversation_id == hit.conversation_id:
+                self.jump_to(model, hit.message_id)
+            else:
+                self._jump_to = hit.message_id  # once its snapshot is in
+                self.action_open(hit.conversation_id)
 
         self.app.push_screen(SearchScreen(self.client), chosen)
 

@@ -1,4 +1,5 @@
-"""Search across every conversation of the account; pick a hit to open its conversation."""
+"""Search across every conversation of the account; pick a hit to open its conversation at
+that message (the page around it is loaded)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def snippet(hit: SearchHit, query: str) -> str:
     return ("…" if start else "") + piece + ("…" if start + SNIPPET < len(text) else "")
 
 
-class SearchScreen(ModalScreen[str | None]):
+class SearchScreen(ModalScreen[SearchHit | None]):
     DEFAULT_CSS = """
     SearchScreen { align: center middle; }
     SearchScreen > Vertical { width: 90%; height: 80%; padding: 1 2; background: $panel;
@@ -78,7 +79,7 @@ class SearchScreen(ModalScreen[str | None]):
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         index = int(event.option.id or 0)
-        self.dismiss(self.hits[index].conversation_id)
+        self.dismiss(self.hits[index])
 
     def action_cancel(self) -> None:
         self.dismiss(None)

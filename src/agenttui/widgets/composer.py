@@ -1,5 +1,6 @@
 """The composer: Enter sends; Ctrl+J (or Shift+Enter / Alt+Enter where the terminal sends them)
 starts a new line. Drafts handed back by a stop land here, never silently overwriting text.
+PageUp/PageDown page the transcript while the composer's own text fits in it.
 
 Enter is handled here, in the order keys arrive, not as an app-level priority binding. Textual
 checks priority bindings in the app's own message loop the moment a key is read, but forwards
@@ -40,11 +41,34 @@ class Composer(TextArea):
             self.composer = composer
             self.text = text
 
+    class PageTurned(Message):
+        """PageUp (step -1) or PageDown (1) while the composer's text fits: for the transcript."""
+
+        def __init__(self, step: int) -> None:
+            super().__init__()
+            self.step = step
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False,
                          placeholder="Message — Enter sends · Ctrl+J new line",
                          **kwargs)
         self._handed_back: list[str] = []  # texts put back, in order, leading the composer
+
+    def action_cursor_page_up(self) -> None:
+        if self._fits():
+            self.post_message(self.PageTurned(-1))
+        else:
+            super().action_cursor_page_up()
+
+    def action_cursor_page_down(self) -> None:
+        if self._fits():
+            self.post_message(self.PageTurned(1))
+        else:
+            super().action_cursor_page_down()
+
+    def _fits(self) -> bool:
+        """All of the text is in view: paging inside the composer would do nothing."""
+        return self.virtual_size.height <= self.content_size.height
 
     async def _on_key(self, event: events.Key) -> None:
         # A key bound to send or newline (as remapped by the user) acts here, after every key

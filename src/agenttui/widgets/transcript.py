@@ -1,17 +1,24 @@
 """The transcript: one view per turn — question, compact tool lines, the answer as Markdown.
 
-Views redraw from the ConversationModel only where it changed. A running answer is appended
-through Markdown.get_stream(); once it stops, one final update() renders the whole text again
-(a stream can lose text inside a partial code fence). `layout: stream` keeps long chats fast.
+Only a window of turns is mounted (see Transcript): a conversation of thousands of messages
+costs what its visible part costs. Views redraw from the ConversationModel only where it
+changed. A running answer is appended through Markdown.get_stream() (which re-parses only the
+last block); once it stops, its whole text is rendered again into one cheap widget
+(SettledMarkdown), which also repairs what a stream can lose inside a partial code fence.
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rich.markdown import Markdown as RichMarkdown
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
+from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
@@ -20,12 +27,63 @@ from agenttui.conversation import Changes, ConversationModel, ToolStep, Turn
 from agenttui.widgets.marks import SUPERSEDED_NOTE, answer_usage
 
 
+class SettledMarkdown(Static):
+    """A finished answer, rendered once through Rich's Markdown into ONE widget.
+
+    Textual's Markdown widget mounts a widget per block (each list item, each paragraph): about
+    five times the cost of this when older turns are mounted while scrolling. It stays the
+    widget for the answer that is streaming (Markdown.get_stream()); an answer that stopped is
+    rendered here from its whole text, which also repairs what a stream can lose inside a
+    partial code fence."""
+
+    DEFAULT_CSS = """
+    SettledMarkdown { height: auto; padding: 0; background: transparent; }
+    """
+
+    def __init__(self) -> None:
+        super().__init__("", markup=False)
+        self.source = ""
+
+    def show(self, text: str) -> None:
+        if text != self.source:
+            self.source = text
+            self.update(RichMarkdown(text) if text else "")
+
+
+FREEZE_AT = 1000  # a streaming tail longer than this (characters) freezes its head
+KEEP_LIVE = 200  # what stays live after a freeze: the last block may still change
+FENCE = re.compile(r"^(```|~~~)", re.MULTILINE)
+
+
+def freeze_point(tail: str) -> int:
+    """Where to cut a long streaming tail: after the last paragraph break that is not inside a
+    code fence and leaves KEEP_LIVE characters live; else at the last space outside a fence
+    (one long paragraph); 0: nowhere safe (inside a long code block)."""
+    limit = len(tail) - KEEP_LIVE
+    at = tail.rfind("\n\n", 0, limit)
+    while at > 0:
+        if len(FENCE.findall(tail, 0, at)) % 2 == 0:
+            return at + 2
+        at = tail.rfind("\n\n", 0, at)
+    space = tail.rfind(" ", 0, limit)
+    if space > 0 and len(FENCE.findall(tail, 0, space)) % 2 == 0:
+        return space + 1
+    return 0
+
+
 class AnswerView(Vertical):
-    """The assistant's answer and one line saying how it ended (or that it is still going)."""
+    """The assistant's answer and one line saying how it ended (or that it is still going).
+
+    A streaming answer re-renders only its tail: the live Markdown widget holds at most about
+    FREEZE_AT characters; its head is frozen into Rich-rendered chunks, each drawn once, so a
+    delta costs the same at the 20,000th character as at the first. When the answer stops, the
+    whole text is drawn once into the settled widget."""
 
     DEFAULT_CSS = """
     AnswerView { height: auto; padding: 0 0 0 1; }
     AnswerView > Markdown { margin: 0; padding: 0; background: transparent; }
+    AnswerView > .frozen { height: auto; }
+    AnswerView > .frozen > Static { height: auto; }
     AnswerView > .answer-status { color: $text-muted; height: auto; }
     AnswerView > .answer-status.-stopped { color: $warning; }
     AnswerView > .answer-status.-failed { color: $error; }
@@ -34,16 +92,25 @@ class AnswerView(Vertical):
 
     def __init__(self) -> None:
         super().__init__(classes="answer")
-        self.md = Markdown("")
+        # Created when the answer first streams: most turns never need them.
+        self.frozen: Vertical | None = None
+        self.live: Markdown | None = None
+        self.settled = SettledMarkdown()
         self.status_line = Static("", classes="answer-status", markup=False)
         self._stream: MarkdownStream | None = None
-        self._shown = ""  # text already handed to the widget (streamed or updated)
-        self._settled = False  # the widget holds exactly _shown through update()
+        self._shown = ""  # text already handed to the widgets (streamed or settled)
+        self._frozen = 0  # characters of _shown drawn in frozen chunks (the rest is live)
+        self._live = False  # the live widgets hold the text (streaming, or it just stopped)
         self.status_text = ""
 
     def compose(self) -> ComposeResult:
-        yield self.md
+        yield self.settled
         yield self.status_line
+
+    @property
+    def md(self) -> Markdown | SettledMarkdown:
+        """The widget that shows the answer's text now (both have `source`)."""
+        return self.live if self._live and self.live is not None else self.settled
 
     @property
     def shown_text(self) -> str:
@@ -58,7 +125,9 @@ class AnswerView(Vertical):
         self.display = bool(turn.text) or turn.started or (
             turn.finished and turn.question_status != MessageStatus.DRAFT)
         await self._render_text(turn.text, streaming=turn.running)
-        self.md.display = bool(turn.text)
+        if self.live is not None:
+            self.live.display = self._live and bool(turn.text)
+        self.settled.display = not self._live and bool(turn.text)
         status, kind = answer_status(turn)
         status = " · ".join(part for part in (status, answer_usage(turn)) if part)
         self.status_text = status
@@ -70,26 +139,54 @@ class AnswerView(Vertical):
 
     async def _render_text(self, text: str, *, streaming: bool) -> None:
         if streaming:
-            if text == self._shown:
+            if text == self._shown and self._live:
                 return
-            if text.startswith(self._shown) and (self._stream is not None or not self._shown
-                                                 or self._settled):
+            live = await self._live_widget()
+            if self._live and text.startswith(self._shown):
                 if self._stream is None:
-                    self._stream = Markdown.get_stream(self.md)
-                await self._stream.write(text[len(self._shown):])
+                    self._stream = Markdown.get_stream(live)
+                await self._stream.write(text[len(self._shown):])  # only the tail re-parses
             else:
                 await self._stop_stream()
-                await self.md.update(text)
+                await self._unfreeze()
+                await live.update(text)
+                self._live = True
             self._shown = text
-            self._settled = False
+            await self._freeze_head()
             return
-        if self._stream is not None:
-            await self._stop_stream()
-        elif self._settled and text == self._shown:
-            return
-        await self.md.update(text)  # the final, whole render
+        await self._stop_stream()
+        if self._live:
+            self._live = False
+            await self._unfreeze()
+            if self.live is not None:
+                await self.live.update("")  # its blocks go; the settled view shows it all
+        self.settled.show(text)
         self._shown = text
-        self._settled = True
+
+    async def _live_widget(self) -> Markdown:
+        if self.live is None:
+            self.frozen = Vertical(classes="frozen")
+            self.live = Markdown("")
+            await self.mount_all([self.frozen, self.live], before=self.settled)
+        return self.live
+
+    async def _freeze_head(self) -> None:
+        """Move the head of a long live tail into a frozen chunk (drawn once, never again)."""
+        tail = self._shown[self._frozen:]
+        if len(tail) <= FREEZE_AT or self.frozen is None or self.live is None:
+            return
+        cut = freeze_point(tail)
+        if cut <= 0:
+            return
+        await self._stop_stream()
+        await self.frozen.mount(Static(RichMarkdown(tail[:cut])))
+        self._frozen += cut
+        await self.live.update(tail[cut:])
+
+    async def _unfreeze(self) -> None:
+        self._frozen = 0
+        if self.frozen is not None and self.frozen.children:
+            await self.frozen.remove_children()
 
     async def _stop_stream(self) -> None:
         stream, self._stream = self._stream, None
@@ -140,7 +237,7 @@ class TurnView(Vertical):
         self.key = key
         self.head = Static("", classes="turn-head", markup=False)
         self.question = Static("", classes="question", markup=False)
-        self.tools = Vertical(classes="tools")
+        self.tools: Vertical | None = None  # created with the first tool call: most turns have none
         self.answer = AnswerView()
         self._tool_lines: dict[str, Static] = {}
         self._question_text: str | None = None
@@ -154,7 +251,6 @@ class TurnView(Vertical):
     def compose(self) -> ComposeResult:
         yield self.head
         yield self.question
-        yield self.tools
         yield self.answer
 
     async def show(self, turn: Turn, model: ConversationModel) -> None:
@@ -179,8 +275,10 @@ class TurnView(Vertical):
             line.update(self._tool_texts[call_id])
             line.set_class(bool(step.error), "-error")
         if new_lines:
+            if self.tools is None:
+                self.tools = Vertical(classes="tools")
+                await self.mount(self.tools, before=self.answer)
             await self.tools.mount_all(new_lines)
-        self.tools.display = bool(self._tool_lines)
         await self.answer.show(turn)
 
 
@@ -207,54 +305,263 @@ def tool_line(step: ToolStep) -> str:
     return f"⚙ {step.summary()}"
 
 
-class Transcript(VerticalScroll):
-    """All turns of the open conversation, newest at the bottom (kept in view while at it)."""
+WINDOW_TURNS = 40  # the most turns mounted at once: widget count stays bounded however long
+PAGE_TURNS = 4  # turns mounted per step when the reader scrolls past what is mounted
+PAGE_TURNS_MARGIN = 1  # screens of mounted text kept above (below) the view before mounting more
 
-    DEFAULT_CSS = """
-    Transcript { layout: stream; height: 1fr; padding: 0 0 0 1; }
-    Transcript > .empty { color: $text-muted; padding: 1 2; }
+
+class Transcript(VerticalScroll):
+    """The open conversation, newest at the bottom (kept in view while at it), virtualized:
+    only a window of turns is mounted (what fits the screen plus a margin at first, at most
+    WINDOW_TURNS), older ones mount as the reader scrolls up and far-off ones are unmounted,
+    so opening and streaming cost the same however long the conversation is. Turns the model
+    does not hold yet are fetched through `fetch_older` (the next older page of the API).
+
+    `sync` runs under `lock` held by its caller; the paging methods take it themselves.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    DEFAULT_CSS = """
+    Transcript { height: 1fr; padding: 0 0 0 1; }
+    Transcript > .empty { color: $text-muted; padding: 1 2; }
+    Transcript > .more { color: $text-muted; text-style: italic; height: 1; }
+    """
+
+    def __init__(self, *, lock: asyncio.Lock | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.views: dict[str, TurnView] = {}
+        # Not `lock`: Widget.lock is Textual's own re-entrant lock for mounting and removing.
+        self.render_lock = lock or asyncio.Lock()
+        self.views: dict[str, TurnView] = {}  # the mounted turns, top to bottom
+        self.keys: list[str] = []  # the model's turn order as last synced
+        self.start = 0  # keys[start:end] are mounted
+        self.end = 0
+        self.model: ConversationModel | None = None
+        self.fetch_older: Callable[[], Awaitable[None]] | None = None
+        self.remounted: Callable[[], None] | None = None  # views came back: re-mark selection
+        self.paging = False  # mounting (or fetching) older or newer turns right now
+        self.older = Static("", classes="more older", markup=False)
+        self.newer = Static("", classes="more newer", markup=False)
         self.empty = Static("", classes="empty", markup=False)
         self._empty_message = ""
 
     def compose(self) -> ComposeResult:
+        yield self.older
+        yield self.newer
         yield self.empty
 
     def on_mount(self) -> None:
         self.anchor()
+        self._show_edges()
 
     async def reset(self, message: str = "") -> None:
+        await self._unmount_all()
+        self.keys, self.model = [], None
+        self.set_empty(message)
+        self._show_edges()
+
+    async def _unmount_all(self) -> None:
         views, self.views = list(self.views.values()), {}
+        self.start = self.end = 0
         if views:
             await self.remove_children(views)
-        self.set_empty(message)
 
     def set_empty(self, message: str) -> None:
         self._empty_message = message
         self.empty.update(message)
         self.empty.display = bool(message) and not self.views
 
+    @property
+    def following(self) -> bool:
+        """The newest turn is mounted: new turns mount below it as they arrive."""
+        return self.end >= len(self.keys)
+
     async def sync(self, model: ConversationModel, changes: Changes) -> None:
-        keys = model.order
-        touched = set(changes.turns)
+        self.model = model
         if changes.rebuild:
-            mounted = list(self.views)
-            if mounted != keys[: len(mounted)]:
-                # Removed or reordered (a fresh snapshot disagreed): rebuild in server order.
-                await self.reset()
-            new_keys = [key for key in keys if key not in self.views]
-            new_views = [TurnView(key) for key in new_keys]
-            self.views.update(zip(new_keys, new_views, strict=True))
-            if new_views:
-                await self.mount_all(new_views)
-            touched |= set(new_keys)
+            await self._rewindow(model.order)
+        touched = set(changes.turns)
         if model.queued_turns:
             touched |= {t.key for t in model.queued_turns}  # queue positions move together
-        for key in keys:
-            if key in touched and key in self.views:
-                await self.views[key].show(model.turns[key], model)
+        for key in touched:
+            view = self.views.get(key)
+            if view is not None:
+                await view.show(model.turns[key], model)
         self.empty.display = bool(self._empty_message) and not self.views
+        self._show_edges()
+
+    async def _rewindow(self, keys: list[str]) -> None:
+        """Place the mounted turns in the model's new order; mount new turns at the bottom
+        when the newest was in view; start over from the newest if the order changed."""
+        mounted = list(self.views)
+        following = self.following
+        at = _index(keys, mounted[0]) if mounted else None
+        if at is None or keys[at: at + len(mounted)] != mounted:
+            # First sync, or removed/reordered (a fresh snapshot disagreed): the newest turns.
+            await self._unmount_all()
+            self.keys = list(keys)
+            self.start = self.end = len(keys)
+            await self._mount(max(0, len(keys) - PAGE_TURNS), len(keys))
+            self.call_after_refresh(self._fill)
+            return
+        self.keys = list(keys)
+        self.start, self.end = at, at + len(mounted)
+        if following and self.end < len(keys):
+            await self._mount(self.end, len(keys))
+            await self._trim(top=True)
+
+    async def _mount(self, lo: int, hi: int) -> None:
+        """Mount keys[lo:hi] next to the mounted ones (above them when lo < start)."""
+        if lo >= hi or self.model is None:
+            return
+        keys = self.keys[lo:hi]
+        views = [TurnView(key) for key in keys]
+        was_empty = not self.views
+        if not was_empty and lo < self.start:
+            first = next(iter(self.views.values()))
+            await self.mount_all(views, before=first)
+            self.views = {**dict(zip(keys, views, strict=True)), **self.views}
+            self.start = lo
+        else:
+            await self.mount_all(views, before=self.newer)
+            self.views.update(zip(keys, views, strict=True))
+            if was_empty:
+                self.start = lo
+            self.end = hi
+        for key, view in zip(keys, views, strict=True):
+            await view.show(self.model.turns[key], self.model)
+
+    async def _trim(self, *, top: bool) -> None:
+        """Unmount the turns farthest from the reader beyond WINDOW_TURNS (top or bottom)."""
+        extra = len(self.views) - WINDOW_TURNS
+        if extra <= 0:
+            return
+        keys = list(self.views)
+        gone = keys[:extra] if top else keys[-extra:]
+        views = [self.views.pop(key) for key in gone]
+        if top:
+            self.start += extra
+        else:
+            self.end -= extra
+        await self.remove_children(views)
+
+    def _fill(self) -> None:
+        """Mount older turns until the screen (plus a margin) is full."""
+        if self.start > 0 and self.virtual_size.height < 2 * self.size.height:
+            self.run_worker(self.page_older(scroll=False), group="transcript-page",
+                            exit_on_error=False)
+
+    async def page_older(self, *, scroll: bool = True) -> None:
+        """Mount the turns above the mounted ones (fetching a page first if the model has
+        none), keeping what the reader sees in place."""
+        if self.paging:
+            return
+        self.paging = True
+        try:
+            model = self.model
+            if self.start == 0 and model is not None and model.has_more and self.fetch_older:
+                await self.fetch_older()
+            async with self.render_lock:
+                if self.start == 0 or not self.views:
+                    return
+                first = next(iter(self.views.values()))
+                before = first.virtual_region.y
+                await self._mount(max(0, self.start - PAGE_TURNS), self.start)
+                await self._trim(top=False)
+                self._show_edges()
+            self._keep_in_place(first, before)
+            if self.remounted is not None:
+                self.remounted()
+        finally:
+            self.paging = False
+        if not scroll:
+            self.call_after_refresh(self._fill)
+
+    async def page_newer(self) -> None:
+        """Mount the turns below the mounted ones (unmounting far-off ones above)."""
+        if self.paging:
+            return
+        self.paging = True
+        try:
+            async with self.render_lock:
+                if self.following or not self.views:
+                    return
+                last = list(self.views.values())[-1]
+                before = last.virtual_region.y
+                await self._mount(self.end, min(len(self.keys), self.end + PAGE_TURNS))
+                await self._trim(top=True)
+                self._show_edges()
+            self._keep_in_place(last, before)
+            if self.remounted is not None:
+                self.remounted()
+        finally:
+            self.paging = False
+
+    def _keep_in_place(self, view: Widget, before: int) -> None:
+        def restore() -> None:
+            shift = view.virtual_region.y - before
+            if shift:
+                self.scroll_to(y=self.scroll_y + shift, animate=False, immediate=True)
+
+        self.call_after_refresh(restore)
+
+    async def show_newest(self) -> None:
+        """Back to the newest turns (after a jump or a long scroll up); runs under `lock`."""
+        if not self.following:
+            await self._unmount_all()
+            self.start = self.end = len(self.keys)
+            await self._mount(max(0, len(self.keys) - PAGE_TURNS), len(self.keys))
+            self._show_edges()
+            self.call_after_refresh(self._fill)
+        self.anchor()
+
+    async def reveal(self, key: str) -> TurnView | None:
+        """Mount the turn `key` (with its neighbours) and scroll to it; runs under `lock`."""
+        view = self.views.get(key)
+        if view is None:
+            at = _index(self.keys, key)
+            if at is None:
+                return None
+            await self._unmount_all()
+            lo = max(0, at - PAGE_TURNS // 2)
+            self.start = self.end = lo
+            await self._mount(lo, min(len(self.keys), lo + PAGE_TURNS))
+            self._show_edges()
+            view = self.views[key]
+        self.release_anchor()
+        self.call_after_refresh(self.scroll_to_widget, view, animate=False, top=True)
+        return view
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        if self.paging or not self.views:
+            return
+        margin = PAGE_TURNS_MARGIN * self.size.height  # mount before the reader reaches the edge
+        # After the next refresh: the page the reader scrolled to is drawn first.
+        if new_value <= margin and (self.start > 0 or (self.model and self.model.has_more)):
+            self.call_after_refresh(self._start_paging, self.page_older)
+        elif new_value >= self.max_scroll_y - margin and not self.following:
+            self.call_after_refresh(self._start_paging, self.page_newer)
+
+    def _start_paging(self, page: Callable[[], Awaitable[None]]) -> None:
+        if not self.paging:
+            self.run_worker(page(), group="transcript-page", exit_on_error=False)
+
+    def _show_edges(self) -> None:
+        above = self.start
+        more = self.model is not None and self.model.has_more
+        if above or more:
+            count = f"{above} earlier turn{'s' if above != 1 else ''}" if above else \
+                "earlier messages"
+            self.older.update(f"↑ {count}{' and more on the server' if above and more else ''}"
+                              f" · PageUp or scroll up to read")
+        self.older.display = bool(self.views) and bool(above or more)
+        below = len(self.keys) - self.end
+        self.newer.update(f"↓ {below} newer turn{'s' if below != 1 else ''} · Ctrl+End "
+                          f"jumps to the newest")
+        self.newer.display = bool(self.views) and below > 0
+
+
+def _index(keys: list[str], key: str) -> int | None:
+    try:
+        return keys.index(key)
+    except ValueError:
+        return None

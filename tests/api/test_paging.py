@@ -1,0 +1,105 @@
+"""Transcript pages: `GET /v1/conversations/{id}/messages?before=&limit=&until=` and the
+`limit` of a conversation's state and feed snapshot. Pages go newest first, each whole turns in
+turn order; bad cursors and limits are 400s with stable codes."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from tests.api.conftest import Api
+from tests.api.helpers import assert_error, assert_json
+from tests.support.long_conversation import LongConversation, write_long_conversation
+
+
+async def _long(api: Api, turns: int) -> LongConversation:
+    created = assert_json(await api.a.post("/v1/conversations", json={"title": "long"}))
+    me = assert_json(await api.a.get("/v1/me"))
+    return await write_long_conversation(
+        api.pool, account_id=uuid.UUID(me["account_id"]), device_id=api.device_a,
+        conversation_id=uuid.UUID(created["id"]), turns=turns)
+
+
+def _ids(messages: list[dict[str, Any]]) -> list[str]:
+    return [m["id"] for m in messages]
+
+
+async def test_pages_walk_the_transcript_newest_first_in_whole_turns(api: Api):
+    long = await _long(api, 25)
+    path = f"/v1/conversations/{long.conversation_id}"
+    whole = assert_json(await api.a.get(path))
+    assert len(whole["messages"]) == 50 and whole["has_more"] is False
+
+    pages, before = [], None
+    while True:
+        query = {"limit": "10", **({"before": before} if before else {})}
+        page = assert_json(await api.a.get(f"{path}/messages", params=query))
+        assert set(page) == {"messages", "has_more", "before"}
+        pages.append(page["messages"])
+        if not page["has_more"]:
+            assert page["before"] is None
+            break
+        assert page["before"] == page["messages"][0]["id"]
+        before = page["before"]
+    assert [len(p) for p in pages] == [10, 10, 10, 10, 10]
+    walked = [m for page in reversed(pages) for m in page]
+    assert _ids(walked) == _ids(whole["messages"])
+    assert walked[0]["role"] == "user" and walked[-1]["content"].endswith("End of answer 25.")
+
+    odd = assert_json(await api.a.get(f"{path}/messages", params={"limit": "3"}))
+    assert len(odd["messages"]) == 4, "a page is widened to whole turns, never split"
+    assert [m["role"] for m in odd["messages"]] == ["user", "assistant"] * 2
+
+    jump = assert_json(await api.a.get(f"{path}/messages", params={
+        "limit": "2", "until": str(long.answer_ids[4])}))
+    assert jump["messages"][0]["id"] == str(long.question_ids[4])
+    assert len(jump["messages"]) == 42 and jump["has_more"] is True
+
+    default = assert_json(await api.a.get(f"{path}/messages"))
+    assert len(default["messages"]) == 50 and default["has_more"] is False
+
+
+async def test_state_and_feed_snapshot_carry_only_the_newest_page_when_limited(api: Api):
+    long = await _long(api, 12)
+    path = f"/v1/conversations/{long.conversation_id}"
+    state = assert_json(await api.a.get(path, params={"limit": "6"}))
+    assert _ids(state["messages"]) == [str(i) for pair in zip(
+        long.question_ids[-3:], long.answer_ids[-3:], strict=True) for i in pair]
+    assert state["has_more"] is True and state["before"] == str(long.question_ids[-3])
+
+    async with api.a.stream("GET", f"{path}/events", params={"limit": "4"},
+                            headers={"Accept": "text/event-stream"}) as response:
+        assert response.status_code == 200
+        data = None
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                data = line[5:].strip()
+                break
+    assert data is not None
+
+
+    snapshot = json.loads(data)["conversation"]
+    assert len(snapshot["messages"]) == 4 and snapshot["has_more"] is True
+    assert snapshot["before"] == str(long.question_ids[-2])
+
+
+async def test_bad_cursors_and_limits_are_400s_with_stable_codes(api: Api):
+    long = await _long(api, 3)
+    other = await _long(api, 1)
+    path = f"/v1/conversations/{long.conversation_id}"
+    for query, code in [({"limit": "0"}, "invalid_limit"), ({"limit": "x"}, "invalid_limit"),
+                        ({"limit": "1001"}, "invalid_limit"),
+                        ({"before": "not-a-cursor"}, "invalid_before"),
+                        ({"before": str(uuid.uuid4())}, "invalid_before"),
+                        ({"before": str(other.question_ids[0])}, "invalid_before"),
+                        ({"until": "1"}, "invalid_until"),
+                        ({"until": str(uuid.uuid4())}, "invalid_until"),
+                        ({"page": "2"}, "unknown_parameter")]:
+        assert_error(await api.a.get(f"{path}/messages", params=query), 400, code)
+    assert_error(await api.a.get(path, params={"limit": "-1"}), 400, "invalid_limit")
+    assert_error(await api.a.get(f"{path}/events", params={"limit": "x"}), 400,
+                 "invalid_limit")
+    assert_error(await api.b.get(f"{path}/messages"), 404)
+    assert_error(await api.b.get(f"{path}/messages",
+                                 params={"before": str(long.question_ids[1])}), 404)

@@ -1,0 +1,41 @@
+"""The real agenttui binary on a pseudo-terminal opens a 2,000-message conversation: its last
+answer shows (polled against a deadline; bench/tui.py measures how fast), and PageUp from the
+composer scrolls back to earlier answers."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import asyncpg
+import pytest
+
+from tests.support.daemon import Daemon
+from tests.support.factories import Device
+from tests.support.long_conversation import last_line, write_long_conversation
+from tests.terminal.conftest import OpenAgentTUI
+from tests.tui.helpers import client_for
+
+pytestmark = pytest.mark.terminal
+
+TURNS = 1000
+PAGE_UP = b"\x1b[5~"  # what a terminal sends for PageUp
+
+
+async def test_a_2000_message_conversation_opens_on_its_last_answer(
+        daemon: Daemon, pool: asyncpg.Pool, desk: Device,
+        open_agenttui: OpenAgentTUI) -> None:
+    async with client_for(daemon, desk) as api:
+        me = await api.me()
+        created = await api.create_conversation("long")
+    long = await write_long_conversation(
+        pool, account_id=uuid.UUID(me.account_id), device_id=uuid.UUID(desk.device_id),
+        conversation_id=uuid.UUID(created.id), turns=TURNS)
+    assert long.messages == 2000
+
+    terminal = open_agenttui(daemon.url, desk, conversation=created.id)
+    await terminal.wait_for_text(last_line(TURNS))
+
+    terminal.write_raw(PAGE_UP * 8)
+    earlier = await terminal.wait_for_text(re.compile(r"End of answer (9[0-8]\d|99[0-5])\."))
+    assert earlier != last_line(TURNS)

@@ -1,0 +1,121 @@
+"""A long conversation (1,000 turns written straight into the database) through the real app:
+it opens on its newest turns with a bounded number of widgets, PageUp mounts older turns and
+then fetches older pages from the API, a search hit far back loads the page around it, and a
+streaming answer grows in its own view while the rest stays mounted as it was."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import asyncpg
+from textual.widgets import OptionList
+
+from agenttui.screens.main import MainScreen
+from agenttui.widgets.transcript import WINDOW_TURNS, Transcript
+from tests.support.daemon import Daemon
+from tests.support.factories import Device
+from tests.support.long_conversation import last_line, write_long_conversation
+from tests.tui.helpers import client_for, running_tui, screen_text, search_for, wait_for
+
+TURNS = 1000
+
+
+async def _long(daemon: Daemon, pool: asyncpg.Pool, device: Device, turns: int = TURNS) -> str:
+    async with client_for(daemon, device) as client:
+        me = await client.me()
+        created = await client.create_conversation("long")
+    await write_long_conversation(pool, account_id=uuid.UUID(me.account_id),
+                                  device_id=uuid.UUID(device.device_id),
+                                  conversation_id=uuid.UUID(created.id), turns=turns)
+    return created.id
+
+
+def _transcript(app) -> Transcript:
+    return app.screen.query_one(Transcript)
+
+
+async def test_opens_on_the_newest_turns_and_pages_older_ones_in(daemon: Daemon, pool, desk,
+                                                                  agenttui_dirs: Path):
+    conversation_id = await _long(daemon, pool, desk)
+    async with running_tui(daemon.url, desk, agenttui_dirs,
+                           conversation=conversation_id) as (app, pilot):
+        await wait_for(pilot, lambda: last_line(TURNS) in screen_text(app),
+                       "the last answer on screen")
+        screen = app.screen
+        assert isinstance(screen, MainScreen)
+        transcript = _transcript(app)
+        model = screen.model
+        assert model is not None and model.has_more, "the snapshot is the newest page only"
+        assert len(model.order) < TURNS
+        assert 0 < len(transcript.views) <= WINDOW_TURNS
+        loaded = len(model.order)
+
+        # PageUp, again and again: older turns mount, then older pages come from the API.
+        def earlier_page_loaded() -> bool:
+            return len(model.order) > loaded
+
+        for _ in range(400):
+            await pilot.press("pageup")
+            await pilot.pause()
+            if earlier_page_loaded():
+                break
+        assert earlier_page_loaded(), "PageUp never fetched an older page"
+        await wait_for(pilot, lambda: not transcript.paging, "paging to settle")
+        assert len(transcript.views) <= WINDOW_TURNS, "far-off turns are unmounted"
+        assert transcript.start > 0 or transcript.newer.display
+
+        # Back to the newest answer.
+        await pilot.press("ctrl+end")
+        await wait_for(pilot, lambda: last_line(TURNS) in screen_text(app),
+                       "the last answer again")
+
+
+async def test_a_search_hit_far_back_loads_the_page_around_it(daemon: Daemon, pool, desk,
+                                                              agenttui_dirs: Path):
+    conversation_id = await _long(daemon, pool, desk)
+    async with running_tui(daemon.url, desk, agenttui_dirs,
+                           conversation=conversation_id) as (app, pilot):
+        await wait_for(pilot, lambda: last_line(TURNS) in screen_text(app),
+                       "the last answer on screen")
+        model = app.screen.model
+        assert model is not None and "End of answer 7." not in {
+            t.text.splitlines()[-1] for t in model.turn_list() if t.text}
+        search = await search_for(app, pilot, "End of answer 7.")
+        hits = search.hits
+        index = next(i for i, hit in enumerate(hits) if hit.content.endswith("answer 7."))
+        results = search.query_one("#results", OptionList)
+        results.focus()
+        results.highlighted = index
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: last_line(7) in screen_text(app),
+                       "answer 7 on screen after the jump")
+        transcript = _transcript(app)
+        assert len(transcript.views) <= WINDOW_TURNS
+        assert not transcript.following, "the newest turns are below, unmounted"
+
+
+async def test_a_streaming_answer_grows_in_its_own_view(daemon: Daemon, pool, desk,
+                                                        agenttui_dirs: Path):
+    conversation_id = await _long(daemon, pool, desk, turns=200)
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation_id,
+                           params={"tokens": 400, "delay_ms": 20}) as (app, pilot):
+        await wait_for(pilot, lambda: last_line(200) in screen_text(app),
+                       "the last answer on screen")
+        transcript = _transcript(app)
+        before = dict(transcript.views)
+        await pilot.press(*"tail please", "enter")
+        model = app.screen.model
+        await wait_for(pilot, lambda: model.asked_here, "the turn created")
+        (run_id,) = model.asked_here
+        await wait_for(pilot, lambda: run_id in transcript.views
+                       and transcript.views[run_id].answer.streaming, "its answer streaming")
+        view = transcript.views[run_id]
+        turn = model.turns[run_id]
+        await wait_for(pilot, lambda: turn.finished, "the turn to finish")
+        await wait_for(pilot, lambda: view.answer.shown_text == turn.text and turn.text,
+                       "the whole answer shown")
+        assert transcript.views.get(run_id) is view, "one view for the whole stream"
+        kept = [key for key, old in before.items() if transcript.views.get(key) is old]
+        assert kept, "the turns already on screen were not re-created"
+        assert len(transcript.views) <= WINDOW_TURNS
