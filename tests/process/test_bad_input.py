@@ -74,7 +74,7 @@ AGENTD_CASES = {
     "pair-missing-device": (["pair", "--account", "a"], 2, ["--device"]),
     "migrate-unreachable": (["migrate", "--dsn", "postgresql://nobody@127.0.0.1:{unreachable}"
                              "/none"], 1, ["cannot reach the database"]),
-    "migrate-sslmode": (["migrate", "--dsn", "{dsn}?sslmode=sometimes"], 2, ["sslmode"]),
+    "migrate-sslmode": (["migrate", "--dsn", "{dsn_sslmode}"], 2, ["sslmode"]),
     "token-no-action": (["token"], 2, ["ACTION"]),
     "token-create-empty-account": (["token", "create", "--dsn", "{dsn}", "--account", "",
                                     "--device", "x"], 2, ["--account", "empty"]),
@@ -106,7 +106,9 @@ AGENTD_CASES = {
 @pytest.mark.parametrize("case", sorted(AGENTD_CASES))
 def test_agentd_answers_bad_input_with_one_line(case: str, dsn: str, tmp_path: Path) -> None:
     args, code, words = AGENTD_CASES[case]
-    values = {"dsn": dsn, "unreachable": str(free_port()),
+    # The embedded server's DSN already has a query (socket, password file): add to it.
+    sslmode = ("&" if "?" in dsn else "?") + "sslmode=sometimes"
+    values = {"dsn": dsn, "dsn_sslmode": dsn + sslmode, "unreachable": str(free_port()),
               "no_db": other_database(dsn, database=f"missing_{uuid.uuid4().hex[:8]}"),
               "no_role": other_database(dsn, user=f"nobody_{uuid.uuid4().hex[:8]}")}
     env = {"AGENTD_LEASE_TTL_S": "soon"} if case == "status-bad-setting" else None
