@@ -59,9 +59,21 @@ import asyncpg
 
 from agentd import __version__ as agentd_version
 from agentd import db as dbmod
+from agentd import event_loop, statistics
+from agentd.group_commit import Batcher
 from agentd.hub import Hub
 from agentd.notifier import Notifier
-from agentd.queue import Claim, Hint, claim_runs, enqueue_run, finish_run
+from agentd.queue import (
+    Claim,
+    Finishes,
+    Hint,
+    NewRun,
+    claim_runs,
+    enqueue_run,
+    enqueue_runs,
+    finish_run_journaled,
+    finish_runs,
+)
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
 from harness import (
@@ -365,6 +377,8 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
                                    application_name="agentd-bench-peer")
     notifier = Notifier(pool)
     notifier.start()
+    finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
+    analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool))
     hub = Hub(database.dsn, channels=[Channel.RUN_ENQUEUED])
     try:
         _token, account_id = await make_account(pool)
@@ -376,16 +390,10 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
 
         async def enqueuer() -> None:
             while not stop.is_set():
-                async with pool.acquire() as conn, conn.transaction():
-                    for _ in range(args.enqueue_batch):
-                        n = next(numbers)
-                        content = f"noop {n}"
-                        await enqueue_run(
-                            conn, account_id=account_id,
-                            conversation_id=conversations[n % len(conversations)],
-                            content=content,
-                            request={"content": content, "model": "demo", "params": {}},
-                            default_max_queued=UNBOUNDED_QUEUED)
+                batch = [noop_run(next(numbers), conversations)
+                         for _ in range(args.enqueue_batch)]
+                await enqueue_runs(pool, account_id=account_id, runs=batch,
+                                   default_max_queued=UNBOUNDED_QUEUED)
                 counts["enqueued"] += args.enqueue_batch
                 await asyncio.sleep(0)
 
@@ -402,9 +410,9 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
                         await wake.wait(settings.tick_s)
                         continue
                     counts["claimed"] += len(claims)
-                    for claim in claims:
-                        await noop_turn(pool, claim, notifier.notify)
-                        counts["finished"] += 1
+                    await asyncio.gather(*(noop_turn(pool, claim, notifier.notify, finishes)
+                                           for claim in claims))
+                    counts["finished"] += len(claims)
 
         progress(f"agentd throughput, claim batch {batch}: {args.time:g} s")
         async with Costs(database.server_pid, database.dsn, _own_cpu) as costs:
@@ -422,6 +430,7 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
         completed = await pool.fetchval(
             "SELECT count(*) FROM agent_run WHERE status = 'completed'")
     finally:
+        analyzing.cancel()
         await hub.close()
         await notifier.close()
         await pool.close()
@@ -436,10 +445,19 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
     }
 
 
-async def noop_turn(db: asyncpg.Pool, claim: Claim, hint: Hint) -> None:
-    """A turn that does nothing: the terminal write right after the claim (hints batched
-    after commit by the daemon's own Notifier, as in `agentd serve`)."""
-    await finish_run(db, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1, hint=hint)
+def noop_run(n: int, conversations: Sequence[uuid.UUID]) -> NewRun:
+    """The n-th no-op turn, over the pool of conversations in turn."""
+    content = f"noop {n}"
+    return NewRun(conversations[n % len(conversations)], content,
+                  {"content": content, "model": "demo", "params": {}})
+
+
+async def noop_turn(db: asyncpg.Pool, claim: Claim, hint: Hint, finishes: Finishes) -> None:
+    """A turn that does nothing: the terminal write right after the claim, through the
+    daemon's own machinery — terminal writes of turns ending together share one statement
+    (group commit), hints batched after the commit by its Notifier — as in `agentd serve`."""
+    await finish_run_journaled(db, claim, RunStatus.COMPLETED, last=(),
+                               seq=claim.last_seq + 1, hint=hint, finishes=finishes)
 
 
 # -- drain: consumers only -------------------------------------------------------------------
@@ -474,20 +492,17 @@ async def agentd_drain(dbs: Databases, args: argparse.Namespace, batch: int) -> 
                                    application_name="agentd-bench-peer")
     notifier = Notifier(pool)
     notifier.start()
+    finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
+    analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool))
     jobs = args.drain_jobs
     try:
         _token, account_id = await make_account(pool)
         conversations = await make_conversations(pool, account_id, args.conversations, "drain")
         progress(f"agentd drain: enqueueing {jobs} runs")
         for first in range(0, jobs, 500):
-            async with pool.acquire() as conn, conn.transaction():
-                for n in range(first, min(first + 500, jobs)):
-                    content = f"noop {n}"
-                    await enqueue_run(
-                        conn, account_id=account_id,
-                        conversation_id=conversations[n % len(conversations)], content=content,
-                        request={"content": content, "model": "demo", "params": {}},
-                        default_max_queued=UNBOUNDED_QUEUED)
+            await enqueue_runs(pool, account_id=account_id, default_max_queued=UNBOUNDED_QUEUED,
+                               runs=[noop_run(n, conversations)
+                                     for n in range(first, min(first + 500, jobs))])
         await dbs.checkpoint()
         counts = {"claimed": 0, "finished": 0}
 
@@ -501,15 +516,16 @@ async def agentd_drain(dbs: Databases, args: argparse.Namespace, batch: int) -> 
                     await asyncio.sleep(0.001)  # a lost race; runs are left
                     continue
                 counts["claimed"] += len(claims)
-                for claim in claims:
-                    await noop_turn(pool, claim, notifier.notify)
-                    counts["finished"] += 1
+                await asyncio.gather(*(noop_turn(pool, claim, notifier.notify, finishes)
+                                       for claim in claims))
+                counts["finished"] += len(claims)
 
         progress(f"agentd drain of {jobs} runs, claim batch {batch}")
         started = time.perf_counter()
         await asyncio.gather(*(consumer(i) for i in range(args.consumers)))
         elapsed = time.perf_counter() - started
     finally:
+        analyzing.cancel()
         await notifier.close()
         await pool.close()
     rate = counts["finished"] / elapsed
@@ -823,4 +839,4 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(event_loop.run(main()))

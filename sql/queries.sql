@@ -5,58 +5,77 @@
 -- All lease comparisons use clock_timestamp() (the database clock, sampled once per statement).
 -- "Rule N" is rule N of docs/architecture.md ("The rules and where they live").
 
--- enqueue_run --
--- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key, default_max_queued
--- A run is a row (docs/architecture.md rule 1): the user message, the run, journal seq 1-2 and
--- the wake commit as ONE statement.
--- A repeated idempotency key inserts nothing (the unique index arbitrates, even mid-flight).
--- The conversation row is locked first, so runs of one conversation get created_at in commit
--- order (a conversation feed's watermark relies on it) and on_busy checks serialize with us.
--- Bounded: account_queue_has_room (sql/009) locks the account's row (after the conversation's)
--- and counts its queued turns as last committed, so enqueues of one account serialize there and
--- none can overshoot its max_queued ($8 when the account sets none); over it nothing is written
--- (the conversation's updated_at moves only with a new run). The answer row says which: `room`
--- false = over the limit; no row at all = no such conversation here.
-WITH conv AS (
-    SELECT id, account_id FROM conversation
-    WHERE id = $2::uuid AND account_id = $1::uuid
-    FOR NO KEY UPDATE
-), room AS (
-    SELECT account_queue_has_room(conv.account_id, $8::int) AS ok,
-           (SELECT coalesce(max_queued, $8::int) FROM account WHERE id = conv.account_id)
-               AS max_queued
-    FROM conv
+-- enqueue_runs --
+-- params: account_id, conversation_ids, device_id, contents, requests, request_hashes, idempotency_keys, default_max_queued, exact
+-- A run is a row (docs/architecture.md rule 1): for each item, the user message, the run,
+-- journal seq 1-2 and the wake commit in ONE statement (with every other item of the call).
+-- Items are numbered by their place in the arrays; the answer has one row per item.
+-- The conversations are locked first (in id order: calls cannot deadlock), so runs of one
+-- conversation get created_at in commit order (a conversation feed's watermark relies on it)
+-- and on_busy checks serialize with us; items of one conversation are inserted in item order.
+-- Bounded: each run takes a free queue slot of its account (take_queue_slot, sql/011; $9 makes
+-- it look for one in order, else it tries one at random), so no race can overshoot max_queued
+-- ($8 when the account sets none) and enqueues of one account never wait for each other.
+-- ON CONFLICT DO NOTHING: a repeated idempotency key, or a slot a committed run took since
+-- the pick, inserts nothing (a unique index arbitrates, even mid-flight). The answer says
+-- which: `conversation` false = no such conversation here; `slot` NULL = no free slot (the
+-- queue is full when $9 asked for one in order); `id` NULL with a slot = not inserted.
+WITH item AS (
+    SELECT i.*
+    FROM unnest($2::uuid[], $4::text[], $5::text[], $6::text[], $7::text[])
+        WITH ORDINALITY AS i (conversation_id, content, request, request_hash, idempotency_key,
+                              n)
+), conv AS (
+    SELECT c.id, c.account_id, coalesce(a.max_queued, $8::int) AS max_queued
+    FROM conversation c JOIN account a ON a.id = c.account_id
+    WHERE c.id = ANY ($2::uuid[]) AND c.account_id = $1::uuid
+    ORDER BY c.id
+    FOR NO KEY UPDATE OF c
+), slotted AS (
+    SELECT item.*, conv.account_id, conv.max_queued, gen_random_uuid() AS message_id,
+           take_queue_slot(conv.account_id, conv.max_queued, $9::boolean) AS slot
+    FROM item JOIN conv ON conv.id = item.conversation_id
 ), run AS (
     INSERT INTO agent_run (account_id, conversation_id, user_message_id, origin_device_id,
-                           request, request_hash, idempotency_key, created_at)
-    SELECT conv.account_id, conv.id, gen_random_uuid(), $3::uuid, $5::jsonb, $6::text, $7::text,
-           clock_timestamp()
-    FROM conv, room
-    WHERE room.ok
-    ON CONFLICT (account_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+                           request, request_hash, idempotency_key, created_at, slot)
+    SELECT s.account_id, s.conversation_id, s.message_id, $3::uuid, s.request::jsonb,
+           s.request_hash, s.idempotency_key, clock_timestamp(), s.slot
+    FROM slotted s
+    WHERE s.slot IS NOT NULL
+    ORDER BY s.n
+    ON CONFLICT DO NOTHING
     RETURNING id, conversation_id, user_message_id, status, created_at
 ), touched AS (
     UPDATE conversation c SET updated_at = clock_timestamp()
-    FROM run WHERE c.id = run.conversation_id
+    WHERE c.id = ANY (ARRAY(SELECT r.conversation_id FROM run r))
 ), msg AS (
     INSERT INTO message (id, conversation_id, run_id, role, content, status)
-    SELECT user_message_id, conversation_id, id, 'user', $4::text, 'queued' FROM run
+    SELECT r.user_message_id, r.conversation_id, r.id, 'user', s.content, 'queued'
+    FROM run r JOIN slotted s ON s.message_id = r.user_message_id
+    ORDER BY s.n
 ), journal AS (
     INSERT INTO run_event (run_id, seq, type, payload)
-    SELECT run.id, e.seq, e.type, e.payload
-    FROM run CROSS JOIN LATERAL (VALUES
+    SELECT r.id, e.seq, e.type, e.payload
+    FROM run r JOIN slotted s ON s.message_id = r.user_message_id
+    CROSS JOIN LATERAL (VALUES
         (1, 'user_message', jsonb_build_object(
-            'message_id', run.user_message_id, 'role', 'user', 'content', $4::text)),
+            'message_id', r.user_message_id, 'role', 'user', 'content', s.content)),
         (2, 'run_queued', jsonb_build_object(
-            'run_id', run.id, 'conversation_id', run.conversation_id, 'device_id', $3::uuid,
-            'device', (SELECT name FROM device WHERE id = $3::uuid)))
+            'run_id', r.id, 'conversation_id', r.conversation_id, 'device_id', $3::uuid,
+            'device', (SELECT d.name FROM device d WHERE d.id = $3::uuid)))
     ) AS e (seq, type, payload)
+), woken AS (
+    SELECT count(pg_notify('agentd_run_enqueued', w.conversation_id::text))
+         + count(pg_notify('agentd_conversation', w.conversation_id::text)) AS hints
+    FROM (SELECT DISTINCT r.conversation_id FROM run r) w
 )
-SELECT room.ok AS room, room.max_queued, run.id, run.status, run.conversation_id,
-       run.user_message_id, run.created_at,
-       pg_notify('agentd_run_enqueued', run.conversation_id::text),
-       pg_notify('agentd_conversation', run.conversation_id::text)
-FROM conv CROSS JOIN room LEFT JOIN run ON true;
+SELECT item.n, conv.id IS NOT NULL AS conversation, s.slot, conv.max_queued, r.id, r.status,
+       r.user_message_id, r.created_at, (SELECT hints FROM woken) AS hints
+FROM item
+LEFT JOIN conv ON conv.id = item.conversation_id
+LEFT JOIN slotted s ON s.n = item.n
+LEFT JOIN run r ON r.user_message_id = s.message_id
+ORDER BY item.n;
 
 -- find_run_by_idempotency_key --
 -- params: account_id, idempotency_key
@@ -67,139 +86,15 @@ WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 
 -- claim_runs --
 -- params: worker_id, lease_ttl_s, limit, default_max_running
--- Claim in one statement (docs/architecture.md rule 2); SKIP LOCKED so claimers pass over each
--- other's turns, never wait for them. Fair: accounts take turns, the one served longest ago
--- first (round robin by account.last_claimed_at, one turn of each before a second of any),
--- FIFO within the account; only the oldest queued turn of a conversation with nothing running
--- is eligible (FIFO; one turn at a time per conversation, rule 5); the pre-filter can be fooled
--- by snapshots, the one_running_per_conversation index cannot.
--- Bounded: an account takes at most max_running ($4 when it sets none) minus its running
--- turns. The snapshot's count only pre-filters; account_running_room (sql/009) decides, under a
--- lock on the account's row, by a count read after the lock was granted: claimers of one
--- account serialize there (for the rest of their short transaction), so two daemons can never
--- together exceed the limit. Accounts are locked in id order: batch claims cannot deadlock.
--- Stamps a fresh claim_token, a monotonic fence and a deadline on the database clock, and
--- acquires the conversation lease (which execution owns the conversation): its conditional
--- UPSERT takes over only a holder whose run is no longer live, and require_conversation_lease
--- (sql/004) raises a unique violation when it was not acquired, so the whole claim rolls back:
--- no half claim can commit. Journals run_started (worker, fence, deadline); last_seq is that
--- event's seq.
-WITH RECURSIVE queued_accounts AS (
-    -- The accounts with queued turns, one index probe each (a loose scan of the queued index).
-    (SELECT account_id FROM agent_run WHERE status = 'queued' ORDER BY account_id LIMIT 1)
-    UNION ALL
-    SELECT (SELECT q.account_id FROM agent_run q
-            WHERE q.status = 'queued' AND q.account_id > seen.account_id
-            ORDER BY q.account_id LIMIT 1)
-    FROM queued_accounts seen
-    WHERE seen.account_id IS NOT NULL
-), clock AS (
-    SELECT clock_timestamp() AS now
-), open_accounts AS (
-    SELECT acc.id AS account_id, acc.last_claimed_at,
-           coalesce(acc.max_running, $4::int) - (
-               SELECT count(*) FROM agent_run busy
-               WHERE busy.account_id = acc.id AND busy.status = 'running') AS free
-    FROM queued_accounts qa JOIN account acc ON acc.id = qa.account_id
-), candidates AS (
-    -- Per account below its limit, its oldest eligible turns, numbered in arrival order: as
-    -- many as it may still start, at most the batch and 32 more (a claimer passes over the
-    -- turns rival claimers are taking right now: SKIP LOCKED below).
-    SELECT next.id, oa.account_id, oa.last_claimed_at, next.created_at,
-           row_number() OVER (PARTITION BY oa.account_id
-                              ORDER BY next.created_at, next.id) AS nth
-    FROM open_accounts oa
-    CROSS JOIN LATERAL (
-        SELECT q.id, q.created_at FROM agent_run q
-        WHERE q.account_id = oa.account_id AND q.status = 'queued'
-          AND NOT EXISTS (
-              SELECT 1 FROM agent_run busy
-              WHERE busy.conversation_id = q.conversation_id AND busy.status = 'running')
-          AND NOT EXISTS (
-              SELECT 1 FROM agent_run older
-              WHERE older.conversation_id = q.conversation_id AND older.status = 'queued'
-                AND (older.created_at, older.id) < (q.created_at, q.id))
-        ORDER BY q.created_at, q.id
-        LIMIT least($3::int + 32, oa.free)
-    ) next
-    WHERE oa.free > 0
-), picked AS (
-    -- Round robin: every account's first turn (the account served longest ago first), then
-    -- every account's second, and so on.
-    SELECT r.id, r.account_id, c.created_at
-    FROM candidates c JOIN agent_run r ON r.id = c.id
-    WHERE r.status = 'queued'  -- re-checked on the row as it is once locked
-    ORDER BY c.nth, c.last_claimed_at NULLS FIRST, c.created_at, c.id
-    LIMIT $3::int
-    FOR UPDATE OF r SKIP LOCKED
-), slots AS (
-    -- The deciding count, per picked account, under its lock (taken in account id order).
-    SELECT ordered.account_id, account_running_room(ordered.account_id, $4::int) AS free
-    FROM (SELECT DISTINCT account_id FROM picked ORDER BY account_id) ordered
-), admitted AS (
-    SELECT p.id
-    FROM (SELECT picked.id, picked.account_id,
-                 row_number() OVER (PARTITION BY picked.account_id
-                                    ORDER BY picked.created_at, picked.id) AS nth
-          FROM picked) p
-    JOIN slots ON slots.account_id = p.account_id
-    WHERE p.nth <= slots.free
-), claimed AS (
-    UPDATE agent_run r
-    SET status = 'running',
-        claim_token = gen_random_uuid(),
-        fence = nextval('agent_run_fence_seq'),
-        worker_id = $1::text,
-        lease_expires_at = clock.now + make_interval(secs => $2::float8),
-        last_heartbeat_at = clock.now,
-        started_at = clock.now
-    FROM admitted, clock
-    WHERE r.id = admitted.id AND r.status = 'queued'
-    RETURNING r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
-              r.request, r.claim_token, r.fence, r.worker_id, r.lease_expires_at,
-              r.cancel_requested, r.created_at, r.started_at
-), served AS (
-    -- Round robin's clock: the accounts served now go to the back of the line.
-    UPDATE account acc SET last_claimed_at = clock.now
-    FROM clock
-    WHERE acc.id IN (SELECT account_id FROM claimed)
-), asked AS (
-    UPDATE message m SET status = 'complete'
-    FROM claimed
-    WHERE m.id = claimed.user_message_id AND m.status = 'queued'
-), lease AS (
-    INSERT INTO conversation_lease AS held (account_id, conversation_id, run_id, execution_id,
-                                            fence, worker_id, device_id, acquired_at)
-    SELECT c.account_id, c.conversation_id, c.id, c.claim_token, c.fence, c.worker_id,
-           c.origin_device_id, clock.now
-    FROM claimed c, clock
-    ON CONFLICT (account_id, conversation_id) DO UPDATE
-    SET run_id = EXCLUDED.run_id,
-        execution_id = EXCLUDED.execution_id,
-        fence = EXCLUDED.fence,
-        worker_id = EXCLUDED.worker_id,
-        device_id = EXCLUDED.device_id,
-        acquired_at = EXCLUDED.acquired_at
-    WHERE NOT EXISTS (
-        SELECT 1 FROM agent_run holder, clock
-        WHERE holder.id = held.run_id AND holder.claim_token = held.execution_id
-          AND holder.status = 'running' AND holder.lease_expires_at > clock.now)
-    RETURNING run_id
-), started AS (
-    -- The claim journals its own run_started: one commit less before the first token. It is
-    -- the claimer's first write; it rolls back with the claim if the lease was not acquired.
-    INSERT INTO run_event (run_id, seq, type, payload)
-    SELECT c.id, (SELECT max(e.seq) FROM run_event e WHERE e.run_id = c.id) + 1,
-           'run_started',
-           jsonb_build_object('worker_id', c.worker_id, 'fence', c.fence,
-                              'lease_expires_at', to_char(c.lease_expires_at AT TIME ZONE 'UTC',
-                                                          'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))
-    FROM claimed c
-    RETURNING run_id, seq
-)
-SELECT c.*, started.seq AS last_seq
-FROM claimed c JOIN started ON started.run_id = c.id
-WHERE require_conversation_lease(EXISTS (SELECT 1 FROM lease WHERE lease.run_id = c.id), c.id);
+-- Claim in one statement (docs/architecture.md rule 2): the claim_runs function (sql/011) picks
+-- with SKIP LOCKED, fairly across accounts (round robin) and FIFO within each, only a
+-- conversation's oldest queued turn and none while it runs one (rule 5: the pre-filter can be
+-- fooled by snapshots, the one_running_per_conversation index cannot), within each account's
+-- running limit (decided under its row lock: claimers of one account serialize for the rest of
+-- their short transaction); stamps a fresh claim_token, a monotonic fence and a deadline on the
+-- database clock, takes the conversation lease (a live holder aborts the whole claim: no half
+-- claim can commit) and journals run_started; last_seq is that event's seq.
+SELECT * FROM claim_runs($1::text, $2::float8, $3::int, $4::int);
 
 -- beat --
 -- params: worker_id, host, pid, listen, version, lease_ttl_s, runs_in_flight, max_runs, loop_lag_ms, pool_wait_ms, admitting, run_ids, claim_tokens
@@ -302,6 +197,21 @@ FROM agent_run
 WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
   AND lease_expires_at > clock_timestamp();
 
+-- open_turn --
+-- params: run_id, claim_token, conversation_id, user_message_id
+-- A turn's first read, in one round trip: the check that the granted deadline is still ahead
+-- (database clock) and the claim still ours, as check_lease, and what the model sees
+-- (turn_transcript, sql/011), a row per message with the lease columns repeated. Zero rows =
+-- LeaseLost: the transcript always holds the turn's own question.
+SELECT lease.cancel_requested, lease.lease_expires_at,
+       t.role, t.content, t.tool_calls, t.tool_call_id
+FROM (SELECT r.cancel_requested, r.lease_expires_at
+      FROM agent_run r
+      WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
+        AND r.lease_expires_at > clock_timestamp()) lease
+CROSS JOIN LATERAL turn_transcript($3::uuid, $4::uuid) WITH ORDINALITY AS t
+ORDER BY t.ordinality;
+
 -- append_events_fenced --
 -- params: run_id, claim_token, seqs, types, payloads
 -- Streams are tables (docs/architecture.md rule 7): a worker's journal batch lands whole or not
@@ -379,58 +289,17 @@ WITH owner AS (
 SELECT answer_open_tool_calls(owner.id) AS answered
 FROM owner;
 
--- finish_run_fenced --
--- params: run_id, claim_token, status, error, usage, content, message_status, seq, error_code
--- The worker's terminal write (docs/architecture.md rule 3). Fenced like every other write;
--- terminal states are sticky (status = 'running' in the WHERE). In the same statement: the
--- answer message, the one 'complete' event (seq $8, or max+1 for the dispatcher's backstop), the
--- repair of tool calls left open and the lease release by execution id. The caller sends the
--- knock that starts the next turn right after the commit.
--- A `failed` run's answer is the text its journal holds (journal_text, sql/008) with message
--- status `failed`, whoever calls ($6 and $7 apply to the other endings): the transcript keeps
--- exactly what every client saw, and no answer when nothing was streamed.
-WITH clock AS (
-    SELECT clock_timestamp() AS now
-), fin AS (
-    UPDATE agent_run r
-    SET status = $3::text, error = $4::text, error_code = $9::text, usage = $5::jsonb,
-        finished_at = clock.now
-    FROM clock
-    WHERE r.id = $1::uuid AND r.claim_token = $2::uuid AND r.status = 'running'
-      AND r.lease_expires_at > clock.now
-    RETURNING r.id, r.account_id, r.conversation_id, r.claim_token
-), repaired AS (
-    -- Backstop for a worker that died mid-tool: its open calls get `cancelled` results
-    -- (answer_open_tool_calls, sql/004), written before the answer that reads from here.
-    SELECT answer_open_tool_calls(fin.id) AS calls FROM fin
-), answer AS (
-    INSERT INTO message (conversation_id, run_id, role, content, status)
-    SELECT fin.conversation_id, fin.id, 'assistant', said.content, said.status
-    FROM fin, repaired,
-         LATERAL (SELECT nullif(journal_text(fin.id), '') AS content, 'failed' AS status
-                  WHERE $3::text = 'failed'
-                  UNION ALL
-                  SELECT $6::text, $7::text WHERE $3::text <> 'failed') said
-    WHERE said.content IS NOT NULL
-    RETURNING id
-), ended AS (
-    INSERT INTO run_event (run_id, seq, type, payload)
-    SELECT fin.id,
-           coalesce($8::bigint,
-                    (SELECT max(e.seq) + 1 FROM run_event e WHERE e.run_id = fin.id)),
-           'complete',
-           jsonb_build_object('status', $3::text, 'error', $4::text, 'error_code', $9::text,
-                              'message_id', (SELECT id FROM answer), 'usage', $5::jsonb)
-    FROM fin
-), released AS (
-    DELETE FROM conversation_lease l
-    USING fin
-    WHERE l.account_id = fin.account_id AND l.conversation_id = fin.conversation_id
-      AND l.execution_id = fin.claim_token
-)
-SELECT fin.id, fin.conversation_id, (SELECT id FROM answer) AS message_id,
-       repaired.calls AS repaired_calls
-FROM fin, repaired;
+-- finish_runs --
+-- params: run_ids, claim_tokens, statuses, errors, error_codes, usages, contents, message_statuses, seqs, event_run_ids, event_seqs, event_types, event_payloads
+-- The workers' terminal writes (docs/architecture.md rule 3), one or many runs in one
+-- statement (finish_runs, sql/011): each fenced on its own (claim token, status running,
+-- deadline ahead); terminal states are sticky. Per run: its last journal batch, the repair of
+-- open tool calls, the answer message (a `failed` run's is its journal's text), the one
+-- 'complete' event and the lease release; a run missing from the answer was refused. The
+-- caller sends the knock that starts the next turn right after the commit.
+SELECT * FROM finish_runs($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::text[],
+                          $6::text[], $7::text[], $8::text[], $9::bigint[], $10::uuid[],
+                          $11::bigint[], $12::text[], $13::text[]);
 
 -- reap_expired_runs --
 -- params: grace_s, limit
@@ -663,6 +532,27 @@ JOIN agent_run r ON r.id = l.run_id AND r.claim_token = l.execution_id
 LEFT JOIN device d ON d.id = l.device_id
 WHERE l.account_id = $1::uuid AND l.conversation_id = $2::uuid;
 
+-- young_tables_due --
+-- params: tables, min_changes, grown_up_rows
+-- Planner statistics while a hot table is young (statistics.py): the named tables that have
+-- changed, since they were last analyzed, by at least min_changes rows and by as many rows as
+-- they held then; past grown_up_rows rows autovacuum's own thresholds keep up.
+SELECT s.relname::text AS name
+FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+WHERE s.schemaname = current_schema() AND s.relname = ANY ($1::text[])
+  AND s.n_mod_since_analyze >= greatest($2::bigint, c.reltuples::bigint)
+  AND c.reltuples < $3::float8;
+
+-- try_statistics_lock --
+-- One process of a fleet analyzes at a time (for the rest of its transaction); the others,
+-- refused at once, leave it to that one instead of queueing behind it.
+SELECT pg_try_advisory_xact_lock(hashtext('agentd.analyze_hot_tables'));
+
+-- analyze_hot_tables --
+-- Fresh statistics for the queue's hot tables (statistics.HOT_TABLES); cached plans that read
+-- them are made again with the new figures.
+ANALYZE agent_run, run_event, message, conversation, conversation_lease;
+
 -- trim_journal --
 -- params: older_than_s
 -- Retention: the journal is a delivery buffer; the message table is the record. Trim events of
@@ -887,17 +777,10 @@ SHOW server_version;
 
 -- transcript_for_run --
 -- params: conversation_id, user_message_id
--- What the model sees for a turn: every earlier turn (question, tool steps, answer) and its own
--- question, in turn order; minus turns not yet run (queued), handed back (draft), or replaced
--- by a retry or an edit (superseded).
-SELECT m.role, m.content, m.tool_calls, m.tool_call_id
-FROM message m
-LEFT JOIN agent_run r ON r.id = m.run_id
-LEFT JOIN message asked ON asked.id = r.user_message_id
-WHERE m.conversation_id = $1::uuid
-  AND coalesce(asked.position, m.position) <= (SELECT position FROM message WHERE id = $2::uuid)
-  AND m.status NOT IN ('queued', 'draft') AND m.superseded_by IS NULL
-ORDER BY coalesce(asked.position, m.position), m.position;
+-- What the model sees for a turn (turn_transcript, sql/011), in turn order.
+SELECT t.role, t.content, t.tool_calls, t.tool_call_id
+FROM turn_transcript($1::uuid, $2::uuid) WITH ORDINALITY AS t
+ORDER BY t.ordinality;
 
 -- presence_attach --
 -- params: account_id, conversation_id, device_id, ttl_s

@@ -25,6 +25,25 @@ Conn: TypeAlias = "asyncpg.Connection | PoolConnectionProxy"
 EMBEDDED_DATABASE = "agentd"  # create_agentd_database names it (identifiers cannot be bound)
 
 
+class _Borrowed:
+    """A connection the caller already holds, as `acquire` hands one out."""
+
+    def __init__(self, conn: Conn) -> None:
+        self._conn = conn
+
+    async def __aenter__(self) -> Conn:
+        return self._conn
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+def acquire(db: Db) -> Any:
+    """A connection for several statements in one session: borrowed from the pool, or the one
+    the caller already holds (an async context manager either way)."""
+    return db.acquire() if isinstance(db, asyncpg.Pool) else _Borrowed(db)
+
+
 @dataclass(frozen=True, slots=True)
 class DbTimeouts:
     lock_timeout_ms: int = 5_000

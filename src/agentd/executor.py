@@ -4,7 +4,7 @@ The process's heartbeat (heartbeat.LeaseKeeper) keeps the lease and reports the 
 lost lease; on LeaseLost everything stops and nothing more is written. A turn is bounded: past
 max_run_s it ends `failed` with `deadline_exceeded`, and each model call past its provider's
 call_timeout_s with `provider_timeout`. A failed turn keeps the text it streamed
-(finish_run_fenced stores the journal's text with status `failed`); clients get a stable code
+(finish_runs stores the journal's text with status `failed`); clients get a stable code
 and a short message (failures.py), the log gets the detail.
 """
 
@@ -29,9 +29,8 @@ from agentd.approvals import (
     read_approval,
     request_approval,
 )
-from agentd.conversations import transcript_for_run
 from agentd.failures import RunFailure, classify, failure, log_failure
-from agentd.group_commit import Batcher, GroupCommit
+from agentd.group_commit import Batcher
 from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.hub import Hub, Subscription
 from agentd.journal import RETRY_DELAYS_S, TRANSIENT, Emitter
@@ -45,6 +44,7 @@ from agentd.providers.base import (
 )
 from agentd.queue import (
     Claim,
+    Finishes,
     Hint,
     JournalBatch,
     LeaseLost,
@@ -52,6 +52,7 @@ from agentd.queue import (
     check_lease,
     finish_run_journaled,
     insert_message,
+    open_turn,
 )
 from agentd.settings import Settings
 from agentd.tools import Tool, ToolContext, ToolError, ToolRegistry
@@ -87,6 +88,7 @@ class _Turn:
     emitter: Emitter
     held: HeldRun
     max_run_s: float
+    transcript: list[dict[str, Any]] = field(default_factory=list)  # what the model reads first
     started: float = field(default_factory=time.monotonic)
     text: list[str] = field(default_factory=list)
     open_calls: dict[str, str] = field(default_factory=dict)  # call id -> tool name
@@ -117,11 +119,11 @@ class TurnRunner:
     def __init__(self, pool: asyncpg.Pool, hub: Hub, keeper: LeaseKeeper, settings: Settings,
                  providers: ProviderRegistry, tools: ToolRegistry,
                  hint: Hint | None = None, metrics: Metrics | None = None,
-                 group: GroupCommit | None = None,
+                 finishes: Finishes | None = None,
                  appends: Batcher[JournalBatch, None] | None = None) -> None:
         self._pool = pool
         # Journal and terminal writes of concurrent turns share commits (group_commit.py).
-        self._group = group
+        self._finishes = finishes
         self._appends = appends
         self._hint = hint
         self._hub = hub
@@ -143,14 +145,16 @@ class TurnRunner:
                 # moments ago can have expired since: docs/architecture.md, lease and fence).
                 # A read, not a renewal: the claim just granted a full lease, and a write here
                 # would put one more synchronous commit in front of every turn.
-                beat = await check_lease(self._pool, claim)
+                # One round trip with the transcript the model is about to read.
+                beat, transcript = await open_turn(self._pool, claim)
             except LeaseLost:
                 log.warning("lease gone before the turn started; standing down", extra=ctx)
                 return False
             emitter = Emitter(self._pool, claim,
                               flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint,
                               appends=self._appends)
-            turn = _Turn(claim, emitter, held, self._settings.max_run_s)
+            turn = _Turn(claim, emitter, held, self._settings.max_run_s,
+                         transcript=[_chat_message(r) for r in transcript])
             if beat.cancel_requested:
                 held.cancel.set()
             try:
@@ -239,7 +243,7 @@ class TurnRunner:
                     message_status=MessageStatus.COMPLETE if complete else MessageStatus.PARTIAL,
                     hint=self._hint, error=ended.message if ended else None,
                     error_code=ended.code if ended else None, usage=turn.usage,
-                    group=self._group)
+                    finishes=self._finishes)
                 break
             except TRANSIENT:
                 # Rolled back, or committed with the answer lost on the wire: a retry either
@@ -260,8 +264,7 @@ class TurnRunner:
         ref = parse_model(request.get("model"), self._settings)
         provider = self._providers.resolve(ref)
         params = dict(request.get("params") or {})
-        messages = [_chat_message(r) for r in await transcript_for_run(
-            self._pool, claim.conversation_id, claim.user_message_id)]
+        messages = list(turn.transcript)
         specs = await self._tools.specs()
         call_timeout_s = self._settings.providers[ref.provider].call_timeout_s
         for step in range(self._settings.max_tool_steps + 1):

@@ -5,10 +5,10 @@ so N turns streaming at once cost a few WAL flushes per clock tick, not N.
 and go together into the next batch; an idle process waits for nothing (a lone item starts a
 batch at once). Its writer returns one outcome per item: each caller gets the result or the
 error its own write would have had. Journal appends use it with one statement for the whole
-batch (queue.append_events_many, each run fenced on its own). `GroupCommit` runs arbitrary
-fenced writes (a turn's terminal write) in one transaction, each in a savepoint of its own, so
-one that is refused rolls back alone. A failed commit fails every item of its batch, as each
-one's own failed commit would have.
+batch (queue.append_events_many), and so do terminal writes (queue.finish_runs), each run
+fenced on its own in that statement: one refused is missing from its answer while the others
+land. A failed commit fails every item of its batch, as each one's own failed commit would
+have.
 """
 
 from __future__ import annotations
@@ -17,13 +17,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-import asyncpg
-
-from agentd.db import Conn
-
 I = TypeVar("I")  # noqa: E741 - an item
 R = TypeVar("R")
-T = TypeVar("T")
 
 
 class Batcher(Generic[I, R]):
@@ -83,40 +78,3 @@ class Batcher(Generic[I, R]):
         finally:
             self._in_flight -= 1
             self._start_batches()
-
-
-Work = Callable[[Conn], Awaitable[Any]]
-
-
-class GroupCommit:
-    """Runs `work(conn)` callables in shared transactions, each in its own savepoint."""
-
-    def __init__(self, pool: asyncpg.Pool, *, max_group: int = 64,
-                 max_in_flight: int = 2) -> None:
-        self.pool = pool
-        self._batcher: Batcher[Work, Any] = Batcher(
-            pool, self._commit, max_batch=max_group, max_in_flight=max_in_flight)
-
-    @property
-    def groups(self) -> int:
-        return self._batcher.batches
-
-    @property
-    def writes(self) -> int:
-        return self._batcher.items
-
-    async def run(self, work: Callable[[Conn], Awaitable[T]]) -> T:
-        """`work` in the next group's transaction; its result once that group committed."""
-        result: T = await self._batcher.submit(work)
-        return result
-
-    async def _commit(self, works: Sequence[Work]) -> list[Any]:
-        outcomes: list[Any] = []
-        async with self.pool.acquire() as conn, conn.transaction():
-            for work in works:
-                try:
-                    async with conn.transaction():  # a savepoint: refused alone
-                        outcomes.append(await work(conn))
-                except Exception as exc:
-                    outcomes.append(exc)
-        return outcomes

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -24,6 +25,10 @@ from agentd.vocabulary import Channel
 log = logging.getLogger("agentd.hub")
 
 RECONNECTED = "*reconnected*"  # payload delivered to every subscriber after a reconnect
+# A local hint's own NOTIFY comes back within milliseconds; one that has not after this long was
+# lost (its statement failed), and the next one like it is another process's news.
+ECHO_WINDOW_S = 2.0
+MAX_ECHOES = 10_000  # beyond this many awaited echoes, local hints just wake twice
 DEAF_MESSAGE = ("the LISTEN connection receives no notifications (is hub_dsn behind a "
                 "transaction pooler? it must reach PostgreSQL directly): working at the poll "
                 "interval")
@@ -108,6 +113,8 @@ class Hub:
         self.deaf = False  # connected and listening, yet its own probe never came back
         self.reconnects = 0
         self.notifications = 0
+        self.echoes = 0  # notifications dropped: their hint was delivered here already
+        self._echoes: dict[tuple[Channel, str], list[float]] = {}
 
     @property
     def connected(self) -> bool:
@@ -168,6 +175,50 @@ class Hub:
     def subscriber_count(self) -> int:
         return sum(len(s) for s in self._subscribers.values())
 
+    def hint_locally(self, channel: Channel, payload: str, *, echo: bool) -> None:
+        """Wake this process's subscribers now, for rows this process has just committed,
+        instead of after the round trip through PostgreSQL (the NOTIFY still goes out, for the
+        fleet). `echo`: that NOTIFY is sent after this call, so when it comes back here it is
+        dropped (these subscribers were woken for it already); hints whose NOTIFY may already
+        be on its way (sent inside the committing transaction) pass echo=False and simply wake
+        their subscribers twice."""
+        if echo and self.connected:  # else its NOTIFY will not come back here at all
+            if len(self._echoes) >= MAX_ECHOES:
+                self._forget_expired_echoes()
+            if len(self._echoes) < MAX_ECHOES:
+                self._echoes.setdefault((channel, payload), []).append(
+                    time.monotonic() + ECHO_WINDOW_S)
+        self._route(channel, payload)
+
+    def _forget_expired_echoes(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, due in self._echoes.items() if not due or due[-1] < now]:
+            del self._echoes[key]
+
+    def _route(self, channel: Channel, payload: str) -> None:
+        for sub in self._subscribers.get((channel, payload), ()):
+            sub.deliver(payload)
+        for sub in self._subscribers.get((channel, None), ()):
+            sub.deliver(payload)
+
+    def _is_echo(self, channel: Channel, payload: str) -> bool:
+        """Whether this notification is one this process announced locally already. Expected
+        echoes expire: a NOTIFY that was lost (its statement failed) must not swallow a later
+        one of another process for long."""
+        expected = self._echoes.get((channel, payload))
+        if not expected:
+            return False
+        now = time.monotonic()
+        while expected and expected[0] < now:
+            expected.pop(0)
+        if not expected:
+            del self._echoes[(channel, payload)]
+            return False
+        expected.pop(0)
+        if not expected:
+            del self._echoes[(channel, payload)]
+        return True
+
     def _on_notify(self, _conn: Any, _pid: int, channel: str, message: object) -> None:
         # Runs on the event loop inside asyncpg's protocol: only hand off, never do work here.
         self.notifications += 1
@@ -180,15 +231,17 @@ class Hub:
             if payload == self._probe_token:
                 self._probe_heard.set()
             return
-        for sub in self._subscribers.get((chan, payload), ()):
-            sub.deliver(payload)
-        for sub in self._subscribers.get((chan, None), ()):
-            sub.deliver(payload)
+        if self._is_echo(chan, payload):
+            self.echoes += 1
+            return
+        self._route(chan, payload)
 
     def _on_terminate(self, _conn: Any) -> None:
         self._lost.set()
 
     def _wake_everyone(self) -> None:
+        # What was sent while we were not listening never comes back: await no echo of it.
+        self._echoes.clear()
         for subs in list(self._subscribers.values()):
             for sub in list(subs):
                 sub.deliver(RECONNECTED)

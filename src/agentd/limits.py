@@ -17,7 +17,7 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 from uuid import UUID
 
 from aiohttp import web
@@ -156,8 +156,9 @@ class _GuardedProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A stream transport (uvloop's is one without subclassing asyncio's).
+        self._transport = cast(asyncio.Transport, transport)
+        transport = self._transport
         guard = self._guard
         if guard.open >= guard.max_connections:
             guard.refused += 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import asyncpg
 
@@ -20,14 +21,16 @@ from agentd.vocabulary import Channel
 
 log = logging.getLogger("agentd.notifier")
 
-
+LocalHint = Callable[..., None]  # Hub.hint_locally
 
 
 class Notifier:
-    """Collects (channel, payload) hints and sends each batch in one statement, in order."""
+    """Collects (channel, payload) hints and sends each batch in one statement, in order; with
+    `local` (the process's hub), this process's own subscribers are woken at once."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, local: LocalHint | None = None) -> None:
         self._pool = pool
+        self._local = local
         self._pending: dict[tuple[Channel, str], None] = {}  # ordered, de-duplicated
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -45,6 +48,11 @@ class Notifier:
         await self._flush()
 
     def notify(self, channel: Channel, payload: str) -> None:
+        """A hint for rows already committed: this process hears it now, every time (a
+        subscriber may have read between two commits), the fleet once the batch is sent —
+        which carries each (channel, payload) once, so the hub awaits one echo per batch."""
+        if self._local is not None:
+            self._local(channel, payload, echo=(channel, payload) not in self._pending)
         self._pending[(channel, payload)] = None
         self._wake.set()
 

@@ -17,9 +17,9 @@ from uuid import UUID
 
 import asyncpg
 
-from agentd.db import Conn, fetch_one
+from agentd.db import Conn, acquire, fetch_one
 from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
-from agentd.group_commit import Batcher, GroupCommit
+from agentd.group_commit import Batcher
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
 
@@ -224,34 +224,91 @@ DEFAULT_MAX_QUEUED = 1000  # an account's queued turns, when neither it nor sett
 DEFAULT_MAX_RUNNING = 16
 
 
+@dataclass(frozen=True, slots=True)
+class NewRun:
+    """One turn to enqueue: its question and the request snapshot the worker will run."""
+
+    conversation_id: UUID
+    content: str
+    request: dict[str, Any]
+    idempotency_key: str | None = None
+
+
+EnqueueOutcome = EnqueuedRun | QueueFull | ConversationNotFound | IdempotencyConflict
+# A queue slot is picked at random twice, then looked for in order (which also tells a full
+# queue); an item still unplaced after this many rounds means something is badly wrong.
+_RANDOM_SLOT_ROUNDS = 2
+_MAX_ENQUEUE_ROUNDS = 50
+
+
+async def enqueue_runs(db: Db, *, account_id: UUID, runs: Sequence[NewRun],
+                       device_id: UUID | None = None,
+                       default_max_queued: int = DEFAULT_MAX_QUEUED) -> list[EnqueueOutcome]:
+    """Enqueue several turns of one account in one statement (each a run, its message, journal
+    seq 1-2 and a wake: a run is a row, docs/architecture.md); one outcome per turn, in order:
+    the run, or the QueueFull / ConversationNotFound / IdempotencyConflict that refused it
+    (nothing written for it). A turn whose queue slot a rival took first asks again."""
+    outcomes: list[EnqueueOutcome | None] = [None] * len(runs)
+    digests = [request_hash(r.conversation_id, r.content, r.request) for r in runs]
+    pending = list(range(len(runs)))
+    for round_ in range(_MAX_ENQUEUE_ROUNDS):
+        if not pending:
+            break
+        rows = await db.fetch(*Q.enqueue_runs.bind(
+            account_id=account_id, conversation_ids=[runs[i].conversation_id for i in pending],
+            device_id=device_id, contents=[runs[i].content for i in pending],
+            requests=[json.dumps(runs[i].request) for i in pending],
+            request_hashes=[digests[i] for i in pending],
+            idempotency_keys=[runs[i].idempotency_key for i in pending],
+            default_max_queued=default_max_queued, exact=round_ >= _RANDOM_SLOT_ROUNDS))
+        again: list[int] = []
+        for row in rows:
+            i = pending[row["n"] - 1]
+            ask = runs[i]
+            if not row["conversation"]:
+                outcomes[i] = ConversationNotFound(str(ask.conversation_id))
+            elif row["id"] is not None:
+                outcomes[i] = EnqueuedRun(row["id"], RunStatus(row["status"]),
+                                          ask.conversation_id, True, row["user_message_id"])
+            elif (replay := await _replay(db, account_id, ask, digests[i])) is not None:
+                outcomes[i] = replay  # a retried POST: its first run stands, full queue or not
+            elif row["slot"] is None:
+                outcomes[i] = QueueFull(row["max_queued"])
+            else:
+                again.append(i)  # a run committed holding the slot since it was picked
+        pending = again
+    if pending:
+        raise RuntimeError(f"{len(pending)} turns found no queue slot in "
+                           f"{_MAX_ENQUEUE_ROUNDS} rounds")
+    return [o for o in outcomes if o is not None]
+
+
+async def _replay(db: Db, account_id: UUID, ask: NewRun,
+                  digest: str) -> EnqueuedRun | IdempotencyConflict | None:
+    """The first run of this turn's Idempotency-Key, if there is one."""
+    if ask.idempotency_key is None:
+        return None
+    first = await find_run_by_idempotency_key(db, account_id, ask.idempotency_key)
+    if first is None:
+        return None
+    if first.request_hash != digest:
+        return IdempotencyConflict(first.run_id)
+    return EnqueuedRun(first.run_id, first.status, first.conversation_id, False)
+
+
 async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, content: str,
                       request: dict[str, Any], device_id: UUID | None = None,
                       idempotency_key: str | None = None,
                       default_max_queued: int = DEFAULT_MAX_QUEUED) -> EnqueuedRun:
-    """Write message + run + journal seq 1-2 + wake in one statement (a run is a row:
-docs/architecture.md). Raises
-    QueueFull (nothing written) when the account is at its queued limit, ConversationNotFound
-    when the conversation is not the account's."""
-    digest = request_hash(conversation_id, content, request)
-    row = await db.fetchrow(*Q.enqueue_run.bind(
-        account_id=account_id, conversation_id=conversation_id, device_id=device_id,
-        content=content, request=request, request_hash=digest,
-        idempotency_key=idempotency_key, default_max_queued=default_max_queued))
-    if row is None:
-        raise ConversationNotFound(str(conversation_id))
-    if row["id"] is not None:
-        return EnqueuedRun(row["id"], RunStatus(row["status"]), row["conversation_id"], True,
-                           row["user_message_id"])
-    if idempotency_key is not None:
-        # A retried POST: its first run stands (even when the queue has filled up since).
-        first = await find_run_by_idempotency_key(db, account_id, idempotency_key)
-        if first is not None:
-            if first.request_hash != digest:
-                raise IdempotencyConflict(first.run_id)
-            return EnqueuedRun(first.run_id, first.status, first.conversation_id, False)
-    if not row["room"]:
-        raise QueueFull(row["max_queued"])
-    raise ConversationNotFound(str(conversation_id))
+    """Enqueue one turn (enqueue_runs). Raises QueueFull (nothing written) when the account is
+    at its queued limit, ConversationNotFound when the conversation is not the account's,
+    IdempotencyConflict when the key was used for another request."""
+    [outcome] = await enqueue_runs(
+        db, account_id=account_id, device_id=device_id, default_max_queued=default_max_queued,
+        runs=[NewRun(conversation_id, content, request, idempotency_key)])
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
 
 async def find_run_by_idempotency_key(db: Db, account_id: UUID,
@@ -272,23 +329,6 @@ def _claim_from_row(row: asyncpg.Record) -> Claim:
         worker_id=row["worker_id"], lease_expires_at=row["lease_expires_at"],
         cancel_requested=row["cancel_requested"], last_seq=row["last_seq"] or 0,
         created_at=row["created_at"], started_at=row["started_at"])
-
-
-class _Borrowed:
-    """Lets functions that need a dedicated connection accept one the caller already holds."""
-
-    def __init__(self, conn: Conn) -> None:
-        self._conn = conn
-
-    async def __aenter__(self) -> Conn:
-        return self._conn
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-def _acquire(db: Db) -> Any:
-    return db.acquire() if isinstance(db, asyncpg.Pool) else _Borrowed(db)
 
 
 Hint = Callable[[Channel, str], None]
@@ -319,17 +359,21 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
                      hint: Hint | None = None) -> list[Claim]:
     """Claim up to `limit` runs in one statement (docs/architecture.md), fairly across accounts
     and within their running limits (at most one per account). Losing a race claims nothing."""
-    try:
-        # One statement commits whole or not at all. Losing the conversation raises a unique
-        # violation: from one_running_per_conversation when a snapshot fooled the pre-filter,
-        # or from require_conversation_lease when a live execution holds the lease.
-        rows = await db.fetch(*Q.claim_runs.bind(worker_id=worker_id, lease_ttl_s=lease_ttl_s,
-                                                 limit=limit,
-                                                 default_max_running=default_max_running))
-    except asyncpg.UniqueViolationError:
-        # Another claimer won the conversation (one turn at a time per conversation:
-        # docs/architecture.md); our runs stay queued.
-        return []
+    rows: list[asyncpg.Record] = []
+    for attempt in range(2):
+        try:
+            # One statement commits whole or not at all. A unique violation means another
+            # claimer won: the conversation (one_running_per_conversation, when a snapshot
+            # fooled the pre-filter; require_conversation_lease, when a live execution holds
+            # the lease) or a running slot it committed since our snapshot. Once more with a
+            # fresh snapshot, then our runs stay queued for the next claim.
+            rows = await db.fetch(*Q.claim_runs.bind(
+                worker_id=worker_id, lease_ttl_s=lease_ttl_s, limit=limit,
+                default_max_running=default_max_running))
+            break
+        except asyncpg.UniqueViolationError:
+            if attempt:
+                return []
     claims = [_claim_from_row(row) for row in rows]
     await _send_hints(db, hint, [(Channel.RUN_EVENT, str(c.run_id)) for c in claims])
     return claims
@@ -418,6 +462,18 @@ async def check_lease(db: Db, claim: Claim) -> Beat:
     return Beat(row["cancel_requested"], row["lease_expires_at"])
 
 
+async def open_turn(db: Db, claim: Claim) -> tuple[Beat, list[asyncpg.Record]]:
+    """A turn's first read, in one round trip: the lease check (is it still ours and ahead?
+    LeaseLost if not; no renewal) and the transcript the model sees (role, content,
+    tool_calls, tool_call_id in turn order)."""
+    rows: list[asyncpg.Record] = await db.fetch(*Q.open_turn.bind(
+        run_id=claim.run_id, claim_token=claim.claim_token,
+        conversation_id=claim.conversation_id, user_message_id=claim.user_message_id))
+    if not rows:
+        raise LeaseLost(claim.run_id, "lease check")
+    return Beat(rows[0]["cancel_requested"], rows[0]["lease_expires_at"]), rows
+
+
 async def append_events(db: Db, claim: Claim, events: Sequence[NewEvent], *,
                         hint: Hint | None = None) -> None:
     """Append a batch to the journal behind the fence, all or nothing (streams are tables:
@@ -462,6 +518,70 @@ async def answer_open_tool_calls(db: Db, claim: Claim) -> int:
     return int(answered)
 
 
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A run's terminal write: its ending, its answer, and the last journal batch with it.
+
+    `seq` is the complete event's position; None lets the database take max+1 (the
+    dispatcher's backstop, which runs after the worker's task is gone)."""
+
+    claim: Claim
+    status: RunStatus
+    seq: int | None
+    last: Sequence[NewEvent] = ()
+    content: str | None = None
+    message_status: MessageStatus = MessageStatus.COMPLETE
+    error: str | None = None
+    error_code: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+FinishOutcome = UUID | None | LeaseLost  # the answer's message id (None: no text), or refused
+Finishes = Batcher["Finish", "UUID | None"]  # the process's shared terminal writes
+
+
+def _finish_hints(claim: Claim) -> list[tuple[Channel, str]]:
+    """Who hears of an ending: the run's tails, the conversation's feeds, and the dispatchers
+    (the conversation's next turn may start)."""
+    conversation = str(claim.conversation_id)
+    return [(Channel.RUN_EVENT, str(claim.run_id)), (Channel.RUN_ENQUEUED, conversation),
+            (Channel.CONVERSATION, conversation)]
+
+
+async def finish_runs(db: Db, finishes: Sequence[Finish]) -> list[FinishOutcome]:
+    """Terminal writes of several runs in ONE statement and one commit, each behind its own
+    fence; per run its outcome: the answer's message id, or the LeaseLost / SeqConflict its own
+    terminal write would have raised. Sends no hints (callers do, once committed)."""
+    for finish in finishes:
+        if not finish.status.terminal:
+            raise ValueError(f"{finish.status} is not a terminal status")
+    events = [(f.claim.run_id, e) for f in finishes for e in f.last]
+    try:
+        rows = await db.fetch(*Q.finish_runs.bind(
+            run_ids=[f.claim.run_id for f in finishes],
+            claim_tokens=[f.claim.claim_token for f in finishes],
+            statuses=[str(f.status) for f in finishes],
+            errors=[f.error for f in finishes], error_codes=[f.error_code for f in finishes],
+            usages=[None if f.usage is None else json.dumps(f.usage) for f in finishes],
+            contents=[f.content for f in finishes],
+            message_statuses=[str(f.message_status) for f in finishes],
+            seqs=[f.seq for f in finishes], event_run_ids=[run for run, _ in events],
+            event_seqs=[e.seq for _, e in events], event_types=[str(e.type) for _, e in events],
+            event_payloads=[json.dumps(e.payload, ensure_ascii=False) for _, e in events]))
+    except asyncpg.UniqueViolationError:
+        if len(finishes) == 1:
+            # Someone else wrote one of our seqs: a finalizer, after fencing us out (or, for
+            # the backstop's max+1, an append that committed between snapshot and lock).
+            return [SeqConflict(finishes[0].claim.run_id, "terminal write")]
+        if isinstance(db, asyncpg.Connection) and db.is_in_transaction():
+            raise  # the transaction is spoilt: its owner decides
+        # Nothing was written; each alone tells whose seq was taken.
+        return [(await finish_runs(db, [f]))[0] for f in finishes]
+    ended = {row["id"]: row["message_id"] for row in rows}
+    return [ended[f.claim.run_id] if f.claim.run_id in ended
+            else LeaseLost(f.claim.run_id, "terminal write") for f in finishes]
+
+
 async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None,
                      content: str | None = None,
                      message_status: MessageStatus = MessageStatus.COMPLETE,
@@ -469,61 +589,35 @@ async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None
                      usage: dict[str, Any] | None = None,
                      hint: Hint | None = None) -> UUID | None:
     """The worker's terminal write, fenced; returns the answer's message id (None if no text).
-
-    `seq` is the complete event's position; None lets the database take max+1 (the dispatcher's
-    backstop, which runs after the worker's task is gone).
-    """
-    if not status.terminal:
-        raise ValueError(f"{status} is not a terminal status")
-    try:
-        row = await db.fetchrow(*Q.finish_run_fenced.bind(
-            run_id=claim.run_id, claim_token=claim.claim_token, status=str(status),
-            error=error, usage=usage, content=content, message_status=str(message_status),
-            seq=seq, error_code=error_code))
-    except asyncpg.UniqueViolationError as exc:
-        raise SeqConflict(claim.run_id, "terminal write") from exc
-    if row is None:
-        raise LeaseLost(claim.run_id, "terminal write")
-    conversation = str(row["conversation_id"])
-    # Tails of the run, the conversation's feeds, and the dispatchers (its next turn starts).
-    await _send_hints(db, hint, [(Channel.RUN_EVENT, str(claim.run_id)),
-                                 (Channel.RUN_ENQUEUED, conversation),
-                                 (Channel.CONVERSATION, conversation)])
-    return cast("UUID | None", row["message_id"])
+    Raises LeaseLost (SeqConflict when its seq was taken) if it was refused."""
+    return await finish_run_journaled(
+        db, claim, status, last=(), seq=seq, content=content, message_status=message_status,
+        error=error, error_code=error_code, usage=usage, hint=hint)
 
 
 async def finish_run_journaled(db: Db, claim: Claim, status: RunStatus, *,
-                               last: Sequence[NewEvent], seq: int,
+                               last: Sequence[NewEvent], seq: int | None,
                                content: str | None = None,
                                message_status: MessageStatus = MessageStatus.COMPLETE,
                                error: str | None = None, error_code: str | None = None,
                                usage: dict[str, Any] | None = None,
                                hint: Hint | None = None,
-                               group: GroupCommit | None = None) -> UUID | None:
-    """The turn's last journal batch and its terminal write in ONE transaction: one commit
-    (one WAL flush) ends a turn instead of two. Each statement keeps its own fence; either
-    refusing rolls both back (LeaseLost / SeqConflict), as if neither had been tried. Hints
-    are handed on only after the commit, so nobody is woken for rows that are not there yet.
-    With `group`, that transaction is shared with other runs' writes (group_commit.py).
-    """
-    held: list[tuple[Channel, str]] = []
-
-    def keep(channel: Channel, payload: str) -> None:
-        held.append((channel, payload))
-
-    async def both(conn: Conn) -> UUID | None:
-        await append_events(conn, claim, last, hint=keep)
-        return await finish_run(
-            conn, claim, status, seq=seq, content=content, message_status=message_status,
-            error=error, error_code=error_code, usage=usage, hint=keep)
-
-    if group is not None:
-        message_id = await group.run(both)
+                               finishes: Finishes | None = None,
+                               ) -> UUID | None:
+    """The turn's last journal batch and its terminal write in ONE statement: one commit (one
+    WAL flush) ends a turn instead of two, and either refused leaves both unwritten (LeaseLost /
+    SeqConflict). With `finishes`, that statement is shared with other runs ending at the same
+    time (group_commit.py). Hints go out only after the commit."""
+    finish = Finish(claim, status, seq, tuple(last), content, message_status, error,
+                    error_code, usage)
+    if finishes is not None:
+        outcome: FinishOutcome = await finishes.submit(finish)  # raises what refused it
     else:
-        async with _acquire(db) as conn, conn.transaction():
-            message_id = await both(conn)
-    await _send_hints(db, hint, list(dict.fromkeys(held)))
-    return message_id
+        [outcome] = await finish_runs(db, [finish])
+    if isinstance(outcome, LeaseLost):
+        raise outcome
+    await _send_hints(db, hint, _finish_hints(claim))
+    return outcome
 
 
 JournalBatch = tuple[Claim, Sequence[NewEvent]]
@@ -589,7 +683,7 @@ def _ending(row: asyncpg.Record) -> Ending:
 async def reap_expired_runs(pool: Db, *, grace_s: float = 0.0,
                             limit: int = 100) -> list[Reaped]:
     """Finalize runs whose lease passed (re-checked in the write) as failed; never re-queue."""
-    async with _acquire(pool) as conn, conn.transaction():
+    async with acquire(pool) as conn, conn.transaction():
         rows = await conn.fetch(*Q.reap_expired_runs.bind(grace_s=grace_s, limit=limit))
         await journal_endings(conn, [_ending(row) for row in rows])
     return [Reaped(row["id"], row["worker_id"], row["started_at"], row["finished_at"])
@@ -618,7 +712,7 @@ async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID
     Queued turns are cancelled outright and their text handed back as drafts; the running one is
     flagged and woken; its worker finalizes it 'cancelled'.
     """
-    async with _acquire(pool) as conn, conn.transaction():
+    async with acquire(pool) as conn, conn.transaction():
         # The conversation row first: a turn enqueued concurrently either commits before the
         # sweep (and is swept) or is created after it (and runs): never half-seen.
         await conn.fetchval(*Q.lock_conversation.bind(conversation_id=conversation_id,
@@ -652,7 +746,7 @@ async def delete_conversation(pool: Db, *, account_id: UUID, conversation_id: UU
     claimed half-way, and a second delete waits, then finds nothing. A worker still running a
     turn finds its run gone at its next fenced write and stops (LeaseLost).
     """
-    async with _acquire(pool) as conn, conn.transaction():
+    async with acquire(pool) as conn, conn.transaction():
         if await conn.fetchval(*Q.lock_conversation.bind(
                 conversation_id=conversation_id, account_id=account_id)) is None:
             return False

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 import asyncpg
 from aiohttp import web
 
-from agentd import __version__
+from agentd import __version__, event_loop, statistics
 from agentd import db as dbmod
 from agentd.dispatcher import Dispatcher
 from agentd.executor import TurnRunner
-from agentd.group_commit import Batcher, GroupCommit
+from agentd.group_commit import Batcher
 from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
 from agentd.limits import AddressRateLimiter, ConnectionGuard, GuardedSite, StreamSlots
@@ -33,7 +33,14 @@ from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
-from agentd.queue import JournalBatch, WorkerReport, append_events_many, notify_batch
+from agentd.queue import (
+    Finishes,
+    JournalBatch,
+    WorkerReport,
+    append_events_many,
+    finish_runs,
+    notify_batch,
+)
 from agentd.reaper import reap_forever, sweep
 from agentd.revocation import RevocationWatch
 from agentd.settings import Settings
@@ -89,7 +96,7 @@ class Runtime:
     pair_limiter: AddressRateLimiter = field(init=False)
     reads: SharedReads = field(init=False)  # tails of one run woken together read once
     # Journal and terminal writes of concurrent turns share commits (group_commit.py).
-    group: GroupCommit | None = None
+    finishes: Finishes | None = None
     appends: Batcher[JournalBatch, None] | None = None
 
     def __post_init__(self) -> None:
@@ -185,14 +192,14 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     keeper = LeaseKeeper(settings.direct_dsn(database.dsn), hub, settings, metrics,
                          report=lambda: _worker_report(runtime))
     runtime.keeper = keeper
-    notifier = Notifier(pool)
+    notifier = Notifier(pool, local=hub.hint_locally)
     notifier.start()
-    group = GroupCommit(pool)
+    finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     appends: Batcher[JournalBatch, None] = Batcher(
         pool, lambda batches: append_events_many(pool, batches))
-    runtime.group, runtime.appends = group, appends
+    runtime.finishes, runtime.appends = finishes, appends
     runner = TurnRunner(pool, hub, keeper, settings, providers, tools, hint=notifier.notify,
-                        metrics=metrics, group=group, appends=appends)
+                        metrics=metrics, finishes=finishes, appends=appends)
     dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, load, metrics,
                             hint=notifier.notify)
     runtime.dispatcher = dispatcher
@@ -208,6 +215,8 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     load.start()
     keeper.start()
     reaping = asyncio.create_task(reap_forever(pool, settings, metrics), name="agentd-reaper")
+    analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool),
+                                    name="agentd-statistics")
     try:
         ssl_context = server_context(certificate) if certificate else None
         sites = [GuardedSite(app_runner, sock, guard=runtime.connection_guard,
@@ -225,7 +234,8 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                         extra={"listen": settings.listen})
         log.info("agentd worker serving" if handoff else "agentd serving", extra={
             "url": sites[0].name, "worker_id": worker_id, "embedded": database.embedded is not None,
-            "fingerprint": certificate.fingerprint if certificate else None})
+            "fingerprint": certificate.fingerprint if certificate else None,
+            "event_loop": event_loop.name()})
         if handoff is not None:
             handoff.report_ready()
         else:
@@ -241,9 +251,10 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                                    "seconds": round(time.monotonic() - started, 3)})
         return 0
     finally:
-        reaping.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reaping
+        for housekeeping in (reaping, analyzing):
+            housekeeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await housekeeping
         await app_runner.cleanup()
         await runtime.revocations.close()
         # After the drain: the turns still in flight until now needed their beats.
@@ -284,11 +295,11 @@ def _watch_process(runtime: Runtime) -> None:
     metrics.read_at_scrape(metrics.streams_open, lambda: runtime.stream_slots.total)
     metrics.total_at_scrape("agentd_journal_commits",
                             "Shared commits of journal batches and terminal writes.",
-                            lambda: (runtime.group.groups if runtime.group else 0) +
+                            lambda: (runtime.finishes.batches if runtime.finishes else 0) +
                             (runtime.appends.batches if runtime.appends else 0))
     metrics.total_at_scrape("agentd_journal_writes",
                             "Journal batches and terminal writes they carried.",
-                            lambda: (runtime.group.writes if runtime.group else 0) +
+                            lambda: (runtime.finishes.items if runtime.finishes else 0) +
                             (runtime.appends.items if runtime.appends else 0))
     metrics.total_at_scrape("agentd_tail_reads_asked", "Journal reads stream tails asked for.",
                             lambda: runtime.reads.asked)

@@ -287,6 +287,17 @@ class Service:
     async def create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                          idempotency_key: str | None) -> CreatedRun:
         """Enqueue a turn; on_busy decides what happens when the conversation is not idle."""
+        created = await self._create_run(who, conversation_id, ask, idempotency_key)
+        if not created.replayed:
+            # Committed: this process's dispatcher and the conversation's feeds here start now,
+            # not when the enqueue's own NOTIFY has come back from PostgreSQL.
+            conversation = str(created.conversation_id)
+            self.hub.hint_locally(Channel.RUN_ENQUEUED, conversation, echo=False)
+            self.hub.hint_locally(Channel.CONVERSATION, conversation, echo=False)
+        return created
+
+    async def _create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
+                          idempotency_key: str | None) -> CreatedRun:
         if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
             raise ServiceError(400, "invalid_idempotency_key",
                                "Idempotency-Key must be 1-200 printable ASCII characters")

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import platformdirs
 
+from agentd import event_loop
 from agentd.tool_settings import (
     McpServerConfig,
     ToolSettingsError,
@@ -111,6 +112,7 @@ class Settings:
     max_run_s: float = 600.0
     max_content_chars: int = 100_000
     log_level: str = "info"
+    event_loop: str = "auto"  # auto: uvloop when installed | uvloop | asyncio (event_loop.py)
     # Reaching agentd from other machines (docs/operations.md, "Attach from another machine").
     tls: str = "auto"  # auto: HTTPS on a non-loopback listen address | on | off
     tls_cert: Path | None = None  # a real certificate (PEM); None: self-signed in the data dir
@@ -159,6 +161,9 @@ class Settings:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise SettingsError(f"listen ({_env('listen')}) must be HOST:PORT, got "
                                 f"{self.listen!r}")
+        if self.event_loop not in event_loop.CHOICES:
+            raise SettingsError(f"event_loop ({_env('event_loop')}) must be "
+                                f"{', '.join(event_loop.CHOICES)}, got {self.event_loop!r}")
         if self.pooler not in ("none", "transaction"):
             raise SettingsError(f"pooler ({_env('pooler')}) must be none or transaction, got "
                                 f"{self.pooler!r}")

@@ -30,6 +30,9 @@ from tests.support.sse import iter_sse
 STREAM_TIMEOUT = httpx.Timeout(connect=2.0, read=4.0, write=4.0, pool=4.0)
 
 
+LONG_TURN_FACTOR = 20  # a turn a stop will aim at: 200-1,200 tokens, about 0.4-14 s
+
+
 @dataclass(frozen=True)
 class StormConfig:
     runs: int = 150
@@ -156,22 +159,25 @@ class Client:
 
     async def turn(self, conversation_id: str) -> None:
         cfg = self.config
-        runs = [await self.post(conversation_id)]
+        # A turn about to be stopped is made long enough (a second or more) for the stop to
+        # find it running: the storm must stop live turns, not only ones that just ended.
+        stopping = self.rng.random() < cfg.stop_p
+        runs = [await self.post(conversation_id, long=stopping)]
         if self.rng.random() < cfg.double_post_p:
             runs.append(await self.post(conversation_id))
         stopper = None
-        if self.rng.random() < cfg.stop_p:
+        if stopping:
             stopper = asyncio.create_task(self.stop_later(conversation_id))
         for run_id in runs:
             await self.follow(run_id, conversation_id)
         if stopper is not None:
             await stopper
 
-    async def post(self, conversation_id: str) -> str:
+    async def post(self, conversation_id: str, *, long: bool = False) -> str:
         cfg = self.config
+        tokens = self.rng.randint(*cfg.tokens) * (LONG_TURN_FACTOR if long else 1)
         body = {"content": f"{self.name} asks #{uuid.uuid4().hex[:8]}",
-                "params": {"tokens": self.rng.randint(*cfg.tokens),
-                           "delay_ms": self.rng.randint(*cfg.delay_ms)}}
+                "params": {"tokens": tokens, "delay_ms": self.rng.randint(*cfg.delay_ms)}}
         key = uuid.uuid4().hex  # a retried POST must not mint a second run
         response = await self.request("POST", f"/v1/conversations/{conversation_id}/runs",
                                       json=body, headers={"Idempotency-Key": key})

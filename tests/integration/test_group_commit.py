@@ -11,10 +11,11 @@ import uuid
 import asyncpg
 import pytest
 
-from agentd.group_commit import Batcher, GroupCommit
+from agentd.group_commit import Batcher
 from agentd.journal import Emitter
 from agentd.queue import (
     Claim,
+    Finish,
     LeaseLost,
     NewEvent,
     SeqConflict,
@@ -22,6 +23,7 @@ from agentd.queue import (
     append_events_many,
     claim_runs,
     finish_run_journaled,
+    finish_runs,
 )
 from agentd.vocabulary import EventType, RunStatus
 from tests.support.factories import enqueue, new_tenant
@@ -78,19 +80,20 @@ async def test_writes_arriving_during_a_commit_share_the_next_and_a_fenced_one_f
 async def test_turns_ending_together_finish_in_shared_commits_each_whole(
         pool: asyncpg.Pool) -> None:
     claims = await claimed_runs(pool, RUNS)
-    group = GroupCommit(pool, max_in_flight=1)
+    group = Batcher(pool, lambda items: finish_runs(pool, items), max_in_flight=1)
     appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
     emitters = [Emitter(pool, c, flush_interval_s=3600, appends=appends) for c in claims]
     for i, emitter in enumerate(emitters):
         await emitter.delta(f"first {i} ")  # written through at once (in a group of its own)
         await emitter.delta(f"last {i}")  # pending: rides in the terminal write
     lasts = [await e.hand_over() for e in emitters]
-    before = group.groups
+    before = group.batches
     await asyncio.gather(*(finish_run_journaled(
         pool, c, RunStatus.COMPLETED, last=last, seq=e.next_seq,
-        content=f"first {i} last {i}", group=group)
+        content=f"first {i} last {i}", finishes=group)
         for i, (c, e, last) in enumerate(zip(claims, emitters, lasts, strict=True))))
-    assert group.groups - before == 2
+    # The first alone, the other eleven in ONE statement.
+    assert group.batches - before == 2
     for i, claim in enumerate(claims):
         rows = await assert_journal_sound(pool, claim.run_id)
         text = "".join(r["payload"]["delta"] for r in rows
@@ -108,13 +111,65 @@ async def test_a_failed_commit_fails_every_write_of_its_group(pool: asyncpg.Pool
     from agentd import db as dbmod
 
     own = await dbmod.create_pool(dsn, min_size=1, max_size=1)
-    group = GroupCommit(own)
+    group = Batcher(own, lambda items: finish_runs(own, items))
     appends = Batcher(own, lambda batches: append_events_many(own, batches))
     await own.close()
     with pytest.raises(asyncpg.InterfaceError):
         await append_events_batched(appends, claim, delta(claim, "never"))
     with pytest.raises(asyncpg.InterfaceError):
         await finish_run_journaled(own, claim, RunStatus.COMPLETED, last=[], seq=claim.last_seq + 1,
-                                   group=group)
+                                   finishes=group)
     assert [r for r in await read_journal(pool, claim.run_id)
             if r["type"] == EventType.CONTENT_DELTA] == []
+
+
+async def test_a_shared_terminal_write_ends_each_run_behind_its_own_fence(
+        pool: asyncpg.Pool) -> None:
+    """One statement ends many runs: a run this execution no longer owns is refused alone (its
+    last batch unwritten too), a failed run keeps its journal's text plus the deltas written
+    with its ending, the others end whole."""
+    claims = await claimed_runs(pool, 4)
+    await append_events_many(pool, [(claims[2], delta(claims[2], "seen "))])
+    stale = dataclasses.replace(claims[1], claim_token=uuid.uuid4())
+    outcomes = await finish_runs(pool, [
+        Finish(claims[0], RunStatus.COMPLETED, claims[0].last_seq + 2,
+               last=delta(claims[0], "answer"), content="answer"),
+        Finish(stale, RunStatus.COMPLETED, stale.last_seq + 2, last=delta(stale, "never"),
+               content="never"),
+        Finish(claims[2], RunStatus.FAILED, claims[2].last_seq + 3,
+               last=delta(claims[2], "and more", offset=2), error="boom",
+               error_code="provider_error"),
+        Finish(claims[3], RunStatus.CANCELLED, None),
+    ])
+    assert isinstance(outcomes[1], LeaseLost) and not isinstance(outcomes[1], SeqConflict)
+    assert outcomes[3] is None  # nothing said, no answer
+    for i in (0, 2):
+        assert isinstance(outcomes[i], uuid.UUID)
+    answers = {row["run_id"]: (row["content"], row["status"]) for row in await pool.fetch(
+        "SELECT run_id, content, status FROM message WHERE role = 'assistant'"
+        " AND run_id = ANY($1)", [c.run_id for c in claims])}
+    assert answers == {claims[0].run_id: ("answer", "complete"),
+                       claims[2].run_id: ("seen and more", "failed")}
+    statuses = dict(await pool.fetch("SELECT id, status FROM agent_run WHERE id = ANY($1)",
+                                     [c.run_id for c in claims]))
+    assert statuses == {claims[0].run_id: "completed", claims[1].run_id: "running",
+                        claims[2].run_id: "failed", claims[3].run_id: "cancelled"}
+    # Untouched: its last batch was not written either.
+    assert not [r for r in await read_journal(pool, claims[1].run_id)
+                if r["type"] in (EventType.CONTENT_DELTA, EventType.COMPLETE)]
+    for i in (0, 2, 3):
+        await assert_journal_sound(pool, claims[i].run_id)
+    leases = await pool.fetchval("SELECT count(*) FROM conversation_lease WHERE run_id = ANY($1)",
+                                 [claims[i].run_id for i in (0, 2, 3)])
+    assert leases == 0
+
+
+async def test_a_taken_seq_in_a_shared_terminal_write_is_told_apart(pool: asyncpg.Pool) -> None:
+    """A seq someone else wrote fails the shared statement; each run alone then tells whose."""
+    claims = await claimed_runs(pool, 3)
+    taken = claims[1]
+    await append_events_many(pool, [(taken, delta(taken, "first"))])
+    outcomes = await finish_runs(pool, [
+        Finish(c, RunStatus.COMPLETED, c.last_seq + 1, content="done") for c in claims])
+    assert isinstance(outcomes[1], SeqConflict)
+    assert all(isinstance(outcomes[i], uuid.UUID) for i in (0, 2))

@@ -7,10 +7,8 @@ reached it. Run: `python mcp_server.py stdio` or `python mcp_server.py http PORT
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import stat
 import sys
 import time
 from typing import Any
@@ -20,6 +18,7 @@ from mcp.server.mcpserver import Context, MCPServer
 
 server = MCPServer("agentd-test", version="1.0")
 JOURNAL = os.environ.get("TEST_MCP_JOURNAL")
+_WIRE = os.dup(1)  # the protocol stream, before the SDK moves it (wire_fd)
 
 
 def note(event: str, **fields: Any) -> None:
@@ -45,17 +44,10 @@ async def echo_meta(text: str, ctx: Context) -> dict[str, Any]:
 
 
 def wire_fd() -> int:
-    """The descriptor the SDK answers on: it moves the protocol off fd 1 (so a stray print
-    cannot corrupt it) to a private write-only duplicate of the pipe."""
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            if fd > 2 and stat.S_ISFIFO(os.fstat(fd).st_mode) and \
-                    fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
-                return fd
-        except OSError:
-            continue
-    return 1
+    """The descriptor the SDK answers on. The SDK moves the protocol off fd 1 once it starts
+    (so a stray print cannot corrupt it); a duplicate of fd 1 taken at import, before that, is
+    the same stream, whether the parent made it a pipe (asyncio) or a socket (uvloop)."""
+    return _WIRE
 
 
 @server.tool()

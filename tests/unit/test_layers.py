@@ -18,6 +18,7 @@ DATA_LAYER = {
     "agentd.conversations": "conversation state, presence and the notebook",
     "agentd.queue": "the run lifecycle: enqueue, claim, fenced writes, finish, reap, stop",
     "agentd.approvals": "tool approvals: the worker's fenced question, a device's decision",
+    "agentd.statistics": "planner statistics of the hot tables while they are young",
 }
 
 
