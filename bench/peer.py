@@ -59,7 +59,7 @@ import asyncpg
 
 from agentd import __version__ as agentd_version
 from agentd import db as dbmod
-from agentd import event_loop, statistics
+from agentd import statistics
 from agentd.group_commit import Batcher
 from agentd.hub import Hub
 from agentd.notifier import Notifier
@@ -839,4 +839,4 @@ async def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(event_loop.run(main()))
+    sys.exit(asyncio.run(main()))

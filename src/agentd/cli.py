@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, NoReturn
 
-from agentd import __version__, event_loop
+from agentd import __version__
 from agentd.settings import Settings, SettingsError, load_settings
 
 EPILOG = """Every setting also has a config-file key and an AGENTD_* environment variable
@@ -190,11 +190,9 @@ def main(argv: list[str] | None = None) -> None:
         "serve": _serve, "pair": _pair, "migrate": _migrate, "token": _token,
         "account": _account, "status": _status, "doctor": _doctor}
     try:
-        code = event_loop.run(handlers[args.command](settings, args), settings.event_loop)
+        code = asyncio.run(handlers[args.command](settings, args))
     except EmbeddedPgError as exc:
         _fail(f"{exc}. Pass --dsn (or AGENTD_DSN) to use an existing PostgreSQL server.")
-    except event_loop.LoopUnavailable as exc:
-        _fail(str(exc))
     except TLSError as exc:
         _fail(f"{exc}. Fix tls_cert/tls_key, or remove them to use a self-signed certificate.")
     except ListenError as exc:

@@ -88,19 +88,26 @@ class Dispatcher:
                     self._slots.release()
                     raise
                 wake.clear()  # hints from here on are kept for the idle wait below
+                # More free slots, without waiting for any: a burst of turns is claimed a few
+                # per statement (a claim's fixed cost, several index probes and its commit, is
+                # shared), an idle trickle one at a time as before.
+                held = 1
+                while held < self._settings.claim_batch and not self._slots.locked():
+                    await self._slots.acquire()  # free: returns at once
+                    held += 1
                 try:
                     claims = await claim_runs(
                         self._pool, worker_id=self._worker_id,
-                        lease_ttl_s=self._settings.lease_ttl_s, limit=1,
+                        lease_ttl_s=self._settings.lease_ttl_s, limit=held,
                         default_max_running=self._settings.account_max_running, hint=self._hint)
                 except _DB_ERRORS as exc:
-                    self._slots.release()
+                    self._release(held)
                     log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
                     await wake.wait(self._settings.tick_s)
                     continue
                 self._metrics.claim_batch.observe(len(claims))
+                self._release(held - len(claims))
                 if not claims:
-                    self._slots.release()
                     await wake.wait(self._settings.tick_s)
                     continue
                 for claim in claims:
@@ -113,6 +120,10 @@ class Dispatcher:
                                                name=f"run-{claim.run_id}")
                     self.in_flight.add(task)
                     task.add_done_callback(self.in_flight.discard)
+
+    def _release(self, slots: int) -> None:
+        for _ in range(slots):
+            self._slots.release()
 
     async def _run_and_release(self, claim: Claim) -> None:
         finalized = False

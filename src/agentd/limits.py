@@ -156,7 +156,7 @@ class _GuardedProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport (uvloop's is one without subclassing asyncio's).
+        # A stream transport (an event loop's own need not subclass asyncio.Transport).
         self._transport = cast(asyncio.Transport, transport)
         transport = self._transport
         guard = self._guard

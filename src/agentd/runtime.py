@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import asyncpg
 from aiohttp import web
 
-from agentd import __version__, event_loop, statistics
+from agentd import __version__, statistics
 from agentd import db as dbmod
 from agentd.dispatcher import Dispatcher
 from agentd.executor import TurnRunner
@@ -234,8 +234,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                         extra={"listen": settings.listen})
         log.info("agentd worker serving" if handoff else "agentd serving", extra={
             "url": sites[0].name, "worker_id": worker_id, "embedded": database.embedded is not None,
-            "fingerprint": certificate.fingerprint if certificate else None,
-            "event_loop": event_loop.name()})
+            "fingerprint": certificate.fingerprint if certificate else None})
         if handoff is not None:
             handoff.report_ready()
         else:

@@ -18,7 +18,6 @@ from urllib.parse import urlsplit
 
 import platformdirs
 
-from agentd import event_loop
 from agentd.tool_settings import (
     McpServerConfig,
     ToolSettingsError,
@@ -92,6 +91,7 @@ class Settings:
     # are per worker: N workers run up to N x max_runs turns on up to N x pool_max connections.
     workers: int = 0
     max_runs: int = 16
+    claim_batch: int = 8  # at most this many turns per claim statement, when slots are free
     # Admission by capacity: claim only while the event loop's lag and the pool's wait stayed
     # below these over the last second (a process that lags cannot keep its leases).
     max_loop_lag_ms: int = 250
@@ -112,7 +112,6 @@ class Settings:
     max_run_s: float = 600.0
     max_content_chars: int = 100_000
     log_level: str = "info"
-    event_loop: str = "auto"  # auto: uvloop when installed | uvloop | asyncio (event_loop.py)
     # Reaching agentd from other machines (docs/operations.md, "Attach from another machine").
     tls: str = "auto"  # auto: HTTPS on a non-loopback listen address | on | off
     tls_cert: Path | None = None  # a real certificate (PEM); None: self-signed in the data dir
@@ -139,7 +138,7 @@ class Settings:
         for key in positive:
             if getattr(self, key) <= 0:
                 raise SettingsError(f"{key} ({_env(key)}) must be > 0")
-        for key in ("max_runs", "pool_max", "max_tool_steps", "max_content_chars",
+        for key in ("max_runs", "claim_batch", "pool_max", "max_tool_steps", "max_content_chars",
                     "pair_attempts_per_min", "streams_per_device", "max_connections"):
             if getattr(self, key) < 1:
                 raise SettingsError(f"{key} ({_env(key)}) must be >= 1")
@@ -161,9 +160,6 @@ class Settings:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise SettingsError(f"listen ({_env('listen')}) must be HOST:PORT, got "
                                 f"{self.listen!r}")
-        if self.event_loop not in event_loop.CHOICES:
-            raise SettingsError(f"event_loop ({_env('event_loop')}) must be "
-                                f"{', '.join(event_loop.CHOICES)}, got {self.event_loop!r}")
         if self.pooler not in ("none", "transaction"):
             raise SettingsError(f"pooler ({_env('pooler')}) must be none or transaction, got "
                                 f"{self.pooler!r}")
