@@ -241,6 +241,7 @@ FROM owner;
 -- FOR SHARE (taken in id order); a run missing from the result, or short of its count, was
 -- refused (LeaseLost) while the others landed. A seq someone else took fails the whole
 -- statement (unique violation): the caller then writes each batch alone to tell whose it was.
+-- Answers the rows written (their stamps too: the writer hands them to its own tails).
 WITH e AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::bigint[], $4::text[], $5::text[])
         AS e (run_id, claim_token, seq, type, payload)
@@ -256,9 +257,9 @@ WITH e AS (
     INSERT INTO run_event (run_id, seq, type, payload)
     SELECT e.run_id, e.seq, e.type, e.payload::jsonb
     FROM e JOIN owners ON owners.id = e.run_id
-    RETURNING run_id
+    RETURNING run_id, seq, created_at
 )
-SELECT run_id, count(*) AS written FROM written GROUP BY run_id;
+SELECT run_id, seq, created_at FROM written;
 
 -- insert_message_fenced --
 -- params: run_id, claim_token, role, content, status, tool_calls, tool_call_id

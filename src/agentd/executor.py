@@ -15,9 +15,11 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
+from uuid import UUID
 
 import asyncpg
 
@@ -30,7 +32,6 @@ from agentd.approvals import (
     request_approval,
 )
 from agentd.failures import RunFailure, classify, failure, log_failure
-from agentd.group_commit import Batcher
 from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.hub import Hub, Subscription
 from agentd.journal import RETRY_DELAYS_S, TRANSIENT, Emitter
@@ -43,10 +44,11 @@ from agentd.providers.base import (
     Usage,
 )
 from agentd.queue import (
+    Appends,
     Claim,
+    Event,
     Finishes,
     Hint,
-    JournalBatch,
     LeaseLost,
     answer_open_tool_calls,
     check_lease,
@@ -73,6 +75,14 @@ log = logging.getLogger("agentd.executor")
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 # What the model reads for a call a stop caught while it waited for a device's approval.
 NOT_RUN_STOPPED = "not run: the turn was stopped while the call waited for approval"
+
+
+@dataclass(frozen=True)
+class Journaled:
+    """Where a turn's committed journal rows go in this process, and the hint that follows."""
+
+    rows: Callable[[UUID, Sequence[Event]], None]
+    hint: Hint
 
 
 class TooManyToolSteps(ProviderError):
@@ -120,8 +130,12 @@ class TurnRunner:
                  providers: ProviderRegistry, tools: ToolRegistry,
                  hint: Hint | None = None, metrics: Metrics | None = None,
                  finishes: Finishes | None = None,
-                 appends: Batcher[JournalBatch, None] | None = None) -> None:
+                 appends: Appends | None = None,
+                 journaled: Journaled | None = None) -> None:
+        """`journaled`: the process's tails are handed each journal batch's rows, then woken
+        with `journaled.hint` (shared_reads.py); without it they read them back."""
         self._pool = pool
+        self._journaled = journaled
         # Journal and terminal writes of concurrent turns share commits (group_commit.py).
         self._finishes = finishes
         self._appends = appends
@@ -150,9 +164,12 @@ class TurnRunner:
             except LeaseLost:
                 log.warning("lease gone before the turn started; standing down", extra=ctx)
                 return False
+            told = self._journaled
             emitter = Emitter(self._pool, claim,
-                              flush_interval_s=self._settings.flush_ms / 1000, hint=self._hint,
-                              appends=self._appends)
+                              flush_interval_s=self._settings.flush_ms / 1000,
+                              hint=told.hint if told is not None else self._hint,
+                              appends=self._appends,
+                              journaled=told.rows if told is not None else None)
             turn = _Turn(claim, emitter, held, self._settings.max_run_s,
                          transcript=[_chat_message(r) for r in transcript])
             if beat.cancel_requested:

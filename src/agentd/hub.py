@@ -13,7 +13,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -35,11 +35,21 @@ DEAF_MESSAGE = ("the LISTEN connection receives no notifications (is hub_dsn beh
 
 
 class Subscription:
-    """A bounded inbox of wake hints for one or more (channel, key) pairs."""
+    """A bounded inbox of wake hints for one or more (channel, key) pairs, read by one task.
+
+    Hand-rolled rather than an asyncio.Queue read through wait_for: a streaming tail waits
+    after every read, and wait_for wraps each wait in a task of its own (the loop's bookkeeping
+    was a tenth of a daemon serving 600 streams); here a wait costs one future and one timer.
+    """
 
     def __init__(self, hub: Hub, size: int) -> None:
         self._hub = hub
-        self._queue: asyncio.Queue[str] = asyncio.Queue(maxsize=size)
+        self._size = size
+        self._items: deque[str] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        # Whether a hint came since the last clear() whose rows are not at hand: from another
+        # process, a reconnect, or a local write that did not hand its rows over (journaled).
+        self._stale = True
         self.keys: set[tuple[Channel, str | None]] = set()
         self.dropped = 0
 
@@ -54,34 +64,54 @@ class Subscription:
             self.keys.discard((channel, key))
             self._hub._unregister(self, channel, key)
 
-    def deliver(self, payload: str) -> None:
-        try:
-            self._queue.put_nowait(payload)
-        except asyncio.QueueFull:
+    def deliver(self, payload: str, *, rows_at_hand: bool = False) -> None:
+        """A hint; `rows_at_hand`: the rows it announces were handed to this process's shared
+        reads before it (a local journal batch), so reading them back is not needed."""
+        if not rows_at_hand:
+            self._stale = True
+        if len(self._items) < self._size:
+            self._items.append(payload)
+        else:
             # A full inbox already means "something changed"; the consumer re-reads rows.
             self.dropped += 1
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def wait(self, poll_s: float) -> set[str]:
         """Wait for hints; returns their payloads (empty when the poll interval passed first)."""
-        try:
-            first = await asyncio.wait_for(self._queue.get(), timeout=poll_s)
-        except TimeoutError:
-            return set()
-        return {first, *self.drain()}
+        if not self._items:
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(poll_s, _time_is_up, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+        return self.drain()
 
     def drain(self) -> set[str]:
         """Take every pending hint without waiting."""
-        payloads: set[str] = set()
-        while not self._queue.empty():
-            payloads.add(self._queue.get_nowait())
+        payloads = set(self._items)
+        self._items.clear()
         return payloads
 
-    def clear(self) -> None:
-        """Forget pending hints (call before re-reading rows, so later hints are kept)."""
-        self.drain()
+    def clear(self) -> bool:
+        """Forget pending hints (call before re-reading rows, so later hints are kept); returns
+        whether any hint since the last clear announced rows that are not at hand (then read
+        them from the database)."""
+        self._items.clear()
+        stale, self._stale = self._stale, False
+        return stale
 
     def pending(self) -> bool:
-        return not self._queue.empty()
+        return bool(self._items)
+
+
+def _time_is_up(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class Hub:
@@ -175,7 +205,8 @@ class Hub:
     def subscriber_count(self) -> int:
         return sum(len(s) for s in self._subscribers.values())
 
-    def hint_locally(self, channel: Channel, payload: str, *, echo: bool) -> None:
+    def hint_locally(self, channel: Channel, payload: str, *, echo: bool,
+                     rows_at_hand: bool = False) -> None:
         """Wake this process's subscribers now, for rows this process has just committed,
         instead of after the round trip through PostgreSQL (the NOTIFY still goes out, for the
         fleet). `echo`: that NOTIFY is sent after this call, so when it comes back here it is
@@ -188,18 +219,18 @@ class Hub:
             if len(self._echoes) < MAX_ECHOES:
                 self._echoes.setdefault((channel, payload), []).append(
                     time.monotonic() + ECHO_WINDOW_S)
-        self._route(channel, payload)
+        self._route(channel, payload, rows_at_hand=rows_at_hand)
 
     def _forget_expired_echoes(self) -> None:
         now = time.monotonic()
         for key in [k for k, due in self._echoes.items() if not due or due[-1] < now]:
             del self._echoes[key]
 
-    def _route(self, channel: Channel, payload: str) -> None:
+    def _route(self, channel: Channel, payload: str, *, rows_at_hand: bool = False) -> None:
         for sub in self._subscribers.get((channel, payload), ()):
-            sub.deliver(payload)
+            sub.deliver(payload, rows_at_hand=rows_at_hand)
         for sub in self._subscribers.get((channel, None), ()):
-            sub.deliver(payload)
+            sub.deliver(payload, rows_at_hand=rows_at_hand)
 
     def _is_echo(self, channel: Channel, payload: str) -> bool:
         """Whether this notification is one this process announced locally already. Expected

@@ -13,15 +13,16 @@ import json
 import time
 from collections.abc import Callable
 from typing import Any
+from uuid import UUID
 
 import asyncpg
 
-from agentd.group_commit import Batcher
 from agentd.queue import (
+    Appends,
     Claim,
     Db,
     Hint,
-    JournalBatch,
+    Journaled,
     LeaseLost,
     NewEvent,
     SeqConflict,
@@ -49,11 +50,15 @@ class Emitter:
     def __init__(self, db: Db, claim: Claim, *,
                  flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic, hint: Hint | None = None,
-                 appends: Batcher[JournalBatch, None] | None = None) -> None:
+                 appends: Appends | None = None,
+                 journaled: Callable[[UUID, Journaled], None] | None = None) -> None:
         """`appends`: the process's shared journal writes (group commit); None writes each
-        batch in its own commit."""
+        batch in its own commit. `journaled`: told the rows of each batch once committed (the
+        process's own tails serve them without reading them back; shared_reads.py), before
+        `hint` wakes those tails."""
         self._db = db
         self._appends = appends
+        self._journaled = journaled
         self._claim = claim
         self._interval = flush_interval_s
         self._clock = clock
@@ -157,9 +162,11 @@ class Emitter:
         cancelled = False
         while not write.done():
             try:
-                await asyncio.wait([write])
+                await asyncio.shield(write)
             except asyncio.CancelledError:
                 cancelled = True
+            except Exception:
+                break
         if cancelled:
             if not write.cancelled():
                 # Retrieved, so asyncio does not log it as lost: a fenced-out batch is already
@@ -180,7 +187,7 @@ class Emitter:
             try:
                 if self._appends is not None:
                     await append_events_batched(self._appends, self._claim, batch,
-                                                hint=self._hint)
+                                                hint=self._hint, journaled=self._journaled)
                 else:
                     await append_events(self._db, self._claim, batch, hint=self._hint)
                 break

@@ -47,14 +47,20 @@ class Notifier:
                 await self._task
         await self._flush()
 
-    def notify(self, channel: Channel, payload: str) -> None:
+    def notify(self, channel: Channel, payload: str, *, rows_at_hand: bool = False) -> None:
         """A hint for rows already committed: this process hears it now, every time (a
         subscriber may have read between two commits), the fleet once the batch is sent —
-        which carries each (channel, payload) once, so the hub awaits one echo per batch."""
+        which carries each (channel, payload) once, so the hub awaits one echo per batch.
+        `rows_at_hand`: the rows were handed to this process's shared reads already."""
         if self._local is not None:
-            self._local(channel, payload, echo=(channel, payload) not in self._pending)
+            self._local(channel, payload, echo=(channel, payload) not in self._pending,
+                        rows_at_hand=rows_at_hand)
         self._pending[(channel, payload)] = None
         self._wake.set()
+
+    def notify_rows_at_hand(self, channel: Channel, payload: str) -> None:
+        """notify, for a journal batch whose rows this process's tails already hold."""
+        self.notify(channel, payload, rows_at_hand=True)
 
     async def _send_forever(self) -> None:
         while True:

@@ -623,9 +623,15 @@ async def finish_run_journaled(db: Db, claim: Claim, status: RunStatus, *,
 JournalBatch = tuple[Claim, Sequence[NewEvent]]
 
 
-async def append_events_many(db: Db, batches: Sequence[JournalBatch]) -> list[Exception | None]:
-    """Several runs' journal batches in one statement and one commit; per batch None (landed)
-    or the LeaseLost / SeqConflict its own append_events would have raised."""
+Journaled = Sequence["Event"]  # the rows a journal batch became (empty: landed, rows unread)
+Appends = Batcher[JournalBatch, Journaled]  # the process's shared journal writes
+
+
+async def append_events_many(db: Db,
+                             batches: Sequence[JournalBatch]) -> list[Journaled | Exception]:
+    """Several runs' journal batches in one statement and one commit; per batch the rows it
+    became (as a read would return them), or the LeaseLost / SeqConflict its own append_events
+    would have raised."""
     rows: list[tuple[UUID, UUID, int, str, str]] = [
         (claim.run_id, claim.claim_token, e.seq, str(e.type),
          json.dumps(e.payload, ensure_ascii=False))
@@ -639,27 +645,40 @@ async def append_events_many(db: Db, batches: Sequence[JournalBatch]) -> list[Ex
         # Someone took a seq of one of them (a finalizer, after fencing it out): nothing was
         # written; each alone tells whose.
         return [await _append_alone(db, claim, events) for claim, events in batches]
-    written = {row["run_id"]: row["written"] for row in found}
-    return [None if written.get(claim.run_id) == len(events) else
-            LeaseLost(claim.run_id, "journal append") for claim, events in batches]
+    stamps: dict[UUID, dict[int, datetime]] = {}
+    for row in found:
+        stamps.setdefault(row["run_id"], {})[row["seq"]] = row["created_at"]
+    outcomes: list[Journaled | Exception] = []
+    for claim, events in batches:
+        written = stamps.get(claim.run_id, {})
+        if len(written) != len(events):
+            outcomes.append(LeaseLost(claim.run_id, "journal append"))
+        else:
+            outcomes.append([Event(e.seq, e.type, e.payload, written[e.seq]) for e in events])
+    return outcomes
 
 
-async def _append_alone(db: Db, claim: Claim, events: Sequence[NewEvent]) -> Exception | None:
+async def _append_alone(db: Db, claim: Claim,
+                        events: Sequence[NewEvent]) -> Journaled | Exception:
     try:
         await append_events(db, claim, events)
     except LeaseLost as exc:
         return exc
-    return None
+    return ()
 
 
-async def append_events_batched(batcher: Batcher[JournalBatch, None], claim: Claim,
-                                events: Sequence[NewEvent], *,
-                                hint: Hint | None = None) -> None:
+async def append_events_batched(batcher: Appends, claim: Claim,
+                                events: Sequence[NewEvent], *, hint: Hint | None = None,
+                                journaled: Callable[[UUID, Journaled], None] | None = None,
+                                ) -> None:
     """append_events in the next shared statement (group_commit.Batcher over
-    append_events_many): the same fence, the same errors, the hint after the commit."""
+    append_events_many): the same fence, the same errors. After the commit, the rows written go
+    to `journaled` (when it is given and they are known), then the hint."""
     if not events:
         return
-    await batcher.submit((claim, events))
+    rows = await batcher.submit((claim, events))
+    if journaled is not None and rows:
+        journaled(claim.run_id, rows)
     await _send_hints(batcher.db, hint, [(Channel.RUN_EVENT, str(claim.run_id))])
 
 

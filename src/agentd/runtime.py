@@ -23,7 +23,7 @@ from aiohttp import web
 from agentd import __version__, statistics
 from agentd import db as dbmod
 from agentd.dispatcher import Dispatcher
-from agentd.executor import TurnRunner
+from agentd.executor import Journaled, TurnRunner
 from agentd.group_commit import Batcher
 from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
@@ -34,8 +34,8 @@ from agentd.metrics import Metrics
 from agentd.notifier import Notifier
 from agentd.providers import ProviderRegistry
 from agentd.queue import (
+    Appends,
     Finishes,
-    JournalBatch,
     WorkerReport,
     append_events_many,
     finish_runs,
@@ -97,7 +97,7 @@ class Runtime:
     reads: SharedReads = field(init=False)  # tails of one run woken together read once
     # Journal and terminal writes of concurrent turns share commits (group_commit.py).
     finishes: Finishes | None = None
-    appends: Batcher[JournalBatch, None] | None = None
+    appends: Appends | None = None
 
     def __post_init__(self) -> None:
         self.reads = SharedReads(self.pool)
@@ -195,11 +195,13 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     notifier = Notifier(pool, local=hub.hint_locally)
     notifier.start()
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
-    appends: Batcher[JournalBatch, None] = Batcher(
+    appends: Appends = Batcher(
         pool, lambda batches: append_events_many(pool, batches))
     runtime.finishes, runtime.appends = finishes, appends
     runner = TurnRunner(pool, hub, keeper, settings, providers, tools, hint=notifier.notify,
-                        metrics=metrics, finishes=finishes, appends=appends)
+                        metrics=metrics, finishes=finishes, appends=appends,
+                        journaled=Journaled(runtime.reads.journaled,
+                                            notifier.notify_rows_at_hand))
     dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, load, metrics,
                             hint=notifier.notify)
     runtime.dispatcher = dispatcher

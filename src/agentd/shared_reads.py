@@ -6,12 +6,19 @@ the asks of different runs made in the same loop step go out together in one que
 A read is joinable only until its query is sent: one who joins saw every hint that arrived
 before it, and whatever those hints announced was committed before the query went out, so the
 shared rows are as fresh as a read of its own would be (rule 6: the rows stay the truth).
+
+And the rows this process writes itself need no read at all: once a journal batch has
+committed, its writer hands the rows over (`journaled`: exactly what a read would return,
+stamps included) before it wakes the run's tails here. A tail woken only by such hints takes
+the rows that follow its cursor from here; any other wake (another process wrote, a
+reconnect, a poll, a gap in what is held) reads the database as before.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 from uuid import UUID
@@ -20,6 +27,7 @@ import asyncpg
 
 from agentd.conversations import runs_since
 from agentd.queue import Event, read_events, read_events_many
+from agentd.vocabulary import EventType
 
 T = TypeVar("T")
 
@@ -32,17 +40,51 @@ class _Flight:
         self.joinable = True
 
 
+# The newest rows kept per run this process writes, and how many runs are kept (least recently
+# written first out): a tail further behind than this reads the database.
+HELD_ROWS_PER_RUN = 64
+HELD_RUNS = 20_000
+
+
 class SharedReads:
-    """Single-flight journal and run-list reads for the tails of one process."""
+    """Single-flight journal and run-list reads for the tails of one process, and the rows
+    this process's own writers have just committed."""
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
+        self._held: OrderedDict[UUID, deque[Event]] = OrderedDict()
+        self.served_held = 0  # reads answered from rows at hand
         self._flights: dict[Hashable, _Flight] = {}
         # Event reads for the next query: run, cursor, limit, flight key, flight.
         self._batch: list[tuple[UUID, int, int, Hashable, _Flight]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.asked = 0  # reads tails asked for
         self.issued = 0  # queries sent for them (asked - issued were shared)
+
+    def journaled(self, run_id: UUID, rows: Sequence[Event]) -> None:
+        """Rows of the run's journal this process has just committed, in seq order."""
+        held = self._held.get(run_id)
+        if held is None:
+            held = self._held[run_id] = deque(maxlen=HELD_ROWS_PER_RUN)
+            if len(self._held) > HELD_RUNS:
+                self._held.popitem(last=False)
+        else:
+            self._held.move_to_end(run_id)
+            if held and rows[0].seq != held[-1].seq + 1:
+                held.clear()  # a batch went by unseen: what is held no longer follows on
+        held.extend(rows)
+        if rows[-1].type == EventType.COMPLETE:
+            del self._held[run_id]
+
+    def held_after(self, run_id: UUID, after_seq: int) -> list[Event] | None:
+        """The run's rows after `after_seq` that this process wrote and holds, when they follow
+        on from it with nothing missing in between ([] when it holds nothing newer); None when
+        they do not (read the database)."""
+        held = self._held.get(run_id)
+        if not held or held[0].seq > after_seq + 1:
+            return None
+        self.served_held += 1
+        return [e for e in held if e.seq > after_seq]
 
     async def _shared(self, key: Hashable, query: Callable[[], Awaitable[T]]) -> T:
         self.asked += 1

@@ -83,9 +83,13 @@ async def run_tail(pool: asyncpg.Pool, hub: Hub, run_id: UUID, after_seq: int, *
     last_sent = loop.time()
     async with hub.subscribe(Channel.RUN_EVENT, str(run_id)) as sub:  # BEFORE reading
         quiet_checks = 0
+        polled = True  # the first read, and every one after a poll, is the database's
         while True:
-            sub.clear()
-            events = await reads.events(run_id, cursor, PAGE)
+            # Rows this process wrote are at hand unless a hint since the last read came from
+            # elsewhere (shared_reads.py).
+            stale = sub.clear() or polled
+            held = None if stale else reads.held_after(run_id, cursor)
+            events = held if held is not None else await reads.events(run_id, cursor, PAGE)
             for event in events:
                 cursor = event.seq
                 yield event
@@ -107,6 +111,7 @@ async def run_tail(pool: asyncpg.Pool, hub: Hub, run_id: UUID, after_seq: int, *
                 if ended:
                     return
             woke = await sub.wait(poll_interval(hub, keepalive_s))
+            polled = not woke
             quiet_checks = 0 if (not woke or RECONNECTED in woke) else quiet_checks + 1
             if loop.time() - last_sent >= keepalive_s:
                 last_sent = loop.time()

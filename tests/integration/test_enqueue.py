@@ -9,7 +9,14 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from agentd.queue import ConversationNotFound, EnqueuedRun, IdempotencyConflict
+from agentd.queue import (
+    ConversationNotFound,
+    EnqueuedRun,
+    IdempotencyConflict,
+    NewRun,
+    QueueFull,
+    enqueue_runs,
+)
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
 from tests.integration.helpers import connections, listening, race, raise_unexpected
 from tests.support.factories import enqueue, new_conversation, new_tenant
@@ -215,3 +222,47 @@ async def test_same_key_for_other_content_or_another_conversation_is_a_conflict(
                       idempotency_key="k")
     assert await pool.fetchval("SELECT count(*) FROM agent_run") == 1
     assert first.created
+
+
+async def test_turns_enqueued_together_each_get_their_own_outcome_in_order(
+        pool: asyncpg.Pool) -> None:
+    """One statement, one outcome per turn, in the order asked: a run for each that fits, the
+    first run for a repeated key, and for the others what refused them — with nothing written
+    for those. (When a call's turns do not all fit, which of them are refused is not
+    defined; never more than fit are queued.)"""
+    tenant = await new_tenant(pool)
+    other = await new_tenant(pool)
+    second = await new_conversation(pool, tenant.account_id)
+    await pool.execute("UPDATE account SET max_queued = 4 WHERE id = $1", tenant.account_id)
+    first = await enqueue(pool, tenant.account_id, tenant.conversation_id, "earlier",
+                          idempotency_key="k")
+    before = await _row_counts(pool)
+    asks = [NewRun(tenant.conversation_id, "one", {"content": "one", "model": "demo"}),
+            NewRun(other.conversation_id, "not mine", {"content": "x", "model": "demo"}),
+            NewRun(tenant.conversation_id, "earlier", {"content": "earlier", "model": "demo"},
+                   idempotency_key="k"),
+            NewRun(second, "two", {"content": "two", "model": "demo"}),
+            NewRun(tenant.conversation_id, "three", {"content": "three", "model": "demo"}),
+            NewRun(second, "four", {"content": "four", "model": "demo"}),
+            NewRun(tenant.conversation_id, "earlier", {"content": "changed", "model": "demo"},
+                   idempotency_key="k")]
+    outcomes = await enqueue_runs(pool, account_id=tenant.account_id, runs=asks)
+    assert len(outcomes) == len(asks)
+    assert isinstance(outcomes[1], ConversationNotFound)
+    replay = outcomes[2]
+    assert isinstance(replay, EnqueuedRun) and not replay.created
+    assert replay.run_id == first.run_id
+    assert isinstance(outcomes[6], IdempotencyConflict)
+    new = [outcomes[i] for i in (0, 3, 4, 5)]
+    made = [o for o in new if isinstance(o, EnqueuedRun)]
+    refused = [o for o in new if isinstance(o, QueueFull)]
+    assert (len(made), len(refused)) == (3, 1), "room for three more beside the earlier turn"
+    assert refused[0].max_queued == 4
+    runs, messages, events = await _row_counts(pool)
+    assert (runs, messages, events) == (before[0] + 3, before[1] + 3, before[2] + 6)
+    # Turns of one conversation are created in the order they were asked.
+    created = [r["id"] for r in await pool.fetch(
+        "SELECT id FROM agent_run WHERE account_id = $1 ORDER BY created_at, id",
+        tenant.account_id)]
+    asked_order = [o.run_id for o in new if isinstance(o, EnqueuedRun)]
+    assert [r for r in created if r in asked_order] == asked_order

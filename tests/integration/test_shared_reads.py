@@ -12,10 +12,19 @@ import asyncpg
 import pytest
 
 from agentd import db as dbmod
+from agentd.group_commit import Batcher
 from agentd.hub import Hub
 from agentd.journal import Emitter
 from agentd.notifier import Notifier
-from agentd.queue import Claim, claim_runs, finish_run, read_events
+from agentd.queue import (
+    Claim,
+    Event,
+    append_events_many,
+    claim_runs,
+    finish_run,
+    read_events,
+    reap_expired,
+)
 from agentd.shared_reads import SharedReads
 from agentd.tail import run_tail
 from agentd.vocabulary import EventType, RunStatus
@@ -158,3 +167,66 @@ async def test_reads_of_different_runs_in_one_loop_step_go_out_as_one_query(
     for (run_id, seq), events in zip(cursors, got, strict=True):
         assert events == await read_events(pool, run_id, after_seq=seq, limit=500)
         assert events  # nothing trivially equal
+
+
+async def test_tails_of_a_run_this_process_writes_are_handed_its_rows_and_read_nothing(
+        pool: asyncpg.Pool, dsn: str) -> None:
+    """The writer hands each committed batch to the process's tails before it wakes them: past
+    their first read they read nothing back, yet get every row as the journal holds it; a hint
+    from elsewhere (another writer: here a finalizer's complete) still sends them to the
+    database."""
+    hub = Hub(dsn)
+    await hub.start()
+    notifier = Notifier(pool, local=hub.hint_locally)
+    notifier.start()
+    appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
+    claim = await start_run(pool)
+    reads = SharedReads(pool)
+    emitter = Emitter(pool, claim, flush_interval_s=3600, hint=notifier.notify_rows_at_hand,
+                      appends=appends, journaled=reads.journaled)
+    got: list[list[Event]] = [[] for _ in range(3)]
+
+    async def tail(i: int) -> None:
+        async for event in run_tail(pool, hub, claim.run_id, claim.last_seq, keepalive_s=3600,
+                                    reads=reads):
+            if event is not None:
+                got[i].append(event)
+
+    tasks = [asyncio.create_task(tail(i)) for i in range(3)]
+    try:
+        await emitter.delta("first ")
+        await poll_until(lambda: _true(all(len(g) == 1 for g in got)), DEFAULT_TIMEOUT_S,
+                         interval=0.002, what="every tail to get the first delta")
+        issued = reads.issued
+        for n in range(WAKES):
+            await emitter.delta(f"piece {n} ")
+            await emitter.flush()
+            await poll_until(lambda n=n: _true(all(len(g) == n + 2 for g in got)),
+                             DEFAULT_TIMEOUT_S, interval=0.002, what=f"every tail at {n}")
+        assert reads.issued == issued, "the writer's own rows were read back"
+        assert reads.served_held >= 3 * WAKES
+        # Another writer's row (a finalizer ending the run) announces itself by NOTIFY only.
+        stopped = await reap_now(pool, claim)
+        await poll_until(lambda: _true(all(g[-1].type == EventType.COMPLETE for g in got)),
+                         DEFAULT_TIMEOUT_S, interval=0.002, what="every tail at complete")
+        assert reads.issued > issued and stopped
+        journal = await read_events(pool, claim.run_id, after_seq=claim.last_seq)
+        for g in got:
+            assert [(e.seq, e.type, e.payload, e.created_at) for e in g] == \
+                [(e.seq, e.type, e.payload, e.created_at) for e in journal]
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await notifier.close()
+        await hub.close()
+
+
+async def reap_now(pool: asyncpg.Pool, claim: Claim) -> bool:
+    """End the run as a finalizer in another process would: its lease made due, the reaper
+    run (it journals complete and sends its own NOTIFY)."""
+    await pool.execute("UPDATE agent_run SET lease_expires_at = clock_timestamp()"
+                       " WHERE id = $1", claim.run_id)
+    return claim.run_id in await reap_expired(pool)

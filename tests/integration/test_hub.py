@@ -1,0 +1,112 @@
+"""The hub's local hints: a process hears its own commits at once, and the NOTIFY that tells
+the fleet is not taken, when it comes back, for news a second time; anyone else's notification
+on the same channel and payload still gets through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from agentd import hub as hubmod
+from agentd.hub import Hub, Subscription
+from agentd.notifier import Notifier
+from agentd.vocabulary import Channel
+from tests.integration.helpers import DEFAULT_TIMEOUT_S, listening
+from tests.support.daemon import poll_until
+
+
+@pytest.fixture
+async def hub(dsn: str) -> AsyncIterator[Hub]:
+    hub = Hub(dsn)
+    await hub.start()
+    assert hub.connected
+    try:
+        yield hub
+    finally:
+        await hub.close()
+
+
+async def heard(sub: Subscription, within: float = DEFAULT_TIMEOUT_S) -> set[str]:
+    return await sub.wait(within)
+
+
+async def notify_from_elsewhere(pool: asyncpg.Pool, channel: Channel, payload: str) -> None:
+    await pool.execute("SELECT pg_notify($1, $2)", str(channel), payload)
+
+
+async def test_a_local_hint_wakes_at_once_and_its_own_notify_is_dropped_when_it_returns(
+        pool: asyncpg.Pool, hub: Hub, dsn: str) -> None:
+    notifier = Notifier(pool, local=hub.hint_locally)
+    async with hub.subscribe(Channel.RUN_EVENT, "run-1") as sub, \
+            listening(dsn, str(Channel.RUN_EVENT)) as fleet:
+        notifier.notify(Channel.RUN_EVENT, "run-1")  # not sent yet: the notifier is idle
+        assert sub.drain() == {"run-1"}, "the local subscriber hears it before any NOTIFY"
+        notifier.start()
+        try:
+            assert await fleet.next() == "run-1"  # the fleet hears it by NOTIFY
+            await poll_until(lambda: _true(hub.echoes == 1), DEFAULT_TIMEOUT_S,
+                             interval=0.005, what="the echo to come back and be dropped")
+            assert sub.drain() == set(), "woken twice for one commit"
+            # Another process's notification with the same channel and payload is news.
+            await notify_from_elsewhere(pool, Channel.RUN_EVENT, "run-1")
+            assert await heard(sub) == {"run-1"}
+            assert hub.echoes == 1
+        finally:
+            await notifier.close()
+
+
+async def test_hints_in_one_batch_wait_for_one_echo_and_each_wakes_the_subscriber(
+        pool: asyncpg.Pool, hub: Hub) -> None:
+    """Two commits before the notifier sends: two local wakes (a subscriber may have read in
+    between), one NOTIFY (a batch carries each pair once), so one echo to drop, not two."""
+    notifier = Notifier(pool, local=hub.hint_locally)
+    async with hub.subscribe(Channel.CONVERSATION, "c") as sub:
+        notifier.notify(Channel.CONVERSATION, "c")
+        assert sub.drain() == {"c"}
+        notifier.notify(Channel.CONVERSATION, "c")
+        assert sub.drain() == {"c"}
+        notifier.start()
+        try:
+            await poll_until(lambda: _true(hub.echoes == 1), DEFAULT_TIMEOUT_S,
+                             interval=0.005, what="the batch's one echo")
+            await notify_from_elsewhere(pool, Channel.CONVERSATION, "c")
+            assert await heard(sub) == {"c"}, "a second awaited echo swallowed real news"
+        finally:
+            await notifier.close()
+
+
+async def test_an_echo_that_never_comes_stops_being_awaited(
+        pool: asyncpg.Pool, hub: Hub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NOTIFY that was lost (its statement failed) must not swallow another process's news
+    for long: the awaited echo expires."""
+    monkeypatch.setattr(hubmod, "ECHO_WINDOW_S", 0.05)
+    async with hub.subscribe(Channel.RUN_ENQUEUED, "c") as sub:
+        hub.hint_locally(Channel.RUN_ENQUEUED, "c", echo=True)  # no NOTIFY will follow
+        assert sub.drain() == {"c"}
+        loop = asyncio.get_running_loop()
+        expired_at = loop.time() + 0.05
+        await poll_until(lambda: _true(loop.time() > expired_at), DEFAULT_TIMEOUT_S,
+                         interval=0.01, what="the echo window to pass")
+        await notify_from_elsewhere(pool, Channel.RUN_ENQUEUED, "c")
+        assert await heard(sub) == {"c"}
+        assert hub.echoes == 0
+
+
+async def test_rows_at_hand_leave_a_subscription_fresh_and_anything_else_makes_it_stale(
+        hub: Hub) -> None:
+    async with hub.subscribe(Channel.RUN_EVENT, "r") as sub:
+        assert sub.clear(), "a new subscription reads the database first"
+        hub.hint_locally(Channel.RUN_EVENT, "r", echo=False, rows_at_hand=True)
+        assert not sub.clear(), "the rows were handed over: no read needed"
+        hub.hint_locally(Channel.RUN_EVENT, "r", echo=False, rows_at_hand=True)
+        hub.hint_locally(Channel.RUN_EVENT, "r", echo=False)
+        assert sub.clear(), "one hint without its rows: read"
+        assert not sub.clear()
+
+
+async def _true(value: bool) -> bool:
+    return value
