@@ -582,10 +582,12 @@ class BenchDaemon:
 
 @contextlib.asynccontextmanager
 async def daemons(database: BenchDatabase, count: int = 1, *, need_hub: bool = True,
-                  **settings: Any) -> AsyncIterator[list[BenchDaemon]]:
-    """`count` daemons on the database, serving; stopped (and killed if need be) on exit."""
-    started = [BenchDaemon(database.dsn, database.workdir, f"agentd-{uuid.uuid4().hex[:6]}",
-                           settings).start() for _ in range(count)]
+                  dsn: str | None = None, **settings: Any) -> AsyncIterator[list[BenchDaemon]]:
+    """`count` daemons on the database (their pool through `dsn` when given: a pooler in front
+    of it), serving; stopped (and killed if need be) on exit."""
+    started = [BenchDaemon(dsn or database.dsn, database.workdir,
+                           f"agentd-{uuid.uuid4().hex[:6]}", settings).start()
+               for _ in range(count)]
     try:
         await asyncio.gather(*(d.wait_serving(need_hub=need_hub) for d in started))
         yield started

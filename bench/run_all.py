@@ -26,11 +26,20 @@ DOCS = ROOT / "docs" / "benchmarks.md"
 BENCHMARKS: dict[str, tuple[str, list[str], list[str]]] = {
     "wake_latency": ("wake_latency", [], ["--quick"]),
     "throughput": ("throughput", [], ["--quick"]),
+    # The same with the pool through a real PgBouncer in transaction mode (LISTEN direct).
+    "throughput_pgbouncer": ("throughput", ["--daemons", "1", "--pgbouncer"],
+                             ["--quick", "--daemons", "1", "--pgbouncer"]),
     "journal_rows": ("journal_rows", [], ["--quick"]),
     "first_token": ("first_token", [], ["--quick"]),
-    # The same load below saturation, then at the full 1,000 runs.
+    # 200 fast streams (20 tokens/s each), below saturation; the same at 1,000 (they saturate
+    # 2 cores); then 1,000 truly concurrent minute-long turns at a token a second, with one
+    # worker process and with two.
     "streams_200": ("streams", ["--runs", "200"], ["--runs", "20"]),
-    "streams": ("streams", [], ["--quick"]),
+    "streams_fast": ("streams", [], ["--quick"]),
+    "streams": ("streams", ["--tokens", "60", "--delay-ms", "1000"],
+                ["--quick", "--tokens", "10", "--delay-ms", "1000"]),
+    "streams_workers2": ("streams", ["--tokens", "60", "--delay-ms", "1000", "--workers", "2"],
+                         ["--quick", "--tokens", "10", "--delay-ms", "1000", "--workers", "2"]),
     # agentd and pgqueuer 1.6.0 (its own tools/benchmark.py) on the same PostgreSQL, one run.
     "peer": ("peer", [], ["--quick"]),
     # 1,000 turns of 45 s on ONE daemon, 3 s leases: no live turn may lose its lease.

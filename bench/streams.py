@@ -17,6 +17,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 from uuid import UUID
 
 import aiohttp
@@ -224,8 +225,12 @@ async def main() -> int:
         "summary": [
             figure(f"delta lag p50 ({len(runs)} runs × {args.clients} clients)", lag.get("p50"),
                    "ms"),
-            figure("delta lag p99", lag.get("p99"), "ms"),
-            figure("peak concurrent runs", peak, "runs"),
+            figure("delta lag p99", lag.get("p99"), "ms",
+                   **_target(args.runs >= TARGET_RUNS, f"≤ {TARGET_LAG_P99_MS:g} ms",
+                             lag.get("p99") is not None and lag["p99"] <= TARGET_LAG_P99_MS)),
+            figure("peak concurrent runs", peak, "runs",
+                   **_target(args.runs >= TARGET_RUNS, f"≥ {TARGET_PEAK}",
+                             peak >= TARGET_PEAK)),
             figure(f"run duration p50 (nominal {args.tokens * args.delay_ms / 1000:g} s)",
                    percentiles(durations).get("p50"), "s"),
             figure("daemon CPU (share of one core)", round(daemon_cpu / elapsed, 3), "cores"),
@@ -239,6 +244,15 @@ async def main() -> int:
         "seconds": round(time.monotonic() - started, 1),
     })
     return 0
+
+
+TARGET_RUNS = 1000  # the targets apply to the full-size run
+TARGET_PEAK = 950
+TARGET_LAG_P99_MS = 500.0
+
+
+def _target(applies: bool, target: str, met: bool) -> dict[str, Any]:
+    return {"target": target, "met": met} if applies else {}
 
 
 if __name__ == "__main__":

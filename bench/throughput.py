@@ -5,13 +5,20 @@ transaction with agentd's own enqueue statement (the one POST /runs runs), so it
 every daemon at once and the HTTP client's cost stays out of the figure. Runs/s = completed runs
 divided by the span from the first claim to the last finish (database clock). Also: claim →
 finish per run, journal rows per run, each daemon's share and the CPU it and PostgreSQL burned.
+
+With --pgbouncer the daemons' pool goes through a real PgBouncer (the distribution's program,
+started in the work directory) in transaction mode: `pooler = transaction`, the LISTEN
+connection, migrations and heartbeats on the direct DSN, as a fleet behind PgBouncer runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from agentd.queue import enqueue_run
@@ -37,15 +44,41 @@ from harness import (
 )
 
 
+@contextlib.contextmanager
+def pool_through_pgbouncer(database: BenchDatabase) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A PgBouncer in transaction mode in front of the database: (the pool's DSN through it,
+    the daemon settings that go with it). The launcher is the tests' own."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.support.pgbouncer import Bouncer
+
+    bouncer = Bouncer(database.dsn, database.workdir / "pgbouncer").start()
+    try:
+        yield bouncer.dsn(), {"pooler": "transaction", "hub_dsn": database.dsn}
+    finally:
+        bouncer.close()
+
+
 async def measure(database: BenchDatabase, count: int, runs: int, conversations: int,
-                  tokens: int, delay_ms: int, settings: dict[str, Any]) -> dict[str, Any]:
+                  tokens: int, delay_ms: int, settings: dict[str, Any], *,
+                  pgbouncer: bool = False) -> dict[str, Any]:
+    if pgbouncer:
+        with pool_through_pgbouncer(database) as (dsn, pooled):
+            result = await _measure(database, count, runs, conversations, tokens, delay_ms,
+                                    {**settings, **pooled}, dsn=dsn)
+        return {**result, "pool": "pgbouncer (transaction mode)"}
+    return await _measure(database, count, runs, conversations, tokens, delay_ms, settings)
+
+
+async def _measure(database: BenchDatabase, count: int, runs: int, conversations: int,
+                   tokens: int, delay_ms: int, settings: dict[str, Any], *,
+                   dsn: str | None = None) -> dict[str, Any]:
     pool = await open_pool(database.dsn)
     try:
         _token, account_id = await make_account(pool)
         convs = await make_conversations(pool, account_id, conversations, "throughput")
         fsyncs_before = await wal_fsyncs(database.dsn) if database.server_pid else None
         xacts_before = await transactions(database.dsn)
-        async with daemons(database, count, **settings) as started:
+        async with daemons(database, count, dsn=dsn, **settings) as started:
             await asyncio.sleep(1.0)  # start-up work done; every daemon idles on the hub
             cpu_before = [d.cpu_seconds() for d in started]
             pg_before = tree_cpu_seconds(database.server_pid) if database.server_pid else None
@@ -122,6 +155,8 @@ async def main() -> int:
     parser.add_argument("--tokens", type=int, default=5)
     parser.add_argument("--delay-ms", type=int, default=0)
     parser.add_argument("--daemons", default="1,2", help="daemon counts to measure (1,2)")
+    parser.add_argument("--pgbouncer", action="store_true",
+                        help="the daemons' pool through a real PgBouncer in transaction mode")
     args = parser.parse_args()
     if args.quick:
         args.runs, args.conversations = min(args.runs, 300), min(args.conversations, 60)
@@ -132,11 +167,13 @@ async def main() -> int:
         for i, count in enumerate(int(x) for x in args.daemons.split(",")):
             database = first if i == 0 else await first.fresh(f"d{count}")
             results.append(await measure(database, count, args.runs, args.conversations,
-                                         args.tokens, args.delay_ms,
-                                         daemon_settings(args)))
+                                         args.tokens, args.delay_ms, daemon_settings(args),
+                                         pgbouncer=args.pgbouncer))
     summary = []
     for r in results:
         label = f"{r['daemons']} daemon{'s' if r['daemons'] > 1 else ''}"
+        if args.pgbouncer:
+            label += ", pool through PgBouncer"
         summary += [
             figure(f"runs/s, {label}", r["runs_per_s"], "runs/s"),
             figure(f"claim → finish p50, {label}", r["claim_to_finish_ms"]["p50"], "ms"),

@@ -43,7 +43,7 @@ from harness import (
     wait_terminal,
 )
 
-TARGET_P50_MS = 3.0
+TARGET_P50_MS = 2.0
 POLL_TICK_S = 0.5
 
 
