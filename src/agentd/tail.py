@@ -181,10 +181,20 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
         for run_id in cursor.open:
             sub.listen(Channel.RUN_EVENT, str(run_id))
         recheck = True
+        polled = True  # the first pass, and every one after a poll, reads the database
         while True:
-            sub.clear()
-            runs = await reads.runs(conversation_id, cursor.watermark, list(cursor.open))
+            stale = sub.clear() or polled or recheck
+            polled = False
+            # Woken only by rows this process wrote for runs the feed follows: they are at
+            # hand (shared_reads.py), no list of runs or journal to read.
+            held = None if stale else _held_events(reads, cursor)
+            runs = [] if held is not None else await reads.runs(
+                conversation_id, cursor.watermark, list(cursor.open))
             progressed = False
+            for run_id, event in held or ():
+                cursor.open[run_id] = event.seq
+                progressed = True
+                yield FeedItem("event", cursor.encode(), run_id, event)
             for row in runs:
                 run_id = row["id"]
                 if (row["created_at"], run_id) > cursor.watermark:
@@ -233,12 +243,25 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
                 recheck = False
                 continue
             woke = await sub.wait(poll_interval(hub, keepalive_s))
+            polled = not woke
             recheck = not woke or RECONNECTED in woke or str(conversation_id) in woke
             if not woke and on_idle is not None:
                 await on_idle()
             if loop.time() - last_sent >= keepalive_s:
                 last_sent = loop.time()
                 yield FeedItem("keepalive", cursor.encode())
+
+
+def _held_events(reads: SharedReads, cursor: FeedCursor) -> list[tuple[UUID, Event]] | None:
+    """The rows after the cursor of every run the feed follows, when this process holds them
+    all (None: read the database)."""
+    found: list[tuple[UUID, Event]] = []
+    for run_id, seq in cursor.open.items():
+        held = reads.held_after(run_id, seq)
+        if held is None:
+            return None
+        found.extend((run_id, event) for event in held)
+    return found
 
 
 async def _drain_run(pool: asyncpg.Pool, reads: SharedReads, cursor: FeedCursor, run_id: UUID,
