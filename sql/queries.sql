@@ -13,13 +13,13 @@
 -- The conversations are locked first (in id order: calls cannot deadlock), so runs of one
 -- conversation get created_at in commit order (a conversation feed's watermark relies on it)
 -- and on_busy checks serialize with us; items of one conversation are inserted in item order.
--- Bounded: each run takes a free queue slot of its account (take_queue_slot, sql/011; $9 makes
--- it look for one in order, else it tries one at random), so no race can overshoot max_queued
--- ($8 when the account sets none) and enqueues of one account never wait for each other.
--- ON CONFLICT DO NOTHING: a repeated idempotency key, or a slot a committed run took since
--- the pick, inserts nothing (a unique index arbitrates, even mid-flight). The answer says
+-- Bounded: the call takes distinct free queue slots of its account for its turns at once
+-- (take_queue_slots, sql/012; $9: look in order only), so no race can overshoot max_queued
+-- ($8 when the account sets none) and enqueues of one account never wait for each other; a
+-- turn whose idempotency key is taken already needs none. ON CONFLICT DO NOTHING: a repeated
+-- idempotency key inserts nothing (a unique index arbitrates, even mid-flight). The answer says
 -- which: `conversation` false = no such conversation here; `slot` NULL = no free slot (the
--- queue is full when $9 asked for one in order); `id` NULL with a slot = not inserted.
+-- queue is full) or a key already used; `id` NULL with a slot = not inserted.
 WITH item AS (
     SELECT i.*
     FROM unnest($2::uuid[], $4::text[], $5::text[], $6::text[], $7::text[])
@@ -31,10 +31,19 @@ WITH item AS (
     WHERE c.id = ANY ($2::uuid[]) AND c.account_id = $1::uuid
     ORDER BY c.id
     FOR NO KEY UPDATE OF c
-), slotted AS (
+), asking AS (
     SELECT item.*, conv.account_id, conv.max_queued, gen_random_uuid() AS message_id,
-           take_queue_slot(conv.account_id, conv.max_queued, $9::boolean) AS slot
+           row_number() OVER (ORDER BY item.n) AS place
     FROM item JOIN conv ON conv.id = item.conversation_id
+    WHERE item.idempotency_key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM agent_run used
+        WHERE used.account_id = $1::uuid AND used.idempotency_key = item.idempotency_key)
+), slots AS (
+    SELECT take_queue_slots($1::uuid, (SELECT max(conv.max_queued) FROM conv),
+                            (SELECT count(*) FROM asking)::int, $9::boolean) AS taken
+), slotted AS (
+    SELECT asking.*, (SELECT slots.taken FROM slots)[asking.place] AS slot
+    FROM asking
 ), run AS (
     INSERT INTO agent_run (account_id, conversation_id, user_message_id, origin_device_id,
                            request, request_hash, idempotency_key, created_at, slot)

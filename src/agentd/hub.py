@@ -108,6 +108,11 @@ class Subscription:
     def pending(self) -> bool:
         return bool(self._items)
 
+    @property
+    def waiting(self) -> bool:
+        """Whether its reader is waiting for a hint right now (idle, nothing pending)."""
+        return self._waiter is not None and not self._waiter.done()
+
 
 def _time_is_up(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
@@ -204,6 +209,10 @@ class Hub:
 
     def subscriber_count(self) -> int:
         return sum(len(s) for s in self._subscribers.values())
+
+    def subscribers(self, channel: Channel, key: str | None = None) -> list[Subscription]:
+        """The inboxes listening for exactly (channel, key)."""
+        return list(self._subscribers.get((channel, key), ()))
 
     def hint_locally(self, channel: Channel, payload: str, *, echo: bool,
                      rows_at_hand: bool = False) -> None:

@@ -235,10 +235,11 @@ class NewRun:
 
 
 EnqueueOutcome = EnqueuedRun | QueueFull | ConversationNotFound | IdempotencyConflict
-# A queue slot is picked at random twice, then looked for in order (which also tells a full
-# queue); an item still unplaced after this many rounds means something is badly wrong.
-_RANDOM_SLOT_ROUNDS = 2
-_MAX_ENQUEUE_ROUNDS = 50
+# Every turn of a call is placed by its first statement (take_queue_slots checks each slot it
+# takes); one inserted nothing for its slot only if a rival broke the slots' locking rule, and
+# is asked again, its slot looked for in order. Past this many rounds something is badly wrong.
+_RANDOM_SLOT_ROUNDS = 1
+_MAX_ENQUEUE_ROUNDS = 5
 
 
 async def enqueue_runs(db: Db, *, account_id: UUID, runs: Sequence[NewRun],
@@ -247,7 +248,7 @@ async def enqueue_runs(db: Db, *, account_id: UUID, runs: Sequence[NewRun],
     """Enqueue several turns of one account in one statement (each a run, its message, journal
     seq 1-2 and a wake: a run is a row, docs/architecture.md); one outcome per turn, in order:
     the run, or the QueueFull / ConversationNotFound / IdempotencyConflict that refused it
-    (nothing written for it). A turn whose queue slot a rival took first asks again."""
+    (nothing written for it). The turns are created in the order asked."""
     outcomes: list[EnqueueOutcome | None] = [None] * len(runs)
     digests = [request_hash(r.conversation_id, r.content, r.request) for r in runs]
     pending = list(range(len(runs)))

@@ -6,6 +6,9 @@ mints a second run, however many callers race with it.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from uuid import UUID
+
 import asyncpg
 import pytest
 
@@ -266,3 +269,43 @@ async def test_turns_enqueued_together_each_get_their_own_outcome_in_order(
         tenant.account_id)]
     asked_order = [o.run_id for o in new if isinstance(o, EnqueuedRun)]
     assert [r for r in created if r in asked_order] == asked_order
+
+
+async def test_batches_racing_for_few_queue_slots_keep_their_order_and_the_limit(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """Callers of one account, each enqueueing turns of two conversations in one call, race for
+    fewer queue slots than they ask for (independent sessions, many rounds): never more turns
+    queued than the limit, and each call's turns of a conversation created in the order asked
+    (a turn retried after later ones were created would run out of order)."""
+    callers, per_call, limit = 4, 6, 10
+    tenant = await new_tenant(pool)
+    await pool.execute("UPDATE account SET max_queued = $2 WHERE id = $1", tenant.account_id,
+                       limit)
+    async with connections(dsn, callers) as conns:
+        for round_ in range(25):
+            mine = [(tenant.conversation_id, await new_conversation(pool, tenant.account_id))
+                    for _ in range(callers)]
+
+            def call(conn: asyncpg.Connection, convs: tuple[UUID, UUID], c: int,
+                     round_: int = round_) -> Callable[[], Awaitable[list[object]]]:
+                asks = [NewRun(convs[i % 2], f"r{round_} c{c} t{i}",
+                               {"content": f"t{i}", "model": "demo"}) for i in range(per_call)]
+                return lambda: enqueue_runs(conn, account_id=tenant.account_id, runs=asks)
+
+            results = await race(*(call(conn, convs, c) for c, (conn, convs)
+                                   in enumerate(zip(conns, mine, strict=True))))
+            raise_unexpected(results, context=f"round {round_}")
+            made = [[o.run_id for o in outcomes if isinstance(o, EnqueuedRun)]
+                    for outcomes in results]
+            refused = sum(isinstance(o, QueueFull) for outcomes in results for o in outcomes)
+            assert sum(map(len, made)) + refused == callers * per_call
+            assert sum(map(len, made)) == limit, f"round {round_}: exactly the free slots"
+            for run_ids in made:
+                created = [r["id"] for r in await pool.fetch(
+                    "SELECT id FROM agent_run WHERE id = ANY($1::uuid[])"
+                    " ORDER BY created_at, id", run_ids)]
+                assert created == run_ids, f"round {round_}: created out of the asked order"
+            await pool.execute("UPDATE agent_run SET status = 'cancelled', slot = NULL,"
+                               " finished_at = now()"
+                               " WHERE account_id = $1 AND status = 'queued'",
+                               tenant.account_id)

@@ -27,7 +27,7 @@ from agentd.queue import (
 )
 from agentd.shared_reads import SharedReads
 from agentd.tail import run_tail
-from agentd.vocabulary import EventType, RunStatus
+from agentd.vocabulary import Channel, EventType, RunStatus
 from tests.integration.helpers import DEFAULT_TIMEOUT_S
 from tests.support.daemon import poll_until
 from tests.support.factories import enqueue, new_tenant
@@ -87,14 +87,24 @@ async def test_tails_of_one_run_woken_together_cause_one_read_per_wake_and_get_e
     async def everyone_has(count: int) -> bool:
         return all(len(g) == count for g in got)
 
+    async def everyone_waits() -> bool:
+        # Every tail idle on the hub: none is still finishing a read or a check of the run row,
+        # which would make it miss the next hint's loop step and read on its own.
+        subs = hub.subscribers(Channel.RUN_EVENT, str(claim.run_id))
+        return len(subs) == TAILS and all(s.waiting for s in subs)
+
     try:
         # Warm-up: once every tail has the first delta, every tail waits on the hub (a tail
         # goes from handing out an event to waiting without another read).
         await emitter.delta(pieces[0])
         await poll_until(lambda: everyone_has(1), DEFAULT_TIMEOUT_S, interval=0.002,
                          what="every tail to get the first delta")
+        await poll_until(everyone_waits, DEFAULT_TIMEOUT_S, interval=0.002,
+                         what="every tail to wait on the hub")
         asked, issued = reads.asked, reads.issued
         for n in range(1, WAKES + 1):
+            await poll_until(everyone_waits, DEFAULT_TIMEOUT_S, interval=0.002,
+                             what="every tail to wait on the hub")
             await emitter.delta(pieces[n])
             await emitter.flush()
             await poll_until(lambda n=n: everyone_has(n + 1), DEFAULT_TIMEOUT_S, interval=0.002,
