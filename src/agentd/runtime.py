@@ -222,15 +222,17 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool),
                                     name="agentd-statistics")
     try:
+        if handoff is None:  # else the supervisor did, once for all its workers
+            # Before the first request is answered: once /readyz says ready, the local TUI's
+            # token is there to use.
+            await ensure_local_client(pool, local_url(settings),
+                                      certificate.fingerprint if certificate else None,
+                                      create=database.embedded is not None)
         ssl_context = server_context(certificate) if certificate else None
         sites = [GuardedSite(app_runner, sock, guard=runtime.connection_guard,
                              ssl_context=ssl_context) for sock in sockets]
         for site in sites:
             await site.start()
-        if handoff is None:  # else the supervisor did, once for all its workers
-            await ensure_local_client(pool, local_url(settings),
-                                      certificate.fingerprint if certificate else None,
-                                      create=database.embedded is not None)
         dispatcher.start()
         _settle_garbage_collection()
         if not settings.serves_tls and not settings.listen_is_loopback:
