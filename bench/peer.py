@@ -547,6 +547,7 @@ async def agentd_latency(dbs: Databases, args: argparse.Namespace) -> dict[str, 
                                    application_name="agentd-bench-peer")
     notifier = Notifier(pool)
     notifier.start()
+    finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     hub = Hub(database.dsn, channels=[Channel.RUN_ENQUEUED])
     total = args.latency_warmup + args.latency_jobs
     loop = asyncio.get_running_loop()
@@ -573,7 +574,7 @@ async def agentd_latency(dbs: Databases, args: argparse.Namespace) -> dict[str, 
                     if not future.done():
                         future.set_result(now)
                 for claim in claims:
-                    await noop_turn(pool, claim, notifier.notify)
+                    await noop_turn(pool, claim, notifier.notify, finishes)
 
     latencies: list[float] = []
     try:

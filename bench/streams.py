@@ -226,17 +226,17 @@ async def main() -> int:
             figure(f"delta lag p50 ({len(runs)} runs × {args.clients} clients)", lag.get("p50"),
                    "ms"),
             figure("delta lag p99", lag.get("p99"), "ms",
-                   **_target(args.runs >= TARGET_RUNS, f"≤ {TARGET_LAG_P99_MS:g} ms",
+                   **_target(_targets_apply(args), f"≤ {TARGET_LAG_P99_MS:g} ms",
                              lag.get("p99") is not None and lag["p99"] <= TARGET_LAG_P99_MS)),
             figure("peak concurrent runs", peak, "runs",
-                   **_target(args.runs >= TARGET_RUNS, f"≥ {TARGET_PEAK}",
+                   **_target(_targets_apply(args), f"≥ {TARGET_PEAK}",
                              peak >= TARGET_PEAK)),
             figure(f"run duration p50 (nominal {args.tokens * args.delay_ms / 1000:g} s)",
                    percentiles(durations).get("p50"), "s"),
             figure("daemon CPU (share of one core)", round(daemon_cpu / elapsed, 3), "cores"),
             figure(f"peak RSS of all agentd processes ({args.workers} worker"
                    f"{'s' if args.workers > 1 else ''})", round(rss.peak, 1), "MB",
-                   target="≤ 400", met=rss.peak <= 400),
+                   **_target(_targets_apply(args), "≤ 400 MB", rss.peak <= 400)),
             figure("journal rows/s", round(in_window / window, 1), "rows/s"),
             figure("clients with the exact final text", f"{exact}/{len(clients)}", "",
                    target="all", met=exact == len(clients)),
@@ -246,9 +246,16 @@ async def main() -> int:
     return 0
 
 
-TARGET_RUNS = 1000  # the targets apply to the full-size run
+TARGET_RUNS = 1000  # the targets apply to the full-size run of long turns
+# ... whose turns last long enough to all overlap: posting 1,000 turns (64 at a time) takes
+# about 12 s on 2 cores, so 5-second turns measure the claim pace, not concurrency.
+TARGET_MIN_RUN_S = 30.0
 TARGET_PEAK = 950
 TARGET_LAG_P99_MS = 500.0
+
+
+def _targets_apply(args: Any) -> bool:
+    return args.runs >= TARGET_RUNS and args.tokens * args.delay_ms / 1000 >= TARGET_MIN_RUN_S
 
 
 def _target(applies: bool, target: str, met: bool) -> dict[str, Any]:

@@ -6,7 +6,6 @@ on the same channel and payload still gets through.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
@@ -17,17 +16,6 @@ from agentd.notifier import Notifier
 from agentd.vocabulary import Channel
 from tests.integration.helpers import DEFAULT_TIMEOUT_S, listening
 from tests.support.daemon import poll_until
-
-
-@pytest.fixture
-async def hub(dsn: str) -> AsyncIterator[Hub]:
-    hub = Hub(dsn)
-    await hub.start()
-    assert hub.connected
-    try:
-        yield hub
-    finally:
-        await hub.close()
 
 
 async def heard(sub: Subscription, within: float = DEFAULT_TIMEOUT_S) -> set[str]:

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import asyncpg
-import pytest
 
 from agentd import db as dbmod
 from agentd.group_commit import Batcher
@@ -35,27 +33,6 @@ from tests.support.factories import enqueue, new_tenant
 TAILS = 25
 WAKES = 6
 LONG_S = 60.0
-
-
-@pytest.fixture
-async def hub(dsn: str) -> AsyncIterator[Hub]:
-    hub = Hub(dsn)
-    await hub.start()
-    assert hub.connected
-    try:
-        yield hub
-    finally:
-        await hub.close()
-
-
-@pytest.fixture
-async def notifier(pool: asyncpg.Pool) -> AsyncIterator[Notifier]:
-    notifier = Notifier(pool)
-    notifier.start()
-    try:
-        yield notifier
-    finally:
-        await notifier.close()
 
 
 async def start_run(pool: asyncpg.Pool) -> Claim:
@@ -118,15 +95,19 @@ async def test_tails_of_one_run_woken_together_cause_one_read_per_wake_and_get_e
                          what="every tail to end at complete")
         assert all("".join(g) == "".join(pieces) for g in got)
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await _cancel(tasks)
 
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def test_a_read_already_sent_is_not_joined_by_a_later_asker(pool: asyncpg.Pool) -> None:
@@ -225,11 +206,7 @@ async def test_tails_of_a_run_this_process_writes_are_handed_its_rows_and_read_n
             assert [(e.seq, e.type, e.payload, e.created_at) for e in g] == \
                 [(e.seq, e.type, e.payload, e.created_at) for e in journal]
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await _cancel(tasks)
         await notifier.close()
         await hub.close()
 

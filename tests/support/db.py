@@ -2,8 +2,8 @@
 
 AGENTD_TEST_DSN points the suite at a server; without it the suite starts the same embedded
 PostgreSQL the daemon uses, in a private temporary directory. Loaded as a plugin
-(tests/conftest.py): `pg_admin_dsn`, `template_db`, `dsn`, `pool` and `repo_root` are fixtures of
-every tier.
+(tests/conftest.py): `pg_admin_dsn`, `template_db`, `dsn`, `pool`, `hub` (a started LISTEN hub),
+`notifier` (after-commit hints, sending) and `repo_root` are fixtures of every tier.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import asyncpg
 import pytest
 
 from agentd import db as dbmod
+from agentd.hub import Hub
 from agentd.migrate import migrate
+from agentd.notifier import Notifier
 
 
 def with_database(dsn: str, database: str) -> str:
@@ -106,6 +108,27 @@ async def pool(dsn: str) -> AsyncIterator[asyncpg.Pool]:
         yield pool
     finally:
         await pool.close()
+
+
+@pytest.fixture
+async def hub(dsn: str) -> AsyncIterator[Hub]:
+    hub = Hub(dsn)
+    await hub.start()
+    assert hub.connected
+    try:
+        yield hub
+    finally:
+        await hub.close()
+
+
+@pytest.fixture
+async def notifier(pool: asyncpg.Pool) -> AsyncIterator[Notifier]:
+    notifier = Notifier(pool)
+    notifier.start()
+    try:
+        yield notifier
+    finally:
+        await notifier.close()
 
 
 @pytest.fixture
