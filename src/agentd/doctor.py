@@ -46,7 +46,9 @@ async def run_checks(settings: Settings) -> list[Check]:
         checks.append(Check("database", False, f"{exc} (check --dsn / AGENTD_DSN)"))
         return checks
     try:
-        conn = await dbmod.connect(database.dsn)
+        # Migrations hold a session lock: they go where the daemon sends them (hub_dsn when
+        # the pool's DSN is a transaction pooler).
+        conn = await dbmod.connect(settings.direct_dsn(database.dsn))
         try:
             version = await dbmod.server_version(conn)
             checks.append(Check("database", True, f"PostgreSQL {version}"))
@@ -55,6 +57,7 @@ async def run_checks(settings: Settings) -> list[Check]:
                                 f"pending: {', '.join(todo)} (applied at serve start)"))
         finally:
             await conn.close()
+        checks.append(await _pool_check(settings, database.dsn))
         hub = Hub(settings.hub_dsn or database.dsn)
         await hub.start(wait_s=3)
         try:
@@ -76,6 +79,28 @@ async def run_checks(settings: Settings) -> list[Check]:
     checks.append(await asyncio.to_thread(_tls_check, settings))
     checks.extend(await mcp_checks(settings))
     return checks
+
+
+async def _pool_check(settings: Settings, dsn: str) -> Check:
+    """A statement through the pool's DSN, set up as the daemon sets up its pool."""
+    from agentd import db as dbmod
+
+    try:
+        pool = await dbmod.create_pool(dsn, min_size=1, max_size=1, pooled=settings.pooled)
+        try:
+            async with pool.acquire() as conn:
+                await dbmod.ping(conn)
+        finally:
+            await pool.close()
+    except Exception as exc:  # any failure is the finding; the doctor reports, never raises
+        hint = "" if settings.pooled else (": if dsn goes through PgBouncer in transaction "
+                                           "mode, set pooler = transaction")
+        return Check("pool", False, f"{exc}{hint}")
+    if settings.pooled:
+        return Check("pool", True, "through a transaction pooler (pooler = transaction): no "
+                     "prepared statements or session settings on it; LISTEN, migrations and "
+                     "the heartbeat use hub_dsn")
+    return Check("pool", True, "direct (pooler = none)")
 
 
 async def mcp_checks(settings: Settings) -> list[Check]:

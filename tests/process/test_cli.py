@@ -63,6 +63,7 @@ async def test_migrate_status_and_doctor(dsn: str) -> None:
     doctor = agentd("doctor", "--dsn", dsn, env={"AGENTD_LISTEN": f"127.0.0.1:{free_port()}"})
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert "[ok  ] listen/notify: round trip ok" in doctor.stdout
+    assert "[ok  ] pool: direct (pooler = none)" in doctor.stdout
 
 
 def test_invalid_settings_fail_naming_the_key() -> None:

@@ -19,8 +19,9 @@ from agentd import db as dbmod
 from agentd.hub import DEAF_MESSAGE
 from agentd.vocabulary import RunStatus
 from tests.process.helpers import wait_status
+from tests.process.test_cli import agentd
 from tests.streams.helpers import post_run
-from tests.support.daemon import poll_until
+from tests.support.daemon import free_port, poll_until
 from tests.support.factories import (
     create_conversation,
     enqueue_demo,
@@ -123,3 +124,20 @@ async def test_the_pool_sends_nothing_a_transaction_pooler_cannot_keep(bouncer):
         assert results == [n + 1 for n in range(200)]
     finally:
         await pool.close()
+
+
+async def test_doctor_goes_through_the_pooler_as_the_daemon_would_and_says_so(dsn, bouncer):
+    """`agentd doctor` reaches the pool's DSN through PgBouncer set up as the daemon's pool is,
+    runs migrations' check on the direct DSN, and names the pooler; told nothing of a pooler,
+    it still answers in one line per check, and never a traceback."""
+    await bouncer_answers(bouncer)
+    listen = f"127.0.0.1:{free_port()}"
+    told = agentd("doctor", env={"AGENTD_DSN": bouncer.dsn(), "AGENTD_HUB_DSN": dsn,
+                                 "AGENTD_POOLER": "transaction", "AGENTD_LISTEN": listen})
+    assert told.returncode == 0, told.stdout + told.stderr
+    assert "[ok  ] pool: through a transaction pooler (pooler = transaction)" in told.stdout
+    assert "[ok  ] listen/notify: round trip ok" in told.stdout
+    assert "[ok  ] migrations: up to date" in told.stdout
+    deaf = agentd("doctor", env={"AGENTD_DSN": bouncer.dsn(), "AGENTD_LISTEN": listen})
+    assert "Traceback" not in deaf.stdout + deaf.stderr
+    assert "[FAIL] listen/notify: no NOTIFY received" in deaf.stdout
