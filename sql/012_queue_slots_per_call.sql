@@ -12,11 +12,11 @@
 -- statement, in the order asked.
 
 -- Up to `want` distinct free queue slots of the account, each locked for this transaction
--- and checked free, picked at random in 1..cap unless `exact` (a queue far from full has them
--- at once, and rival enqueuers rarely meet), then looked for in order; fewer than `want` means
--- the queue is full (but for slots rivals still in flight hold). A lowered max_queued leaves
--- the turns already queued in place (their slots may lie above it); new ones get slots below.
-CREATE FUNCTION take_queue_slots(of_account uuid, cap integer, want integer, exact boolean)
+-- and checked free: first picks at random in 1..cap (a queue far from full has them at once,
+-- and rival enqueuers rarely meet), then the free slots in order. Fewer than `want` means the
+-- queue is full (but for slots rivals still in flight hold). A lowered max_queued leaves the
+-- turns already queued in place (their slots may lie above it); new ones get slots below it.
+CREATE FUNCTION take_queue_slots(of_account uuid, cap integer, want integer)
 RETURNS integer[]
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -27,32 +27,24 @@ BEGIN
     IF cap < 1 OR want < 1 THEN
         RETURN got;
     END IF;
-    IF NOT exact THEN
-        FOR attempt IN 1..3 * want LOOP
+    -- Read lazily: the ordered list is only made if the random picks fall short.
+    FOR wanted IN
+        (SELECT 1 + floor(random() * cap)::integer FROM generate_series(1, 3 * want))
+        UNION ALL
+        (SELECT g FROM generate_series(1, cap) g
+         EXCEPT SELECT r.slot FROM agent_run r
+                WHERE r.account_id = of_account AND r.status = 'queued'
+         ORDER BY 1)
+    LOOP
+        -- Locked first (a rival in flight holds it), then checked with a fresh snapshot (a
+        -- rival that committed holding it is seen); the lock is re-entrant, hence `got`.
+        IF wanted <> ALL (got) AND pg_try_advisory_xact_lock(key, wanted)
+           AND NOT EXISTS (SELECT 1 FROM agent_run r WHERE r.account_id = of_account
+                           AND r.status = 'queued' AND r.slot = wanted) THEN
+            got := got || wanted;
             EXIT WHEN cardinality(got) = want;
-            wanted := 1 + floor(random() * cap)::integer;
-            IF wanted <> ALL (got) AND pg_try_advisory_xact_lock(key, wanted)
-               AND NOT EXISTS (SELECT 1 FROM agent_run r WHERE r.account_id = of_account
-                               AND r.status = 'queued' AND r.slot = wanted) THEN
-                got := got || wanted;
-            END IF;
-        END LOOP;
-    END IF;
-    IF cardinality(got) < want THEN
-        FOR wanted IN
-            SELECT g FROM generate_series(1, cap) g
-            EXCEPT SELECT r.slot FROM agent_run r
-                   WHERE r.account_id = of_account AND r.status = 'queued'
-            ORDER BY 1
-        LOOP
-            IF wanted <> ALL (got) AND pg_try_advisory_xact_lock(key, wanted)
-               AND NOT EXISTS (SELECT 1 FROM agent_run r WHERE r.account_id = of_account
-                               AND r.status = 'queued' AND r.slot = wanted) THEN
-                got := got || wanted;
-                EXIT WHEN cardinality(got) = want;
-            END IF;
-        END LOOP;
-    END IF;
+        END IF;
+    END LOOP;
     RETURN got;
 END;
 $$;

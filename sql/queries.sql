@@ -6,7 +6,7 @@
 -- "Rule N" is rule N of docs/architecture.md ("The rules and where they live").
 
 -- enqueue_runs --
--- params: account_id, conversation_ids, device_id, contents, requests, request_hashes, idempotency_keys, default_max_queued, exact
+-- params: account_id, conversation_ids, device_id, contents, requests, request_hashes, idempotency_keys, default_max_queued
 -- A run is a row (docs/architecture.md rule 1): for each item, the user message, the run,
 -- journal seq 1-2 and the wake commit in ONE statement (with every other item of the call).
 -- Items are numbered by their place in the arrays; the answer has one row per item.
@@ -14,12 +14,13 @@
 -- conversation get created_at in commit order (a conversation feed's watermark relies on it)
 -- and on_busy checks serialize with us; items of one conversation are inserted in item order.
 -- Bounded: the call takes distinct free queue slots of its account for its turns at once
--- (take_queue_slots, sql/012; $9: look in order only), so no race can overshoot max_queued
--- ($8 when the account sets none) and enqueues of one account never wait for each other; a
--- turn whose idempotency key is taken already needs none. ON CONFLICT DO NOTHING: a repeated
--- idempotency key inserts nothing (a unique index arbitrates, even mid-flight). The answer says
--- which: `conversation` false = no such conversation here; `slot` NULL = no free slot (the
--- queue is full) or a key already used; `id` NULL with a slot = not inserted.
+-- (take_queue_slots, sql/012), so no race can overshoot max_queued ($8 when the account sets
+-- none), enqueues of one account never wait for each other, and no insert is turned away for
+-- its slot; a turn whose idempotency key is taken already needs none. ON CONFLICT DO NOTHING: a
+-- repeated idempotency key inserts nothing (a unique index arbitrates, even mid-flight). The
+-- answer says which: `conversation` false = no such conversation here; `slot` NULL = no free
+-- slot (the queue is full) or a key already used; `id` NULL with a slot = its key was used
+-- meanwhile (earlier in this call, or by a rival that committed first).
 WITH item AS (
     SELECT i.*
     FROM unnest($2::uuid[], $4::text[], $5::text[], $6::text[], $7::text[])
@@ -40,7 +41,7 @@ WITH item AS (
         WHERE used.account_id = $1::uuid AND used.idempotency_key = item.idempotency_key)
 ), slots AS (
     SELECT take_queue_slots($1::uuid, (SELECT max(conv.max_queued) FROM conv),
-                            (SELECT count(*) FROM asking)::int, $9::boolean) AS taken
+                            (SELECT count(*) FROM asking)::int) AS taken
 ), slotted AS (
     SELECT asking.*, (SELECT slots.taken FROM slots)[asking.place] AS slot
     FROM asking

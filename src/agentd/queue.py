@@ -235,11 +235,6 @@ class NewRun:
 
 
 EnqueueOutcome = EnqueuedRun | QueueFull | ConversationNotFound | IdempotencyConflict
-# Every turn of a call is placed by its first statement (take_queue_slots checks each slot it
-# takes); one inserted nothing for its slot only if a rival broke the slots' locking rule, and
-# is asked again, its slot looked for in order. Past this many rounds something is badly wrong.
-_RANDOM_SLOT_ROUNDS = 1
-_MAX_ENQUEUE_ROUNDS = 5
 
 
 async def enqueue_runs(db: Db, *, account_id: UUID, runs: Sequence[NewRun],
@@ -249,39 +244,29 @@ async def enqueue_runs(db: Db, *, account_id: UUID, runs: Sequence[NewRun],
     seq 1-2 and a wake: a run is a row, docs/architecture.md); one outcome per turn, in order:
     the run, or the QueueFull / ConversationNotFound / IdempotencyConflict that refused it
     (nothing written for it). The turns are created in the order asked."""
-    outcomes: list[EnqueueOutcome | None] = [None] * len(runs)
     digests = [request_hash(r.conversation_id, r.content, r.request) for r in runs]
-    pending = list(range(len(runs)))
-    for round_ in range(_MAX_ENQUEUE_ROUNDS):
-        if not pending:
-            break
-        rows = await db.fetch(*Q.enqueue_runs.bind(
-            account_id=account_id, conversation_ids=[runs[i].conversation_id for i in pending],
-            device_id=device_id, contents=[runs[i].content for i in pending],
-            requests=[json.dumps(runs[i].request) for i in pending],
-            request_hashes=[digests[i] for i in pending],
-            idempotency_keys=[runs[i].idempotency_key for i in pending],
-            default_max_queued=default_max_queued, exact=round_ >= _RANDOM_SLOT_ROUNDS))
-        again: list[int] = []
-        for row in rows:
-            i = pending[row["n"] - 1]
-            ask = runs[i]
-            if not row["conversation"]:
-                outcomes[i] = ConversationNotFound(str(ask.conversation_id))
-            elif row["id"] is not None:
-                outcomes[i] = EnqueuedRun(row["id"], RunStatus(row["status"]),
-                                          ask.conversation_id, True, row["user_message_id"])
-            elif (replay := await _replay(db, account_id, ask, digests[i])) is not None:
-                outcomes[i] = replay  # a retried POST: its first run stands, full queue or not
-            elif row["slot"] is None:
-                outcomes[i] = QueueFull(row["max_queued"])
-            else:
-                again.append(i)  # a run committed holding the slot since it was picked
-        pending = again
-    if pending:
-        raise RuntimeError(f"{len(pending)} turns found no queue slot in "
-                           f"{_MAX_ENQUEUE_ROUNDS} rounds")
-    return [o for o in outcomes if o is not None]
+    rows = await db.fetch(*Q.enqueue_runs.bind(
+        account_id=account_id, conversation_ids=[r.conversation_id for r in runs],
+        device_id=device_id, contents=[r.content for r in runs],
+        requests=[json.dumps(r.request) for r in runs], request_hashes=digests,
+        idempotency_keys=[r.idempotency_key for r in runs],
+        default_max_queued=default_max_queued))
+    outcomes: list[EnqueueOutcome] = []
+    for row, ask, digest in zip(rows, runs, digests, strict=True):
+        if not row["conversation"]:
+            outcomes.append(ConversationNotFound(str(ask.conversation_id)))
+        elif row["id"] is not None:
+            outcomes.append(EnqueuedRun(row["id"], RunStatus(row["status"]),
+                                        ask.conversation_id, True, row["user_message_id"]))
+        elif (replay := await _replay(db, account_id, ask, digest)) is not None:
+            outcomes.append(replay)  # a retried POST: its first run stands, full queue or not
+        elif row["slot"] is None:
+            outcomes.append(QueueFull(row["max_queued"]))
+        else:
+            # A slot is checked free under its lock before the insert, so only a writer that
+            # bypassed take_queue_slots could have taken it: a bug, not a race to retry.
+            raise RuntimeError(f"turn {row['n']} was not inserted and holds no replay")
+    return outcomes
 
 
 async def _replay(db: Db, account_id: UUID, ask: NewRun,
