@@ -7,9 +7,9 @@
 -- one conversation enqueued together could run out of order.
 --
 -- Now one call takes distinct slots for all its turns, and checks each slot after locking it
--- with a fresh snapshot (a committed holder is seen; one still in flight holds the lock), so
--- the insert is never turned away for its slot: every turn of a call is created in one
--- statement, in the order asked.
+-- with a snapshot taken after the lock (a committed holder is seen; one still in flight holds
+-- the lock), so the insert is never turned away for its slot: every turn of a call is created
+-- in one statement, in the order asked.
 
 -- Up to `want` distinct free queue slots of the account, each locked for this transaction
 -- and checked free: first picks at random in 1..cap (a queue far from full has them at once,
@@ -36,13 +36,16 @@ BEGIN
                 WHERE r.account_id = of_account AND r.status = 'queued'
          ORDER BY 1)
     LOOP
-        -- Locked first (a rival in flight holds it), then checked with a fresh snapshot (a
-        -- rival that committed holding it is seen); the lock is re-entrant, hence `got`.
-        IF wanted <> ALL (got) AND pg_try_advisory_xact_lock(key, wanted)
-           AND NOT EXISTS (SELECT 1 FROM agent_run r WHERE r.account_id = of_account
+        -- Locked first (a rival in flight holds it; the lock is re-entrant, hence `got`),
+        -- then checked in a statement of its own: a statement's snapshot is taken as it
+        -- starts, so only a check that starts after the lock sees a rival that committed
+        -- holding the slot and released its lock just before we took it.
+        IF wanted <> ALL (got) AND pg_try_advisory_xact_lock(key, wanted) THEN
+            IF NOT EXISTS (SELECT 1 FROM agent_run r WHERE r.account_id = of_account
                            AND r.status = 'queued' AND r.slot = wanted) THEN
-            got := got || wanted;
-            EXIT WHEN cardinality(got) = want;
+                got := got || wanted;
+                EXIT WHEN cardinality(got) = want;
+            END IF;
         END IF;
     END LOOP;
     RETURN got;

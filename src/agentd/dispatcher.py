@@ -48,6 +48,10 @@ class Dispatcher:
         self._slots = asyncio.Semaphore(settings.max_runs)
         self._loop_task: asyncio.Task[None] | None = None
         self._draining = False
+        # Held from a claim's statement until its runs have tasks: a claim that committed must
+        # not be cancelled before then, or its runs would sit `running` with nobody executing
+        # them until their lease ran out.
+        self._claiming = asyncio.Lock()
         self.in_flight: set[asyncio.Task[None]] = set()
         self.claimed = 0
 
@@ -55,10 +59,12 @@ class Dispatcher:
         self._loop_task = asyncio.create_task(self._claim_forever(), name="agentd-dispatcher")
 
     async def stop_claiming(self) -> None:
-        """Phase 1 of the drain: returns in milliseconds; the loop is parked, not working."""
+        """Phase 1 of the drain: returns once the loop is parked (milliseconds, or the end of
+        a claim statement already sent, whose runs then join the drain like any other)."""
         self._draining = True
         if self._loop_task is not None:
-            self._loop_task.cancel()
+            async with self._claiming:
+                self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
 
@@ -96,10 +102,7 @@ class Dispatcher:
                     await self._slots.acquire()  # free: returns at once
                     held += 1
                 try:
-                    claims = await claim_runs(
-                        self._pool, worker_id=self._worker_id,
-                        lease_ttl_s=self._settings.lease_ttl_s, limit=held,
-                        default_max_running=self._settings.account_max_running, hint=self._hint)
+                    claims = await self._claim(held)
                 except _DB_ERRORS as exc:
                     self._release(held)
                     log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
@@ -109,17 +112,27 @@ class Dispatcher:
                 self._release(held - len(claims))
                 if not claims:
                     await wake.wait(self._settings.tick_s)
-                    continue
-                for claim in claims:
-                    self.claimed += 1
-                    self._metrics.claimed.inc()
-                    if claim.created_at is not None and claim.started_at is not None:
-                        self._metrics.enqueue_to_start.observe(
-                            (claim.started_at - claim.created_at).total_seconds())
-                    task = asyncio.create_task(self._run_and_release(claim),
-                                               name=f"run-{claim.run_id}")
-                    self.in_flight.add(task)
-                    task.add_done_callback(self.in_flight.discard)
+
+    async def _claim(self, held: int) -> list[Claim]:
+        """Claim up to `held` runs and give each its task; nothing once the drain has begun."""
+        async with self._claiming:
+            if self._draining:
+                return []
+            claims = await claim_runs(
+                self._pool, worker_id=self._worker_id, lease_ttl_s=self._settings.lease_ttl_s,
+                limit=held, default_max_running=self._settings.account_max_running,
+                hint=self._hint)
+            for claim in claims:
+                self.claimed += 1
+                self._metrics.claimed.inc()
+                if claim.created_at is not None and claim.started_at is not None:
+                    self._metrics.enqueue_to_start.observe(
+                        (claim.started_at - claim.created_at).total_seconds())
+                task = asyncio.create_task(self._run_and_release(claim),
+                                           name=f"run-{claim.run_id}")
+                self.in_flight.add(task)
+                task.add_done_callback(self.in_flight.discard)
+            return claims
 
     def _release(self, slots: int) -> None:
         for _ in range(slots):

@@ -309,3 +309,35 @@ async def test_batches_racing_for_few_queue_slots_keep_their_order_and_the_limit
                                " finished_at = now()"
                                " WHERE account_id = $1 AND status = 'queued'",
                                tenant.account_id)
+
+
+async def test_a_slot_filled_and_freed_without_pause_is_never_handed_out_twice(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """One queue slot, filled and emptied by independent sessions without pause: a rival that
+    commits the slot just before we lock it must be seen, so every enqueue either creates its
+    turn or is refused as full; none takes the slot only to have its insert turned away."""
+    racers, attempts = 6, 300
+    tenant = await new_tenant(pool)
+    await pool.execute("UPDATE account SET max_queued = 1 WHERE id = $1", tenant.account_id)
+    convs = [await new_conversation(pool, tenant.account_id) for _ in range(racers)]
+    made = refused = 0
+
+    async def churn(conn: asyncpg.Connection, conv: UUID) -> None:
+        nonlocal made, refused
+        for n in range(attempts):
+            [outcome] = await enqueue_runs(conn, account_id=tenant.account_id, runs=[
+                NewRun(conv, f"t{n}", {"content": f"t{n}", "model": "demo"})])
+            if isinstance(outcome, QueueFull):
+                refused += 1
+                continue
+            assert isinstance(outcome, EnqueuedRun)
+            made += 1
+            await conn.execute("UPDATE agent_run SET status = 'cancelled', slot = NULL,"
+                               " finished_at = now() WHERE id = $1", outcome.run_id)
+
+    async with connections(dsn, racers) as conns:
+        results = await race(*(lambda conn=conn, conv=conv: churn(conn, conv)
+                               for conn, conv in zip(conns, convs, strict=True)))
+    raise_unexpected(results)
+    assert made + refused == racers * attempts
+    assert made > 0 and refused > 0, "the slot was contended"
