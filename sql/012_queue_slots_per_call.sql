@@ -21,21 +21,29 @@ RETURNS integer[]
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     key integer := hashtext('agentd.queued ' || of_account);
+    picks integer := 3 * want;
     got integer[] := '{}';
+    free integer[];
     wanted integer;
 BEGIN
     IF cap < 1 OR want < 1 THEN
         RETURN got;
     END IF;
-    -- Read lazily: the ordered list is only made if the random picks fall short.
-    FOR wanted IN
-        (SELECT 1 + floor(random() * cap)::integer FROM generate_series(1, 3 * want))
-        UNION ALL
-        (SELECT g FROM generate_series(1, cap) g
-         EXCEPT SELECT r.slot FROM agent_run r
-                WHERE r.account_id = of_account AND r.status = 'queued'
-         ORDER BY 1)
-    LOOP
+    FOR attempt IN 1 .. picks + cap LOOP
+        IF attempt <= picks THEN
+            wanted := 1 + floor(random() * cap)::integer;
+        ELSE
+            -- The random picks fell short: the free slots in order, listed once. Listing them
+            -- costs time in proportion to max_queued, which only a queue near full pays.
+            IF free IS NULL THEN
+                free := ARRAY(SELECT g FROM generate_series(1, cap) g
+                              EXCEPT SELECT r.slot FROM agent_run r
+                                     WHERE r.account_id = of_account AND r.status = 'queued'
+                              ORDER BY 1);
+            END IF;
+            EXIT WHEN attempt - picks > cardinality(free);
+            wanted := free[attempt - picks];
+        END IF;
         -- Locked first (a rival in flight holds it; the lock is re-entrant, hence `got`),
         -- then checked in a statement of its own: a statement's snapshot is taken as it
         -- starts, so only a check that starts after the lock sees a rival that committed

@@ -259,3 +259,33 @@ def test_limit_options_are_checked_and_name_the_bad_one() -> None:
         with pytest.raises(ValueError, match=named):
             parse_limit_change(**{"max_running": None, "max_queued": None, "models": None,
                                   **options}, providers=providers)
+
+
+async def test_an_enqueue_far_from_a_large_limit_does_not_list_the_free_slots(
+        pool: asyncpg.Pool) -> None:
+    """Listing an account's free queue slots takes time in proportion to max_queued (up to
+    1,000,000), so an enqueue tries slots at random and lists them only when the queue is nearly
+    full. Seen through temp files: with a tiny work_mem, sorting a million slot numbers spills to
+    disk, while an enqueue that lists nothing writes none."""
+    tenant = await new_tenant(pool)
+    await pool.execute("UPDATE account SET max_queued = 1000000 WHERE id = $1",
+                       tenant.account_id)
+    async with pool.acquire() as conn:
+        await conn.execute("SET work_mem = '64kB'")
+        before = await _temp_files(conn)
+        for n in range(20):
+            await enqueue(conn, tenant.account_id, tenant.conversation_id, f"turn {n}")
+        assert await _temp_files(conn) == before
+        # The listing itself, as the queue near full would run it, does spill: the probe works.
+        await conn.fetchval("SELECT count(*) FROM (SELECT g FROM generate_series(1, 1000000) g"
+                            " ORDER BY g DESC) s")
+        assert await _temp_files(conn) > before
+        await conn.execute("RESET work_mem")
+
+
+async def _temp_files(conn: asyncpg.Connection) -> int:
+    """This database's temp files so far, this session's included (flushed now, not later)."""
+    await conn.execute("SELECT pg_stat_force_next_flush()")
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    return int(await conn.fetchval(
+        "SELECT temp_files FROM pg_stat_database WHERE datname = current_database()"))
