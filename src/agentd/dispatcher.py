@@ -55,6 +55,11 @@ class Dispatcher:
         self.in_flight: set[asyncio.Task[None]] = set()
         self.claimed = 0
 
+    @property
+    def draining(self) -> bool:
+        """True from the moment the drain begins: no claim starts after it."""
+        return self._draining
+
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._claim_forever(), name="agentd-dispatcher")
 

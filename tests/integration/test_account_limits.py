@@ -272,15 +272,17 @@ async def test_an_enqueue_far_from_a_large_limit_does_not_list_the_free_slots(
                        tenant.account_id)
     async with pool.acquire() as conn:
         await conn.execute("SET work_mem = '64kB'")
-        before = await _temp_files(conn)
-        for n in range(20):
-            await enqueue(conn, tenant.account_id, tenant.conversation_id, f"turn {n}")
-        assert await _temp_files(conn) == before
-        # The listing itself, as the queue near full would run it, does spill: the probe works.
-        await conn.fetchval("SELECT count(*) FROM (SELECT g FROM generate_series(1, 1000000) g"
-                            " ORDER BY g DESC) s")
-        assert await _temp_files(conn) > before
-        await conn.execute("RESET work_mem")
+        try:
+            before = await _temp_files(conn)
+            for n in range(20):
+                await enqueue(conn, tenant.account_id, tenant.conversation_id, f"turn {n}")
+            assert await _temp_files(conn) == before
+            # The listing itself, as a queue near full runs it, does spill: the probe works.
+            await conn.fetchval("SELECT count(*) FROM (SELECT g FROM generate_series(1, 1000000)"
+                                " g ORDER BY g DESC) s")
+            assert await _temp_files(conn) > before
+        finally:
+            await conn.execute("RESET work_mem")
 
 
 async def _temp_files(conn: asyncpg.Connection) -> int:

@@ -22,6 +22,7 @@ from agentd.queue import Claim, finish_run
 from agentd.settings import Settings
 from agentd.vocabulary import RunStatus
 from tests.integration.helpers import DEFAULT_TIMEOUT_S
+from tests.support.daemon import poll_until
 from tests.support.factories import enqueue, new_tenant
 from tests.support.journal import run_row
 
@@ -53,7 +54,12 @@ async def test_a_drain_begun_during_a_claim_runs_what_that_claim_committed(
     await asyncio.wait_for(committed.wait(), DEFAULT_TIMEOUT_S)
 
     stopping = asyncio.create_task(dispatcher.stop_claiming())
-    await asyncio.sleep(0)  # let the drain begin while the claim is still out
+
+    async def drain_begun() -> bool:
+        return dispatcher.draining
+
+    await poll_until(drain_begun, DEFAULT_TIMEOUT_S, interval=0.001,
+                     what="the drain to begin while the claim is still out")
     assert not stopping.done(), "the drain waits for the claim in flight"
     go_on.set()
     await asyncio.wait_for(stopping, DEFAULT_TIMEOUT_S)
