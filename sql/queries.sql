@@ -559,10 +559,11 @@ WHERE s.schemaname = current_schema() AND s.relname = ANY ($1::text[])
 -- refused at once, leave it to that one instead of queueing behind it.
 SELECT pg_try_advisory_xact_lock(hashtext('agentd.analyze_hot_tables'));
 
--- analyze_hot_tables --
--- Fresh statistics for the queue's hot tables (statistics.HOT_TABLES); cached plans that read
--- them are made again with the new figures.
-ANALYZE agent_run, run_event, message, conversation, conversation_lease;
+-- analyze_tables --
+-- params: tables
+-- Fresh statistics for the hot tables that are due (statistics.HOT_TABLES, sql/013); cached
+-- plans that read them are made again with the new figures.
+SELECT analyze_tables($1::text[]);
 
 -- trim_journal --
 -- params: older_than_s

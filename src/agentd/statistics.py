@@ -31,8 +31,8 @@ _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutErr
 
 
 async def refresh_if_young(db: Db) -> list[str]:
-    """ANALYZE the hot tables when one of them has outgrown its statistics; returns the names
-    of those that had (empty when nothing was due, or another process is at it)."""
+    """ANALYZE each hot table that has outgrown its statistics; returns their names (empty
+    when nothing was due, or another process is at it)."""
     due = [row["name"] for row in await db.fetch(*Q.young_tables_due.bind(
         tables=list(HOT_TABLES), min_changes=MIN_CHANGES, grown_up_rows=GROWN_UP_ROWS))]
     if not due:
@@ -40,7 +40,9 @@ async def refresh_if_young(db: Db) -> list[str]:
     async with acquire(db) as conn, conn.transaction():
         if not await conn.fetchval(Q.try_statistics_lock.sql):
             return []  # another process of the fleet is analyzing them now
-        await conn.execute(Q.analyze_hot_tables.sql)
+        # Only the tables that are due: one that stays small but changes all the time (every
+        # enqueue touches its conversation) would otherwise take the large ones along each time.
+        await conn.execute(*Q.analyze_tables.bind(tables=due))
     return due
 
 

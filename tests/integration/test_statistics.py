@@ -1,5 +1,6 @@
 """Planner statistics of the hot tables while they are young: asked for once a table has
-outgrown the figures it was last analyzed with, and not again until it grows as much again."""
+outgrown the figures it was last analyzed with, and not again until it grows as much again;
+only the tables that are due are analyzed."""
 
 from __future__ import annotations
 
@@ -18,9 +19,15 @@ async def last_analyzed(pool: asyncpg.Pool) -> object:
                                " AND schemaname = current_schema()")
 
 
-async def test_a_young_table_is_analyzed_once_it_outgrows_its_statistics(
-        pool: asyncpg.Pool) -> None:
-    assert await statistics.refresh_if_young(pool) == [], "nothing has changed yet"
+async def analyze_counts(pool: asyncpg.Pool) -> dict[str, int]:
+    rows = await pool.fetch("SELECT relname::text AS name, analyze_count FROM pg_stat_user_tables"
+                            " WHERE schemaname = current_schema() AND relname = ANY ($1::text[])",
+                            list(statistics.HOT_TABLES))
+    return {row["name"]: row["analyze_count"] for row in rows}
+
+
+async def fill(pool: asyncpg.Pool) -> tuple[object, list[object]]:
+    """A tenant with 20 conversations and enough turns to make agent_run due."""
     tenant = await new_tenant(pool)
     conversations = [await new_conversation(pool, tenant.account_id) for _ in range(20)]
     runs = [NewRun(conversations[n % 20], f"turn {n}", {"content": "x", "model": "demo"})
@@ -28,6 +35,13 @@ async def test_a_young_table_is_analyzed_once_it_outgrows_its_statistics(
     for start in range(0, len(runs), 100):
         await enqueue_runs(pool, account_id=tenant.account_id, runs=runs[start:start + 100],
                            default_max_queued=10_000)
+    return tenant.account_id, conversations
+
+
+async def test_a_young_table_is_analyzed_once_it_outgrows_its_statistics(
+        pool: asyncpg.Pool) -> None:
+    assert await statistics.refresh_if_young(pool) == [], "nothing has changed yet"
+    await fill(pool)
     # The server publishes a session's counts when its transaction ends (at most every second).
     analyzed = await poll_until(lambda: statistics.refresh_if_young(pool), DEFAULT_TIMEOUT_S,
                                 interval=0.2, what="agent_run to be due for statistics")
@@ -37,3 +51,33 @@ async def test_a_young_table_is_analyzed_once_it_outgrows_its_statistics(
                                     " AND relnamespace = current_schema()::regnamespace")
     assert reltuples >= statistics.MIN_CHANGES
     assert await statistics.refresh_if_young(pool) == [], "analyzed again without growing"
+
+
+async def test_a_small_table_that_keeps_changing_is_analyzed_alone(pool: asyncpg.Pool) -> None:
+    # Every enqueue moves its conversation's updated_at: a table of a few rows that changes all
+    # the time is due again and again, and must not take the large tables along each time.
+    account_id, _ = await fill(pool)
+    await poll_until(lambda: statistics.refresh_if_young(pool), DEFAULT_TIMEOUT_S,
+                     interval=0.2, what="the filled tables to be due for statistics")
+
+    async def first_counted() -> dict[str, int] | None:
+        now = await analyze_counts(pool)
+        return now if now.get("agent_run", 0) > 0 else None
+
+    before = await poll_until(first_counted, DEFAULT_TIMEOUT_S, interval=0.2,
+                              what="the first analysis to be counted")
+    for _ in range(statistics.MIN_CHANGES // 20 + 5):
+        await pool.execute("UPDATE conversation SET updated_at = clock_timestamp()"
+                           " WHERE account_id = $1", account_id)
+    analyzed = await poll_until(lambda: statistics.refresh_if_young(pool), DEFAULT_TIMEOUT_S,
+                                interval=0.2, what="conversation to be due for statistics")
+    assert analyzed == ["conversation"]
+
+    async def counted() -> dict[str, int] | None:
+        now = await analyze_counts(pool)
+        return now if now.get("conversation", 0) > before.get("conversation", 0) else None
+
+    after = await poll_until(counted, DEFAULT_TIMEOUT_S, interval=0.2,
+                             what="the conversation table's analysis to be counted")
+    assert {name: count for name, count in after.items() if name != "conversation"} == \
+        {name: count for name, count in before.items() if name != "conversation"}
