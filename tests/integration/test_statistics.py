@@ -34,17 +34,25 @@ async def fill(pool: asyncpg.Pool) -> UUID:
     conversations = [await new_conversation(pool, tenant.account_id) for _ in range(20)]
     runs = [NewRun(conversations[n % 20], f"turn {n}", {"content": "x", "model": "demo"})
             for n in range(statistics.MIN_CHANGES + 10)]
-    for start in range(0, len(runs), 100):
-        await enqueue_runs(pool, account_id=tenant.account_id, runs=runs[start:start + 100],
-                           default_max_queued=10_000)
+    async with pool.acquire() as conn:
+        for start in range(0, len(runs), 100):
+            await enqueue_runs(conn, account_id=tenant.account_id, runs=runs[start:start + 100],
+                               default_max_queued=10_000)
+        await publish_counts(conn)
     return tenant.account_id
+
+
+async def publish_counts(conn: asyncpg.Connection) -> None:
+    """Publish this session's table counts now, all at once. Otherwise the server sends them
+    when a transaction ends, at most once a second, and a table could come due later on the
+    counts left over."""
+    await conn.execute("SELECT pg_stat_force_next_flush()")
 
 
 async def test_a_young_table_is_analyzed_once_it_outgrows_its_statistics(
         pool: asyncpg.Pool) -> None:
     assert await statistics.refresh_if_young(pool) == [], "nothing has changed yet"
     await fill(pool)
-    # The server publishes a session's counts when its transaction ends (at most every second).
     analyzed = await poll_until(lambda: statistics.refresh_if_young(pool), DEFAULT_TIMEOUT_S,
                                 interval=0.2, what="agent_run to be due for statistics")
     assert "agent_run" in analyzed and "run_event" in analyzed
@@ -68,9 +76,11 @@ async def test_a_small_table_that_keeps_changing_is_analyzed_alone(pool: asyncpg
 
     before = await poll_until(first_counted, DEFAULT_TIMEOUT_S, interval=0.2,
                               what="the first analysis to be counted")
-    for _ in range(statistics.MIN_CHANGES // 20 + 5):
-        await pool.execute("UPDATE conversation SET updated_at = clock_timestamp()"
-                           " WHERE account_id = $1", account_id)
+    async with pool.acquire() as conn:
+        for _ in range(statistics.MIN_CHANGES // 20 + 5):
+            await conn.execute("UPDATE conversation SET updated_at = clock_timestamp()"
+                               " WHERE account_id = $1", account_id)
+        await publish_counts(conn)
     analyzed = await poll_until(lambda: statistics.refresh_if_young(pool), DEFAULT_TIMEOUT_S,
                                 interval=0.2, what="conversation to be due for statistics")
     assert analyzed == ["conversation"]
