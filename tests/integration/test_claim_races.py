@@ -121,8 +121,13 @@ async def test_concurrent_claimers_never_double_claim_and_keep_one_turn_per_conv
         else:
             raise AssertionError("the queue never drained")
 
-        # The model was exercised, not vacuous: many turns ran, all of them exactly once.
-        assert len(ever_claimed) > ITERATIONS
+        # The model was exercised, not vacuous: many turns ran, all of them exactly once. A
+        # conversation's turn runs for two rounds on average and its next one starts the round
+        # it ends (when the finish commits before a claimer looks) or the one after: between 1
+        # and 1.5 claims a round with three conversations, depending on how the races fall
+        # (seen: 600-636 on one server, 537-550 on another, 496 on a loaded machine). Half of
+        # ITERATIONS still means hundreds of turns.
+        assert len(ever_claimed) > ITERATIONS // 2
         assert await setup.fetchval(
             "SELECT count(*) FROM agent_run WHERE status <> 'completed'") == 0
 
