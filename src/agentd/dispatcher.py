@@ -7,6 +7,10 @@ by capacity (load.py) holds back while the event loop lags or the pool waits, so
 turns queued instead of claiming ones it cannot keep alive. Idle, it waits on the hub's run_enqueued
 hint with the tick as timeout. However a turn's task ends, the dispatcher makes sure its run is
 finalized (the backstop).
+
+A turn posted to a process with a free slot need not wait for the loop: the enqueue reserves the
+slot (`reserve`) and claims inside its own transaction, so the turn starts in the commit that
+wrote it (docs/architecture.md, "Claim beside the enqueue").
 """
 
 from __future__ import annotations
@@ -14,15 +18,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import asyncpg
 
+from agentd.db import Conn
 from agentd.failures import RunFailure, failure, log_failure
 from agentd.hub import Hub
 from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
-from agentd.queue import Claim, Hint, LeaseLost, SeqConflict, claim_runs, finish_run
+from agentd.queue import (
+    Claim,
+    Hint,
+    LeaseLost,
+    SeqConflict,
+    claim_hints,
+    claim_runs,
+    claim_runs_beside_enqueue,
+    finish_run,
+)
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunErrorCode, RunStatus
 
@@ -54,6 +68,9 @@ class Dispatcher:
         self._claiming = asyncio.Lock()
         self.in_flight: set[asyncio.Task[None]] = set()
         self.claimed = 0
+        self._beside: Reservation | None = None  # a claim under way in an enqueue's transaction
+        self._beside_settled = asyncio.Event()
+        self._beside_settled.set()
 
     @property
     def draining(self) -> bool:
@@ -62,6 +79,21 @@ class Dispatcher:
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._claim_forever(), name="agentd-dispatcher")
+
+    async def reserve(self) -> Reservation | None:
+        """A free slot for a claim inside the caller's enqueue transaction, or None: claiming
+        beside enqueues is off, the drain has begun, no slot is free, the process is
+        overloaded, or such a claim is under way here already (one at a time: a burst of
+        posts is claimed by the loop, a few turns per statement, which costs less per turn)."""
+        if (not self._settings.claim_on_enqueue or self._draining or self._beside is not None
+                or self._slots.locked() or self._load.overload() is not None):
+            return None
+        # Returns at once: a semaphore that is not locked hands out a slot without yielding,
+        # so nothing else can take it between the check above and this line.
+        await self._slots.acquire()
+        self._beside = Reservation(self)
+        self._beside_settled.clear()
+        return self._beside
 
     async def stop_claiming(self) -> None:
         """Phase 1 of the drain: returns once the loop is parked (milliseconds, or the end of
@@ -72,6 +104,9 @@ class Dispatcher:
                 self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        # A claim beside an enqueue already sent commits or not within its short transaction;
+        # its runs then join the drain like any other.
+        await self._beside_settled.wait()
 
     async def drain(self, budget_s: float) -> tuple[int, int]:
         """Phase 2: let in-flight turns finish within the budget, then cancel the rest.
@@ -127,17 +162,20 @@ class Dispatcher:
                 self._pool, worker_id=self._worker_id, lease_ttl_s=self._settings.lease_ttl_s,
                 limit=held, default_max_running=self._settings.account_max_running,
                 hint=self._hint)
-            for claim in claims:
-                self.claimed += 1
-                self._metrics.claimed.inc()
-                if claim.created_at is not None and claim.started_at is not None:
-                    self._metrics.enqueue_to_start.observe(
-                        (claim.started_at - claim.created_at).total_seconds())
-                task = asyncio.create_task(self._run_and_release(claim),
-                                           name=f"run-{claim.run_id}")
-                self.in_flight.add(task)
-                task.add_done_callback(self.in_flight.discard)
+            self._start(claims)
             return claims
+
+    def _start(self, claims: Sequence[Claim]) -> None:
+        """Give each claimed run its task (which owns the slot taken for it)."""
+        for claim in claims:
+            self.claimed += 1
+            self._metrics.claimed.inc()
+            if claim.created_at is not None and claim.started_at is not None:
+                self._metrics.enqueue_to_start.observe(
+                    (claim.started_at - claim.created_at).total_seconds())
+            task = asyncio.create_task(self._run_and_release(claim), name=f"run-{claim.run_id}")
+            self.in_flight.add(task)
+            task.add_done_callback(self.in_flight.discard)
 
     def _release(self, slots: int) -> None:
         for _ in range(slots):
@@ -178,3 +216,34 @@ class Dispatcher:
                 log.warning("backstop could not finalize; the reaper will",
                             extra={"run_id": str(claim.run_id), "error": str(exc)})
                 return
+
+
+class Reservation:
+    """One slot, taken by Dispatcher.reserve for a claim inside an enqueue's transaction.
+    `claim` runs in that transaction; `settle` is called once whatever happened to it, with the
+    claims that committed (none if the transaction rolled back)."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._dispatcher = dispatcher
+        self._settled = False
+
+    async def claim(self, conn: Conn) -> list[Claim]:
+        d = self._dispatcher
+        return await claim_runs_beside_enqueue(
+            conn, worker_id=d._worker_id, lease_ttl_s=d._settings.lease_ttl_s, limit=1,
+            default_max_running=d._settings.account_max_running)
+
+    def settle(self, committed: Sequence[Claim]) -> None:
+        """Start what committed, give the slot back if nothing did, and announce the runs."""
+        if self._settled:
+            return
+        self._settled = True
+        d = self._dispatcher
+        d._metrics.claim_batch.observe(len(committed))
+        d._start(committed)
+        d._release(1 - len(committed))
+        d._beside = None
+        d._beside_settled.set()
+        if d._hint is not None:
+            for channel, payload in claim_hints(committed):
+                d._hint(channel, payload)

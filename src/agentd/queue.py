@@ -361,8 +361,26 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
             if attempt:
                 return []
     claims = [_claim_from_row(row) for row in rows]
-    await _send_hints(db, hint, [(Channel.RUN_EVENT, str(c.run_id)) for c in claims])
+    await _send_hints(db, hint, claim_hints(claims))
     return claims
+
+
+async def claim_runs_beside_enqueue(conn: Conn, *, worker_id: str, lease_ttl_s: float,
+                                    limit: int = 1,
+                                    default_max_running: int = DEFAULT_MAX_RUNNING
+                                    ) -> list[Claim]:
+    """The same claim inside the caller's transaction (an enqueue's: the turn it wrote can start
+    in its commit). Losing a race or a lock wait claims nothing and leaves the rest of the
+    transaction intact; the caller sends the runs' hints once it has committed."""
+    rows = await conn.fetch(*Q.claim_runs_beside_enqueue.bind(
+        worker_id=worker_id, lease_ttl_s=lease_ttl_s, limit=limit,
+        default_max_running=default_max_running))
+    return [_claim_from_row(row) for row in rows]
+
+
+def claim_hints(claims: Sequence[Claim]) -> list[tuple[Channel, str]]:
+    """What a committed claim announces: each run's tails wake for its run_started."""
+    return [(Channel.RUN_EVENT, str(c.run_id)) for c in claims]
 
 
 @dataclass(frozen=True, slots=True)

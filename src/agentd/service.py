@@ -11,9 +11,10 @@ import asyncio
 import dataclasses
 import fnmatch
 import re
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 from uuid import UUID
 
 import asyncpg
@@ -42,6 +43,24 @@ LAST = "last"  # retry_of: the conversation's latest turn
 # A full queue drains as turns finish; a client that waits this long finds room more often than
 # not, and never hammers the daemon.
 QUEUE_FULL_RETRY_AFTER_S = 10
+T = TypeVar("T")
+
+
+class ClaimSlot(Protocol):
+    """A slot of this process held for a claim inside an enqueue's transaction."""
+
+    async def claim(self, conn: Conn) -> list[queue.Claim]:
+        """Claim (at most one turn, fairly, as the dispatcher would) in `conn`'s transaction."""
+
+    def settle(self, committed: Sequence[queue.Claim]) -> None:
+        """Called once, whatever happened: start what committed, else give the slot back."""
+
+
+class TurnStarter(Protocol):
+    """Starts turns in the commit that enqueued them (dispatcher.Dispatcher)."""
+
+    async def reserve(self) -> ClaimSlot | None:
+        """A free slot now, or None (the turn then waits for the dispatcher's loop)."""
 
 
 class ServiceError(Exception):
@@ -107,6 +126,7 @@ class CreatedRun:
     replayed: bool = False
     drafts: list[queue.Draft] = field(default_factory=list)
     user_message_id: UUID | None = None
+    started: tuple[queue.Claim, ...] = ()  # claimed in the enqueue's commit (this run or another)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,11 +183,12 @@ def usable_model(name: str, settings: Settings) -> ModelRef:
 
 class Service:
     def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings,
-                 tools: ToolRegistry) -> None:
+                 tools: ToolRegistry, starter: TurnStarter | None = None) -> None:
         self.pool = pool
         self.hub = hub
         self.settings = settings
         self.tools = tools
+        self.starter = starter
 
     # conversations -------------------------------------------------------------------------
 
@@ -286,23 +307,55 @@ class Service:
 
     async def create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                          idempotency_key: str | None) -> CreatedRun:
-        """Enqueue a turn; on_busy decides what happens when the conversation is not idle."""
-        created = await self._create_run(who, conversation_id, ask, idempotency_key)
+        """Enqueue a turn; on_busy decides what happens when the conversation is not idle.
+
+        With a slot free in this process, the enqueue's transaction also claims (the same fair
+        claim the dispatcher makes), so a turn posted to an idle daemon starts in the commit that
+        wrote it: docs/architecture.md, "Claim beside the enqueue"."""
+        slot = await self.starter.reserve() if self.starter is not None else None
+        if slot is None:
+            created = await self._create_run(who, conversation_id, ask, idempotency_key, None)
+        else:
+            # Once a claim may commit, the request going away (its handler is cancelled) must
+            # not leave the slot unsettled: what committed starts, else the slot is given back.
+            created = await _shielded(
+                self._create_run_settling(who, conversation_id, ask, idempotency_key, slot))
         if not created.replayed:
             # Committed: this process's dispatcher and the conversation's feeds here start now,
             # not when the enqueue's own NOTIFY has come back from PostgreSQL.
             conversation = str(created.conversation_id)
-            self.hub.hint_locally(Channel.RUN_ENQUEUED, conversation, echo=False)
+            if created.status == RunStatus.QUEUED:
+                self.hub.hint_locally(Channel.RUN_ENQUEUED, conversation, echo=False)
             self.hub.hint_locally(Channel.CONVERSATION, conversation, echo=False)
         return created
 
+    async def _create_run_settling(self, who: Principal, conversation_id: UUID, ask: RunAsk,
+                                   idempotency_key: str | None, slot: ClaimSlot) -> CreatedRun:
+        committed: tuple[queue.Claim, ...] = ()
+        try:
+            created = await self._create_run(who, conversation_id, ask, idempotency_key, slot)
+            committed = created.started  # returned only once its transaction has committed
+            return created
+        finally:
+            slot.settle(committed)
+
+    async def _claim_beside(self, conn: Conn, created: CreatedRun,
+                            slot: ClaimSlot | None) -> CreatedRun:
+        """In the enqueue's transaction, once its turn is written: claim with the slot held."""
+        if slot is None or created.replayed:
+            return created
+        claims = await slot.claim(conn)
+        ours = any(claim.run_id == created.run_id for claim in claims)
+        return dataclasses.replace(created, started=tuple(claims),
+                                   status=RunStatus.RUNNING if ours else created.status)
+
     async def _create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
-                          idempotency_key: str | None) -> CreatedRun:
+                          idempotency_key: str | None, slot: ClaimSlot | None) -> CreatedRun:
         if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
             raise ServiceError(400, "invalid_idempotency_key",
                                "Idempotency-Key must be 1-200 printable ASCII characters")
         if ask.retry_of is not None:
-            return await self._retry(who, conversation_id, ask, idempotency_key)
+            return await self._retry(who, conversation_id, ask, idempotency_key, slot)
         assert ask.content is not None  # validate_run_request: only a retry may omit it
         if ask.model is not None:
             req = self._request(ask, ask.model, ask.content, ask.params)
@@ -315,10 +368,14 @@ class Service:
                                 ask.params)
         if "tool" in req.params:
             await self._check_tool(req.params["tool"])
-        if req.on_busy == "enqueue":
+        if req.on_busy == "enqueue" and slot is None:
             # One statement, one round trip: it locks the conversation row itself, checks the
             # account, and lets the unique index arbitrate the idempotency key.
             return await self._enqueue(self.pool, who, conversation_id, req, idempotency_key)
+        if req.on_busy == "enqueue":
+            async with self.pool.acquire() as conn, conn.transaction():
+                created = await self._enqueue(conn, who, conversation_id, req, idempotency_key)
+                return await self._claim_beside(conn, created, slot)
         async with self.pool.acquire() as conn, conn.transaction():
             if not await convs.lock_conversation(conn, who.account_id, conversation_id):
                 raise not_found("conversation")
@@ -343,6 +400,7 @@ class Service:
                                                         conversation_id=conversation_id)
                 drafts = stopped.drafts
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key)
+            created = await self._claim_beside(conn, created, slot)
         return dataclasses.replace(created, drafts=drafts)
 
     async def _check_tool(self, name: str) -> None:
@@ -356,7 +414,7 @@ class Service:
             raise ServiceError(422, "invalid_params", f"params.tool: no tool named {name!r}")
 
     async def _retry(self, who: Principal, conversation_id: UUID, ask: RunAsk,
-                     idempotency_key: str | None) -> CreatedRun:
+                     idempotency_key: str | None, slot: ClaimSlot | None) -> CreatedRun:
         """Re-run (or edit and re-run) the latest turn: a new run, in ONE transaction with the
         mark that supersedes the old exchange (kept in the transcript, hidden from the model).
 
@@ -396,7 +454,7 @@ class Service:
             assert created.user_message_id is not None
             await convs.supersede_exchange(conn, conversation_id, retried,
                                            created.user_message_id)
-        return created
+            return await self._claim_beside(conn, created, slot)
 
     async def _replay_retry(self, conn: Conn, who: Principal,
                             conversation_id: UUID, key: str, ask: RunAsk,
@@ -591,3 +649,19 @@ def _idempotency_conflict(run_id: UUID) -> ServiceError:
     return ServiceError(409, "idempotency_conflict",
                         "this Idempotency-Key was already used with a different request",
                         run_id=str(run_id))
+
+
+async def _shielded(work: Coroutine[Any, Any, T]) -> T:
+    """Run `work` to its end even if the caller is cancelled (the caller still sees the cancel);
+    an outcome nobody awaits any more is retrieved, so it is not logged as lost."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_retrieve)
+        raise
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -92,6 +92,8 @@ class Settings:
     workers: int = 0
     max_runs: int = 16
     claim_batch: int = 8  # at most this many turns per claim statement, when slots are free
+    # A turn posted here while a slot is free is claimed in the enqueue's own transaction.
+    claim_on_enqueue: bool = True
     # Admission by capacity: claim only while the event loop's lag and the pool's wait stayed
     # below these over the last second (a process that lags cannot keep its leases).
     max_loop_lag_ms: int = 250

@@ -487,7 +487,8 @@ def build_spec() -> dict[str, Any]:
                                      "schema": {"type": "string", "maxLength": 200}}],
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": _ref("CreateRun")}}},
-                "responses": {"202": _json(_ref("RunCreated"), "queued"),
+                "responses": {"202": _json(_ref("RunCreated"),
+                                           "queued, or running: started in the same commit"),
                               "400": _error("bad input"),
                               "403": _error("model_not_allowed: the account may not use "
                                             "this model (the message names it)"),

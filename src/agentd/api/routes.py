@@ -42,7 +42,8 @@ SERVICE = web.AppKey("service", Service)
 
 def add_routes(app: web.Application) -> None:
     runtime = app[RUNTIME]
-    app[SERVICE] = Service(runtime.pool, runtime.hub, runtime.settings, runtime.tools)
+    app[SERVICE] = Service(runtime.pool, runtime.hub, runtime.settings, runtime.tools,
+                           starter=runtime.dispatcher)
     app.middlewares.extend([error_middleware, auth_middleware])
     r = app.router
     r.add_get("/v1/me", me)

@@ -1,0 +1,145 @@
+"""A claim inside the enqueue's own transaction (sql/015, dispatcher.Reservation): the turn starts
+in the commit that wrote it, and the enqueue never fails for the claim.
+
+Real sessions race: enqueuers claiming beside their enqueues, plain claimers and a finisher, each on
+its own connection, released together by a barrier, round after round.
+"""
+
+from __future__ import annotations
+
+import random
+from uuid import UUID
+
+import asyncpg
+
+from agentd.queue import Claim, claim_runs, claim_runs_beside_enqueue, finish_run
+from agentd.vocabulary import RunStatus
+from tests.integration.helpers import connections, race, raise_unexpected
+from tests.integration.test_claim_races import assert_no_violations
+from tests.support.factories import enqueue, new_conversation, new_tenant
+
+LEASE_S = 60.0
+ROUNDS = 200
+
+
+async def _enqueue_and_claim(conn: asyncpg.Connection, account_id: UUID, conversation_id: UUID,
+                             content: str, worker: str) -> tuple[UUID, list[Claim]]:
+    async with conn.transaction():
+        run = await enqueue(conn, account_id, conversation_id, content)
+        claims = await claim_runs_beside_enqueue(conn, worker_id=worker, lease_ttl_s=LEASE_S)
+    return run.run_id, claims
+
+
+async def test_the_turn_starts_in_the_commit_that_wrote_it(dsn: str) -> None:
+    async with connections(dsn, 2) as (conn, other):
+        tenant = await new_tenant(conn)
+        async with conn.transaction():
+            run = await enqueue(conn, tenant.account_id, tenant.conversation_id, "now")
+            [claim] = await claim_runs_beside_enqueue(conn, worker_id="w", lease_ttl_s=LEASE_S)
+            assert claim.run_id == run.run_id
+            # Nothing of it is visible before the commit: not queued, not running.
+            assert await other.fetchval("SELECT count(*) FROM agent_run") == 0
+        row = await other.fetchrow("SELECT status, claim_token, worker_id FROM agent_run "
+                                   "WHERE id = $1", run.run_id)
+        assert (row["status"], row["claim_token"], row["worker_id"]) == (
+            RunStatus.RUNNING, claim.claim_token, "w")
+        journal = await other.fetch("SELECT seq, type FROM run_event WHERE run_id = $1 "
+                                    "ORDER BY seq", run.run_id)
+        assert [(r["seq"], r["type"]) for r in journal] == [
+            (1, "user_message"), (2, "run_queued"), (3, "run_started")]
+        assert claim.last_seq == 3
+        await assert_no_violations(other, "after the commit")
+
+
+async def test_a_claim_that_cannot_get_its_locks_leaves_the_enqueue_whole(dsn: str) -> None:
+    """The claim waits past lock_timeout on a row another session holds: the claim alone rolls
+    back, the turn is enqueued and queued, and the dispatcher's claim takes it later."""
+    async with connections(dsn, 2) as (conn, holder):
+        tenant = await new_tenant(conn)
+        first = await enqueue(conn, tenant.account_id, tenant.conversation_id, "first")
+        other_conversation = await new_conversation(conn, tenant.account_id)
+        async with holder.transaction():
+            # The oldest turn's question is locked elsewhere: the claim picks that turn and then
+            # cannot mark its question taken.
+            await holder.execute("SELECT 1 FROM message WHERE id = $1 FOR UPDATE",
+                                 first.user_message_id)
+            await conn.execute("SET lock_timeout = '200ms'")
+            async with conn.transaction():
+                second = await enqueue(conn, tenant.account_id, other_conversation, "second")
+                claims = await claim_runs_beside_enqueue(conn, worker_id="w",
+                                                         lease_ttl_s=LEASE_S, limit=2)
+                assert claims == []
+        statuses = dict(await conn.fetch("SELECT id, status FROM agent_run"))
+        assert statuses == {first.run_id: RunStatus.QUEUED, second.run_id: RunStatus.QUEUED}
+        assert await conn.fetchval("SELECT count(*) FROM run_event WHERE run_id = $1",
+                                   second.run_id) == 2
+        later = await claim_runs(conn, worker_id="w", lease_ttl_s=LEASE_S, limit=2)
+        assert {c.run_id for c in later} == {first.run_id, second.run_id}
+        await assert_no_violations(conn, "after the later claim")
+
+
+async def test_claims_beside_enqueues_race_claimers_and_finishes_without_doubling(
+        dsn: str) -> None:
+    """Each round, enqueuers post turns (each claiming beside its enqueue), a plain claimer
+    claims and a finisher ends running turns, all at once. No run is claimed twice, no enqueue is
+    lost, the queue's invariants hold after every round, and everything drains."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    async with connections(dsn, 6) as conns:
+        setup, finisher, claimer, enqueuers = conns[0], conns[1], conns[2], conns[3:]
+        tenant = await new_tenant(setup)
+        convs = [tenant.conversation_id] + [
+            await new_conversation(setup, tenant.account_id) for _ in range(3)]
+        enqueued: set[UUID] = set()
+        claimed: dict[UUID, Claim] = {}
+        done: set[UUID] = set()
+        beside = 0
+        for round_ in range(ROUNDS + 1_000):
+            draining = round_ >= ROUNDS
+            running = [c for c in claimed.values() if c.run_id not in done]
+            context = f"seed {seed}, round {round_}"
+            actions = []
+            if not draining:
+                actions = [
+                    lambda conn=conn, i=i, conv=rng.choice(convs), text=f"round {round_}": (
+                        _enqueue_and_claim(conn, tenant.account_id, conv, text, f"enqueuer-{i}"))
+                    for i, conn in enumerate(enqueuers)]
+            actions.append(lambda limit=rng.choice((1, 3)): claim_runs(
+                claimer, worker_id="claimer", lease_ttl_s=LEASE_S, limit=limit))
+            ending = [c for c in running if rng.random() < 0.6]
+            if ending:
+                actions.append(lambda ending=ending: _finish_all(finisher, ending))
+            results = await race(*actions)
+            raise_unexpected(results, context=context)
+            round_claims: list[Claim] = []
+            for result in results[:len(enqueuers) if not draining else 0]:
+                run_id, claims = result
+                enqueued.add(run_id)
+                beside += len(claims)
+                round_claims.extend(claims)
+            round_claims.extend(results[0 if draining else len(enqueuers)])
+            ids = [c.run_id for c in round_claims]
+            assert len(ids) == len(set(ids)), f"{context}: a run claimed twice in one round"
+            assert not set(ids) & set(claimed), f"{context}: a run claimed again"
+            claimed.update((c.run_id, c) for c in round_claims)
+            done.update(c.run_id for c in ending)
+            await assert_no_violations(setup, context)
+            if draining and not await setup.fetchval(
+                    "SELECT count(*) FROM agent_run WHERE status IN ('queued', 'running')"):
+                break
+        else:
+            raise AssertionError(f"seed {seed}: the queue never drained")
+        # Every enqueue committed, every turn ran exactly once, and the claims beside the
+        # enqueues were exercised (not vacuous).
+        assert await setup.fetchval("SELECT count(*) FROM agent_run") == len(enqueued) \
+            == ROUNDS * len(enqueuers)
+        assert set(claimed) == enqueued
+        assert await setup.fetchval(
+            "SELECT count(*) FROM agent_run WHERE status <> 'completed'") == 0
+        assert beside > ROUNDS / 4, f"seed {seed}: only {beside} claims beside enqueues"
+
+
+async def _finish_all(conn: asyncpg.Connection, claims: list[Claim]) -> None:
+    for claim in claims:
+        await finish_run(conn, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1,
+                         content="done")

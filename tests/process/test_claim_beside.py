@@ -1,0 +1,66 @@
+"""A turn posted to a daemon with a free slot starts in the commit that wrote it (the claim beside
+the enqueue, docs/architecture.md); with no slot free, or with claim_on_enqueue off, it is
+queued and the claim loop takes it as before.
+"""
+
+from __future__ import annotations
+
+from uuid import UUID
+
+import asyncpg
+
+from tests.process.helpers import wait_status
+from tests.support.factories import create_conversation, new_device
+
+
+async def post_turn(client, conversation: str, **params: int) -> dict:
+    response = await client.post(f"/v1/conversations/{conversation}/runs",
+                                 json={"content": "go", "params": params})
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+async def test_an_idle_daemon_starts_a_posted_turn_in_its_enqueue_commit(spawn_daemon, pool):
+    daemon = spawn_daemon(tick_s=60)
+    await daemon.wait_ready()
+    device = await new_device(pool, "beside", "laptop")
+    async with device.client(daemon) as client:
+        conversation = await create_conversation(client)
+        for _ in range(5):
+            created = await post_turn(client, conversation, tokens=2, delay_ms=0)
+            # "running" in the 202 itself: the claim committed with the enqueue (the
+            # integration tier checks that nothing of either is visible before that commit).
+            assert created["status"] == "running", created
+            run_id = UUID(created["run_id"])
+            row = await wait_status(pool, run_id, "completed", timeout=15)
+            assert (row["worker_id"], row["error"]) == (daemon.worker_id, None)
+    await _assert_every_run_started_once(pool)
+
+
+async def test_without_a_free_slot_or_with_it_off_the_turn_is_queued_first(spawn_daemon, pool):
+    daemon = spawn_daemon(tick_s=60, max_runs=1)
+    off = spawn_daemon(tick_s=60, claim_on_enqueue=False, name="off")
+    await daemon.wait_ready()
+    await off.wait_ready()
+    device = await new_device(pool, "beside", "laptop")
+    async with device.client(daemon) as client, device.client(off) as other:
+        busy, waiting, elsewhere = [await create_conversation(client) for _ in range(3)]
+        # The daemon's one slot is taken by a long turn...
+        long = await post_turn(client, busy, tokens=40, delay_ms=50)
+        assert long["status"] == "running"
+        # ...so a turn of another conversation posted to it now is only queued.
+        queued = await post_turn(client, waiting, tokens=2, delay_ms=0)
+        assert queued["status"] == "queued"
+        # A daemon with claim_on_enqueue off queues even when idle; a claim loop takes it.
+        plain = await post_turn(other, elsewhere, tokens=2, delay_ms=0)
+        assert plain["status"] == "queued"
+        for created in (long, queued, plain):
+            await wait_status(pool, UUID(created["run_id"]), "completed", timeout=30)
+    await _assert_every_run_started_once(pool)
+
+
+async def _assert_every_run_started_once(pool: asyncpg.Pool) -> None:
+    starts = await pool.fetch("SELECT r.id, count(e.seq) AS starts FROM agent_run r "
+                              "LEFT JOIN run_event e ON e.run_id = r.id AND e.type = 'run_started' "
+                              "GROUP BY r.id")
+    assert starts and all(row["starts"] == 1 for row in starts), [dict(r) for r in starts]
