@@ -69,10 +69,84 @@ async def test_a_drain_begun_during_a_claim_runs_what_that_claim_committed(
     assert (await run_row(pool, queued.run_id))["status"] == RunStatus.COMPLETED
 
 
+async def test_a_drain_begun_during_a_claim_beside_an_enqueue_runs_what_it_committed(
+        pool: asyncpg.Pool, hub: Hub) -> None:
+    started: list[Claim] = []
+
+    async def run_turn(claim: Claim) -> bool:
+        started.append(claim)
+        await finish_run(pool, claim, RunStatus.COMPLETED, seq=None)
+        return True
+
+    tenant = await new_tenant(pool)
+    dispatcher = _dispatcher(pool, hub, run_turn)
+    slot = await dispatcher.reserve()
+    assert slot is not None
+    async with pool.acquire() as conn:
+        async with conn.transaction():
+            queued = await enqueue(conn, tenant.account_id, tenant.conversation_id, "beside")
+            claims = await slot.claim(conn)
+            stopping = asyncio.create_task(dispatcher.stop_claiming())
+
+            async def drain_begun() -> bool:
+                return dispatcher.draining
+
+            await poll_until(drain_begun, DEFAULT_TIMEOUT_S, interval=0.001,
+                             what="the drain to begin while the claim beside is open")
+            assert await dispatcher.reserve() is None, "no claim beside once the drain began"
+        assert not stopping.done(), "the drain waits for the claim beside to settle"
+        slot.settle(claims)
+    await asyncio.wait_for(stopping, DEFAULT_TIMEOUT_S)
+    assert await dispatcher.drain(DEFAULT_TIMEOUT_S) == (1, 0)
+    assert [c.run_id for c in started] == [queued.run_id]
+    assert (await run_row(pool, queued.run_id))["status"] == RunStatus.COMPLETED
+
+
+async def test_slots_for_claims_beside_enqueues_are_free_ones_one_at_a_time(
+        pool: asyncpg.Pool, hub: Hub) -> None:
+    release = asyncio.Event()
+
+    async def run_turn(claim: Claim) -> bool:
+        await release.wait()
+        await finish_run(pool, claim, RunStatus.COMPLETED, seq=None)
+        return True
+
+    tenant = await new_tenant(pool)
+    dispatcher = _dispatcher(pool, hub, run_turn, max_runs=2)
+    first = await dispatcher.reserve()
+    assert first is not None
+    assert await dispatcher.reserve() is None, "one claim beside an enqueue at a time"
+    first.settle([])  # nothing committed: the slot comes back
+    again = await dispatcher.reserve()
+    assert again is not None
+    async with pool.acquire() as conn, conn.transaction():
+        await enqueue(conn, tenant.account_id, tenant.conversation_id, "one")
+        claims = await again.claim(conn)
+    again.settle(claims)
+    assert len(claims) == 1 and len(dispatcher.in_flight) == 1
+    # One slot of two is taken by the running turn: the other can still be reserved...
+    last = await dispatcher.reserve()
+    assert last is not None
+    other = await new_tenant(pool)
+    async with pool.acquire() as conn, conn.transaction():
+        await enqueue(conn, other.account_id, other.conversation_id, "two")
+        claims = await last.claim(conn)
+    last.settle(claims)
+    assert len(dispatcher.in_flight) == 2
+    # ...and with both running, none is free.
+    assert await dispatcher.reserve() is None
+    release.set()
+    assert await dispatcher.drain(DEFAULT_TIMEOUT_S) == (2, 0)
+    assert await dispatcher.reserve() is not None, "the slots came back with the turns' ends"
+
+    off = _dispatcher(pool, hub, run_turn, claim_on_enqueue=False)
+    assert await off.reserve() is None
+
+
 def _dispatcher(pool: asyncpg.Pool, hub: Hub,
-                run_turn: Callable[[Claim], Awaitable[bool]]) -> Dispatcher:
+                run_turn: Callable[[Claim], Awaitable[bool]], **settings_: Any) -> Dispatcher:
     metrics = Metrics()
-    settings = Settings()
+    settings = Settings(**settings_)
     load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
                        max_pool_wait_s=settings.max_pool_wait_ms / 1000)
     return Dispatcher(pool, hub, settings, "vm:dispatcher-test", run_turn, load, metrics)
