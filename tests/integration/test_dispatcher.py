@@ -40,13 +40,7 @@ async def test_a_drain_begun_during_a_claim_runs_what_that_claim_committed(
         return claims
 
     monkeypatch.setattr(dispatcher_module, "claim_runs", claim_then_stall)
-    started: list[Claim] = []
-
-    async def run_turn(claim: Claim) -> bool:
-        started.append(claim)
-        await finish_run(pool, claim, RunStatus.COMPLETED, seq=None)
-        return True
-
+    started, run_turn = _recording_turns(pool)
     tenant = await new_tenant(pool)
     queued = await enqueue(pool, tenant.account_id, tenant.conversation_id, "in flight")
     dispatcher = _dispatcher(pool, hub, run_turn)
@@ -54,12 +48,7 @@ async def test_a_drain_begun_during_a_claim_runs_what_that_claim_committed(
     await asyncio.wait_for(committed.wait(), DEFAULT_TIMEOUT_S)
 
     stopping = asyncio.create_task(dispatcher.stop_claiming())
-
-    async def drain_begun() -> bool:
-        return dispatcher.draining
-
-    await poll_until(drain_begun, DEFAULT_TIMEOUT_S, interval=0.001,
-                     what="the drain to begin while the claim is still out")
+    await _drain_begun(dispatcher, "while the claim is still out")
     assert not stopping.done(), "the drain waits for the claim in flight"
     go_on.set()
     await asyncio.wait_for(stopping, DEFAULT_TIMEOUT_S)
@@ -71,13 +60,7 @@ async def test_a_drain_begun_during_a_claim_runs_what_that_claim_committed(
 
 async def test_a_drain_begun_during_a_claim_beside_an_enqueue_runs_what_it_committed(
         pool: asyncpg.Pool, hub: Hub) -> None:
-    started: list[Claim] = []
-
-    async def run_turn(claim: Claim) -> bool:
-        started.append(claim)
-        await finish_run(pool, claim, RunStatus.COMPLETED, seq=None)
-        return True
-
+    started, run_turn = _recording_turns(pool)
     tenant = await new_tenant(pool)
     dispatcher = _dispatcher(pool, hub, run_turn)
     slot = await dispatcher.reserve()
@@ -87,12 +70,7 @@ async def test_a_drain_begun_during_a_claim_beside_an_enqueue_runs_what_it_commi
             queued = await enqueue(conn, tenant.account_id, tenant.conversation_id, "beside")
             claims = await slot.claim(conn)
             stopping = asyncio.create_task(dispatcher.stop_claiming())
-
-            async def drain_begun() -> bool:
-                return dispatcher.draining
-
-            await poll_until(drain_begun, DEFAULT_TIMEOUT_S, interval=0.001,
-                             what="the drain to begin while the claim beside is open")
+            await _drain_begun(dispatcher, "while the claim beside is open")
             assert await dispatcher.reserve() is None, "no claim beside once the drain began"
         assert not stopping.done(), "the drain waits for the claim beside to settle"
         slot.settle(claims)
@@ -141,6 +119,26 @@ async def test_slots_for_claims_beside_enqueues_are_free_ones_one_at_a_time(
 
     off = _dispatcher(pool, hub, run_turn, claim_on_enqueue=False)
     assert await off.reserve() is None
+
+
+def _recording_turns(pool: asyncpg.Pool) -> tuple[list[Claim],
+                                                  Callable[[Claim], Awaitable[bool]]]:
+    """A turn runner that records each claim it is given and ends its run at once."""
+    started: list[Claim] = []
+
+    async def run_turn(claim: Claim) -> bool:
+        started.append(claim)
+        await finish_run(pool, claim, RunStatus.COMPLETED, seq=None)
+        return True
+
+    return started, run_turn
+
+
+async def _drain_begun(dispatcher: Dispatcher, when: str) -> None:
+    async def begun() -> bool:
+        return dispatcher.draining
+
+    await poll_until(begun, DEFAULT_TIMEOUT_S, interval=0.001, what=f"the drain to begin {when}")
 
 
 def _dispatcher(pool: asyncpg.Pool, hub: Hub,
