@@ -220,15 +220,39 @@ class Hub:
         instead of after the round trip through PostgreSQL (the NOTIFY still goes out, for the
         fleet). `echo`: that NOTIFY is sent after this call, so when it comes back here it is
         dropped (these subscribers were woken for it already); hints whose NOTIFY may already
-        be on its way (sent inside the committing transaction) pass echo=False and simply wake
-        their subscribers twice."""
-        if echo and self.connected:  # else its NOTIFY will not come back here at all
-            if len(self._echoes) >= MAX_ECHOES:
-                self._forget_expired_echoes()
-            if len(self._echoes) < MAX_ECHOES:
-                self._echoes.setdefault((channel, payload), []).append(
-                    time.monotonic() + ECHO_WINDOW_S)
+        be on its way (sent inside the committing transaction) pass echo=False: they wake their
+        subscribers twice, unless the echo was awaited before the statement (expect_echo)."""
+        if echo:
+            self._await_echo(channel, payload)
         self._route(channel, payload, rows_at_hand=rows_at_hand)
+
+    def expect_echo(self, channel: Channel, payload: str) -> Callable[[], None]:
+        """Before a statement whose transaction sends this NOTIFY: drop its echo when it comes
+        back, since the sender wakes this process's subscribers itself (hint_locally, echo=False)
+        once it has committed. Awaited before the statement, not after, because the echo can
+        arrive before the statement's own answer is read. Returns `forget`, for a statement
+        that did not commit (no echo will come: another process's news must not be dropped)."""
+        due = self._await_echo(channel, payload)
+
+        def forget() -> None:
+            expected = self._echoes.get((channel, payload))
+            if due is not None and expected and due in expected:
+                expected.remove(due)
+                if not expected:
+                    del self._echoes[(channel, payload)]
+
+        return forget
+
+    def _await_echo(self, channel: Channel, payload: str) -> float | None:
+        if not self.connected:  # its NOTIFY will not come back here at all
+            return None
+        if len(self._echoes) >= MAX_ECHOES:
+            self._forget_expired_echoes()
+        if len(self._echoes) >= MAX_ECHOES:
+            return None
+        due = time.monotonic() + ECHO_WINDOW_S
+        self._echoes.setdefault((channel, payload), []).append(due)
+        return due
 
     def _forget_expired_echoes(self) -> None:
         now = time.monotonic()

@@ -312,21 +312,37 @@ class Service:
         With a slot free in this process, the enqueue's transaction also claims (the same fair
         claim the dispatcher makes), so a turn posted to an idle daemon starts in the commit that
         wrote it: docs/architecture.md, "Claim beside the enqueue"."""
-        slot = await self.starter.reserve() if self.starter is not None else None
-        if slot is None:
-            created = await self._create_run(who, conversation_id, ask, idempotency_key, None)
-        else:
-            # Once a claim may commit, the request going away (its handler is cancelled) must
-            # not leave the slot unsettled: what committed starts, else the slot is given back.
-            created = await _shielded(
-                self._create_run_settling(who, conversation_id, ask, idempotency_key, slot))
-        if not created.replayed:
-            # Committed: this process's dispatcher and the conversation's feeds here start now,
-            # not when the enqueue's own NOTIFY has come back from PostgreSQL.
-            conversation = str(created.conversation_id)
-            if created.status == RunStatus.QUEUED:
-                self.hub.hint_locally(Channel.RUN_ENQUEUED, conversation, echo=False)
-            self.hub.hint_locally(Channel.CONVERSATION, conversation, echo=False)
+        conversation = str(conversation_id)
+        # The enqueue's own NOTIFYs come back to this process too, often before its answer is
+        # read; the hints below wake this process's subscribers instead, so those echoes are
+        # dropped (a claim loop woken for nothing claims nothing; a feed reads everything twice).
+        forget = [self.hub.expect_echo(channel, conversation)
+                  for channel in (Channel.RUN_ENQUEUED, Channel.CONVERSATION)]
+        try:
+            slot = await self.starter.reserve() if self.starter is not None else None
+            if slot is None:
+                created = await self._create_run(who, conversation_id, ask, idempotency_key,
+                                                 None)
+            else:
+                # Once a claim may commit, the request going away (its handler is cancelled)
+                # must not leave the slot unsettled: what committed starts, else the slot is
+                # given back.
+                created = await _shielded(
+                    self._create_run_settling(who, conversation_id, ask, idempotency_key, slot))
+        except BaseException:
+            for echo in forget:  # nothing committed, or nobody is left to hint: let it through
+                echo()
+            raise
+        if created.replayed:
+            for echo in forget:  # a replay writes nothing and sends nothing
+                echo()
+            return created
+        # Committed: this process's claim loop and the conversation's feeds here start now, not
+        # when the enqueue's own NOTIFY has come back from PostgreSQL. A turn already started
+        # beside its enqueue needs no claim.
+        if created.status == RunStatus.QUEUED:
+            self.hub.hint_locally(Channel.RUN_ENQUEUED, conversation, echo=False)
+        self.hub.hint_locally(Channel.CONVERSATION, conversation, echo=False)
         return created
 
     async def _create_run_settling(self, who: Principal, conversation_id: UUID, ask: RunAsk,

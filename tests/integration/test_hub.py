@@ -67,6 +67,32 @@ async def test_hints_in_one_batch_wait_for_one_echo_and_each_wakes_the_subscribe
             await notifier.close()
 
 
+async def test_an_echo_awaited_before_its_statement_is_dropped_even_when_it_comes_first(
+        pool: asyncpg.Pool, hub: Hub) -> None:
+    """A NOTIFY sent inside the committing transaction (an enqueue's) can come back before the
+    statement's answer is read: awaited beforehand (expect_echo), it is still dropped. One
+    forgotten because its statement failed lets another process's news through."""
+    async with hub.subscribe(Channel.CONVERSATION, "c") as sub:
+        hub.expect_echo(Channel.CONVERSATION, "c")
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_notify($1, 'c')", str(Channel.CONVERSATION))
+        await poll_until(lambda: _true(hub.echoes == 1), DEFAULT_TIMEOUT_S, interval=0.005,
+                         what="the committed NOTIFY to come back and be dropped")
+        assert sub.drain() == set(), "the echo woke the subscriber"
+        hub.hint_locally(Channel.CONVERSATION, "c", echo=False)  # the sender's own wake
+        assert sub.drain() == {"c"}
+
+        forget = hub.expect_echo(Channel.CONVERSATION, "c")
+        with pytest.raises(asyncpg.DivisionByZeroError):
+            async with pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT pg_notify($1, 'c')", str(Channel.CONVERSATION))
+                await conn.execute("SELECT 1 / 0")
+        forget()  # rolled back: no echo will come
+        await notify_from_elsewhere(pool, Channel.CONVERSATION, "c")
+        assert await heard(sub) == {"c"}, "a forgotten echo swallowed another process's news"
+        assert hub.echoes == 1
+
+
 async def test_an_echo_that_never_comes_stops_being_awaited(
         pool: asyncpg.Pool, hub: Hub, monkeypatch: pytest.MonkeyPatch) -> None:
     """A NOTIFY that was lost (its statement failed) must not swallow another process's news
