@@ -9,6 +9,7 @@ Set SNAPSHOT_UPDATE=1 to rewrite tests/tui/snapshots/ after reviewing a change.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -25,6 +26,7 @@ UPDATE = os.environ.get("SNAPSHOT_UPDATE") == "1"
 FROZEN_WORKER = "agentd-host:4242:c0ffee"
 FROZEN_NOW = datetime(2030, 1, 1, tzinfo=UTC)
 WAIT_S = 60.0
+SETTLE_S = 10.0  # the screen settles within a few refreshes; this is only a bound
 
 
 async def freeze(app: Any, pilot: Any) -> None:
@@ -41,7 +43,16 @@ async def freeze(app: Any, pilot: Any) -> None:
     app.clock = lambda: now
     screen.composer.cursor_blink = False
     await screen.render_changes(model, Changes(turns=set(model.order), bar=True))
-    await pilot.pause()
+    # Until the screen stops changing: a re-render (a turn's answer, the layout that follows it)
+    # can take more than one refresh to settle, and a snapshot taken in between differs by a row.
+    deadline = time.monotonic() + SETTLE_S
+    shot = None
+    while time.monotonic() < deadline:
+        await pilot.pause()
+        previous, shot = shot, app.export_screenshot()
+        if shot == previous:
+            return
+    raise AssertionError(f"the screen kept changing for {SETTLE_S:g} s")
 
 
 def turns(app: Any) -> list[Any]:
