@@ -80,11 +80,11 @@ async def main() -> int:
                         [claim] = await claim_runs(conn, worker_id="bench", lease_ttl_s=30)
                     else:
                         async with conn.transaction():
-                            await enqueue_run(conn, account_id=account_id,
-                                              conversation_id=conversation, content="x",
-                                              request=REQUEST)
+                            run = await enqueue_run(conn, account_id=account_id,
+                                                    conversation_id=conversation, content="x",
+                                                    request=REQUEST)
                             [claim] = await claim_runs_beside_enqueue(
-                                conn, worker_id="bench", lease_ttl_s=30)
+                                conn, run.run_id, worker_id="bench", lease_ttl_s=30)
                     run_started = await conn.fetchval(
                         "SELECT created_at FROM run_event WHERE run_id = $1"
                         " AND type = 'run_started'", claim.run_id)

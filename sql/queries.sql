@@ -107,11 +107,12 @@ WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 SELECT * FROM claim_runs($1::text, $2::float8, $3::int, $4::int);
 
 -- claim_runs_beside_enqueue --
--- params: worker_id, lease_ttl_s, limit, default_max_running
+-- params: worker_id, lease_ttl_s, default_max_running, run_id
 -- The same claim, sent inside an enqueue's transaction (service.Service.create_run), so the turn
--- just written can start in the same commit. Only the claim rolls back when it loses a race or
--- waits past lock_timeout (sql/015): the enqueue never fails for it.
-SELECT * FROM claim_runs_beside_enqueue($1::text, $2::float8, $3::int, $4::int);
+-- just written can start in the same commit; kept only when the fair claim picks that turn
+-- (sql/016). Only the claim rolls back when it picks another, loses a race or waits past
+-- lock_timeout (sql/015): the enqueue never fails for it.
+SELECT * FROM claim_runs_beside_enqueue($1::text, $2::float8, $3::int, $4::uuid);
 
 -- beat --
 -- params: worker_id, host, pid, listen, version, lease_ttl_s, runs_in_flight, max_runs, loop_lag_ms, pool_wait_ms, admitting, run_ids, claim_tokens

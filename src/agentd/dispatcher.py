@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from uuid import UUID
 
 import asyncpg
 
@@ -227,10 +228,10 @@ class Reservation:
         self._dispatcher = dispatcher
         self._settled = False
 
-    async def claim(self, conn: Conn) -> list[Claim]:
+    async def claim(self, conn: Conn, run_id: UUID) -> list[Claim]:
         d = self._dispatcher
         return await claim_runs_beside_enqueue(
-            conn, worker_id=d._worker_id, lease_ttl_s=d._settings.lease_ttl_s, limit=1,
+            conn, run_id, worker_id=d._worker_id, lease_ttl_s=d._settings.lease_ttl_s,
             default_max_running=d._settings.account_max_running)
 
     def settle(self, committed: Sequence[Claim]) -> None:

@@ -365,16 +365,17 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
     return claims
 
 
-async def claim_runs_beside_enqueue(conn: Conn, *, worker_id: str, lease_ttl_s: float,
-                                    limit: int = 1,
+async def claim_runs_beside_enqueue(conn: Conn, run_id: UUID, *, worker_id: str,
+                                    lease_ttl_s: float,
                                     default_max_running: int = DEFAULT_MAX_RUNNING
                                     ) -> list[Claim]:
-    """The same claim inside the caller's transaction (an enqueue's: the turn it wrote can start
-    in its commit). Losing a race or a lock wait claims nothing and leaves the rest of the
-    transaction intact; the caller sends the runs' hints once it has committed."""
+    """The same claim inside the caller's transaction (an enqueue's), kept only when it picks
+    `run_id`, the turn that enqueue wrote: it then starts in that commit. Picking another turn,
+    losing a race or a lock wait claims nothing and leaves the rest of the transaction intact;
+    the caller sends the run's hints once it has committed."""
     rows = await conn.fetch(*Q.claim_runs_beside_enqueue.bind(
-        worker_id=worker_id, lease_ttl_s=lease_ttl_s, limit=limit,
-        default_max_running=default_max_running))
+        worker_id=worker_id, lease_ttl_s=lease_ttl_s, default_max_running=default_max_running,
+        run_id=run_id))
     return [_claim_from_row(row) for row in rows]
 
 

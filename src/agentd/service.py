@@ -49,8 +49,9 @@ T = TypeVar("T")
 class ClaimSlot(Protocol):
     """A slot of this process held for a claim inside an enqueue's transaction."""
 
-    async def claim(self, conn: Conn) -> list[queue.Claim]:
-        """Claim (at most one turn, fairly, as the dispatcher would) in `conn`'s transaction."""
+    async def claim(self, conn: Conn, run_id: UUID) -> list[queue.Claim]:
+        """Claim in `conn`'s transaction as the dispatcher would, keeping the claim only if it
+        picks `run_id` (the turn this transaction enqueued)."""
 
     def settle(self, committed: Sequence[queue.Claim]) -> None:
         """Called once, whatever happened: start what committed, else give the slot back."""
@@ -319,16 +320,7 @@ class Service:
         forget = [self.hub.expect_echo(channel, conversation)
                   for channel in (Channel.RUN_ENQUEUED, Channel.CONVERSATION)]
         try:
-            slot = await self.starter.reserve() if self.starter is not None else None
-            if slot is None:
-                created = await self._create_run(who, conversation_id, ask, idempotency_key,
-                                                 None)
-            else:
-                # Once a claim may commit, the request going away (its handler is cancelled)
-                # must not leave the slot unsettled: what committed starts, else the slot is
-                # given back.
-                created = await _shielded(
-                    self._create_run_settling(who, conversation_id, ask, idempotency_key, slot))
+            created = await self._create_run_once(who, conversation_id, ask, idempotency_key)
         except BaseException:
             for echo in forget:  # nothing committed, or nobody is left to hint: let it through
                 echo()
@@ -345,6 +337,27 @@ class Service:
         self.hub.hint_locally(Channel.CONVERSATION, conversation, echo=False)
         return created
 
+    async def _create_run_once(self, who: Principal, conversation_id: UUID, ask: RunAsk,
+                               idempotency_key: str | None) -> CreatedRun:
+        """With a claim beside the enqueue when a slot is free. A deadlock rolls the whole
+        transaction back (PostgreSQL picks a victim when enqueues into one conversation meet
+        claims beside other enqueues: docs/architecture.md): nothing was written, so it runs
+        once more, without a claim beside it."""
+        slot = await self.starter.reserve() if self.starter is not None else None
+        if slot is not None:
+            try:
+                # Once a claim may commit, the request going away (its handler is cancelled)
+                # must not leave the slot unsettled: what committed starts, else the slot is
+                # given back.
+                return await _shielded(
+                    self._create_run_settling(who, conversation_id, ask, idempotency_key, slot))
+            except asyncpg.DeadlockDetectedError:
+                pass
+        try:
+            return await self._create_run(who, conversation_id, ask, idempotency_key, None)
+        except asyncpg.DeadlockDetectedError:
+            return await self._create_run(who, conversation_id, ask, idempotency_key, None)
+
     async def _create_run_settling(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                                    idempotency_key: str | None, slot: ClaimSlot) -> CreatedRun:
         committed: tuple[queue.Claim, ...] = ()
@@ -360,10 +373,9 @@ class Service:
         """In the enqueue's transaction, once its turn is written: claim with the slot held."""
         if slot is None or created.replayed:
             return created
-        claims = await slot.claim(conn)
-        ours = any(claim.run_id == created.run_id for claim in claims)
+        claims = await slot.claim(conn, created.run_id)
         return dataclasses.replace(created, started=tuple(claims),
-                                   status=RunStatus.RUNNING if ours else created.status)
+                                   status=RunStatus.RUNNING if claims else created.status)
 
     async def _create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                           idempotency_key: str | None, slot: ClaimSlot | None) -> CreatedRun:

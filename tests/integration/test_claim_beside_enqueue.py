@@ -1,5 +1,6 @@
-"""A claim inside the enqueue's own transaction (sql/015, dispatcher.Reservation): the turn starts
-in the commit that wrote it, and the enqueue never fails for the claim.
+"""A claim inside the enqueue's own transaction (sql/015, sql/016, dispatcher.Reservation): the
+turn starts in the commit that wrote it when the fair claim picks it, the transaction keeps no lock
+of any other turn's, and the enqueue never fails for the claim.
 
 Real sessions race: enqueuers claiming beside their enqueues, plain claimers and a finisher, each on
 its own connection, released together by a barrier, round after round.
@@ -20,14 +21,24 @@ from tests.support.factories import enqueue, new_conversation, new_tenant
 
 LEASE_S = 60.0
 ROUNDS = 200
+# Enough conversations that a posted turn is often the next in line (a claim beside an enqueue
+# takes only that), few enough that enqueuers often meet in one conversation.
+CONVERSATIONS = 6
 
 
 async def _enqueue_and_claim(conn: asyncpg.Connection, account_id: UUID, conversation_id: UUID,
-                             content: str, worker: str) -> tuple[UUID, list[Claim]]:
-    async with conn.transaction():
+                             content: str, worker: str) -> tuple[UUID, list[Claim], bool]:
+    """As service.Service.create_run does it: a deadlock's victim rolled back whole and enqueues
+    again without a claim beside it. The third value says whether that happened."""
+    try:
+        async with conn.transaction():
+            run = await enqueue(conn, account_id, conversation_id, content)
+            claims = await claim_runs_beside_enqueue(conn, run.run_id, worker_id=worker,
+                                                     lease_ttl_s=LEASE_S)
+        return run.run_id, claims, False
+    except asyncpg.DeadlockDetectedError:
         run = await enqueue(conn, account_id, conversation_id, content)
-        claims = await claim_runs_beside_enqueue(conn, worker_id=worker, lease_ttl_s=LEASE_S)
-    return run.run_id, claims
+        return run.run_id, [], True
 
 
 async def test_the_turn_starts_in_the_commit_that_wrote_it(dsn: str) -> None:
@@ -35,7 +46,8 @@ async def test_the_turn_starts_in_the_commit_that_wrote_it(dsn: str) -> None:
         tenant = await new_tenant(conn)
         async with conn.transaction():
             run = await enqueue(conn, tenant.account_id, tenant.conversation_id, "now")
-            [claim] = await claim_runs_beside_enqueue(conn, worker_id="w", lease_ttl_s=LEASE_S)
+            [claim] = await claim_runs_beside_enqueue(conn, run.run_id, worker_id="w",
+                                                      lease_ttl_s=LEASE_S)
             assert claim.run_id == run.run_id
             # Nothing of it is visible before the commit: not queued, not running.
             assert await other.fetchval("SELECT count(*) FROM agent_run") == 0
@@ -52,27 +64,48 @@ async def test_the_turn_starts_in_the_commit_that_wrote_it(dsn: str) -> None:
 
 
 async def test_a_claim_that_cannot_get_its_locks_leaves_the_enqueue_whole(dsn: str) -> None:
-    """The claim waits past lock_timeout on a row another session holds: the claim alone rolls
-    back, the turn is enqueued and queued, and the dispatcher's claim takes it later."""
+    """The claim waits past lock_timeout on a row another session holds (the account's, which
+    the claim moves to the back of the round robin): the claim alone rolls back, the turn is
+    enqueued and queued, and the dispatcher's claim takes it later."""
     async with connections(dsn, 2) as (conn, holder):
         tenant = await new_tenant(conn)
-        first = await enqueue(conn, tenant.account_id, tenant.conversation_id, "first")
-        other_conversation = await new_conversation(conn, tenant.account_id)
         async with holder.transaction():
-            # The oldest turn's question is locked elsewhere: the claim picks that turn and then
-            # cannot mark its question taken.
-            await holder.execute("SELECT 1 FROM message WHERE id = $1 FOR UPDATE",
-                                 first.user_message_id)
+            await holder.execute("SELECT 1 FROM account WHERE id = $1 FOR NO KEY UPDATE",
+                                 tenant.account_id)
             await conn.execute("SET lock_timeout = '200ms'")
             async with conn.transaction():
-                second = await enqueue(conn, tenant.account_id, other_conversation, "second")
-                claims = await claim_runs_beside_enqueue(conn, worker_id="w",
-                                                         lease_ttl_s=LEASE_S, limit=2)
-                assert claims == []
+                run = await enqueue(conn, tenant.account_id, tenant.conversation_id, "mine")
+                assert await claim_runs_beside_enqueue(conn, run.run_id, worker_id="w",
+                                                       lease_ttl_s=LEASE_S) == []
+        assert await conn.fetchval("SELECT status FROM agent_run WHERE id = $1",
+                                   run.run_id) == RunStatus.QUEUED
+        assert await conn.fetchval("SELECT count(*) FROM run_event WHERE run_id = $1",
+                                   run.run_id) == 2
+        [later] = await claim_runs(conn, worker_id="w", lease_ttl_s=LEASE_S)
+        assert later.run_id == run.run_id
+        await assert_no_violations(conn, "after the later claim")
+
+
+async def test_a_claim_beside_takes_only_its_own_turn_and_keeps_no_other_lock(dsn: str) -> None:
+    """An older turn of another conversation is next in line: the claim beside takes nothing
+    (the claim loop starts both, fairly), and while the enqueue's transaction is still open
+    nothing of that other conversation is locked by it (an enqueue into it is not held up)."""
+    async with connections(dsn, 2) as (conn, other):
+        tenant = await new_tenant(conn)
+        first = await enqueue(conn, tenant.account_id, tenant.conversation_id, "first")
+        mine = await new_conversation(conn, tenant.account_id)
+        async with conn.transaction():
+            second = await enqueue(conn, tenant.account_id, mine, "second")
+            assert await claim_runs_beside_enqueue(conn, second.run_id, worker_id="w",
+                                                   lease_ttl_s=LEASE_S) == []
+            async with other.transaction():
+                await other.execute("SET LOCAL lock_timeout = '1s'")
+                await other.execute("SELECT 1 FROM conversation WHERE id = $1 FOR UPDATE",
+                                    tenant.conversation_id)
+                await other.execute("SELECT 1 FROM agent_run WHERE id = $1 FOR UPDATE",
+                                    first.run_id)
         statuses = dict(await conn.fetch("SELECT id, status FROM agent_run"))
         assert statuses == {first.run_id: RunStatus.QUEUED, second.run_id: RunStatus.QUEUED}
-        assert await conn.fetchval("SELECT count(*) FROM run_event WHERE run_id = $1",
-                                   second.run_id) == 2
         later = await claim_runs(conn, worker_id="w", lease_ttl_s=LEASE_S, limit=2)
         assert {c.run_id for c in later} == {first.run_id, second.run_id}
         await assert_no_violations(conn, "after the later claim")
@@ -89,11 +122,11 @@ async def test_claims_beside_enqueues_race_claimers_and_finishes_without_doublin
         setup, finisher, claimer, enqueuers = conns[0], conns[1], conns[2], conns[3:]
         tenant = await new_tenant(setup)
         convs = [tenant.conversation_id] + [
-            await new_conversation(setup, tenant.account_id) for _ in range(3)]
+            await new_conversation(setup, tenant.account_id) for _ in range(CONVERSATIONS - 1)]
         enqueued: set[UUID] = set()
         claimed: dict[UUID, Claim] = {}
         done: set[UUID] = set()
-        beside = 0
+        beside = deadlocks = 0
         for round_ in range(ROUNDS + 1_000):
             draining = round_ >= ROUNDS
             running = [c for c in claimed.values() if c.run_id not in done]
@@ -104,7 +137,7 @@ async def test_claims_beside_enqueues_race_claimers_and_finishes_without_doublin
                     lambda conn=conn, i=i, conv=rng.choice(convs), text=f"round {round_}": (
                         _enqueue_and_claim(conn, tenant.account_id, conv, text, f"enqueuer-{i}"))
                     for i, conn in enumerate(enqueuers)]
-            actions.append(lambda limit=rng.choice((1, 3)): claim_runs(
+            actions.append(lambda limit=rng.choice((1, 3, 5)): claim_runs(
                 claimer, worker_id="claimer", lease_ttl_s=LEASE_S, limit=limit))
             ending = [c for c in running if rng.random() < 0.6]
             if ending:
@@ -113,7 +146,8 @@ async def test_claims_beside_enqueues_race_claimers_and_finishes_without_doublin
             raise_unexpected(results, context=context)
             round_claims: list[Claim] = []
             for result in results[:len(enqueuers) if not draining else 0]:
-                run_id, claims = result
+                run_id, claims, deadlocked = result
+                deadlocks += deadlocked
                 enqueued.add(run_id)
                 beside += len(claims)
                 round_claims.extend(claims)
@@ -136,7 +170,10 @@ async def test_claims_beside_enqueues_race_claimers_and_finishes_without_doublin
         assert set(claimed) == enqueued
         assert await setup.fetchval(
             "SELECT count(*) FROM agent_run WHERE status <> 'completed'") == 0
-        assert beside > ROUNDS / 4, f"seed {seed}: only {beside} claims beside enqueues"
+        # A turn is claimed beside its enqueue only when it is next in line, which a queue this
+        # busy seldom allows (6-13 in 600 were measured): some must have been.
+        assert beside > 0, f"seed {seed}: no claim beside an enqueue"
+        print(f"claims beside enqueues: {beside}, deadlocks retried: {deadlocks}")
 
 
 async def _finish_all(conn: asyncpg.Connection, claims: list[Claim]) -> None:

@@ -68,7 +68,7 @@ async def test_a_drain_begun_during_a_claim_beside_an_enqueue_runs_what_it_commi
     async with pool.acquire() as conn:
         async with conn.transaction():
             queued = await enqueue(conn, tenant.account_id, tenant.conversation_id, "beside")
-            claims = await slot.claim(conn)
+            claims = await slot.claim(conn, queued.run_id)
             stopping = asyncio.create_task(dispatcher.stop_claiming())
             await _drain_begun(dispatcher, "while the claim beside is open")
             assert await dispatcher.reserve() is None, "no claim beside once the drain began"
@@ -98,8 +98,8 @@ async def test_slots_for_claims_beside_enqueues_are_free_ones_one_at_a_time(
     again = await dispatcher.reserve()
     assert again is not None
     async with pool.acquire() as conn, conn.transaction():
-        await enqueue(conn, tenant.account_id, tenant.conversation_id, "one")
-        claims = await again.claim(conn)
+        one = await enqueue(conn, tenant.account_id, tenant.conversation_id, "one")
+        claims = await again.claim(conn, one.run_id)
     again.settle(claims)
     assert len(claims) == 1 and len(dispatcher.in_flight) == 1
     # One slot of two is taken by the running turn: the other can still be reserved...
@@ -107,8 +107,8 @@ async def test_slots_for_claims_beside_enqueues_are_free_ones_one_at_a_time(
     assert last is not None
     other = await new_tenant(pool)
     async with pool.acquire() as conn, conn.transaction():
-        await enqueue(conn, other.account_id, other.conversation_id, "two")
-        claims = await last.claim(conn)
+        two = await enqueue(conn, other.account_id, other.conversation_id, "two")
+        claims = await last.claim(conn, two.run_id)
     last.settle(claims)
     assert len(dispatcher.in_flight) == 2
     # ...and with both running, none is free.
