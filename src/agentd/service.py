@@ -11,10 +11,10 @@ import asyncio
 import dataclasses
 import fnmatch
 import re
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol
 from uuid import UUID
 
 import asyncpg
@@ -43,7 +43,6 @@ LAST = "last"  # retry_of: the conversation's latest turn
 # A full queue drains as turns finish; a client that waits this long finds room more often than
 # not, and never hammers the daemon.
 QUEUE_FULL_RETRY_AFTER_S = 10
-T = TypeVar("T")
 
 
 class ClaimSlot(Protocol):
@@ -346,11 +345,10 @@ class Service:
         slot = await self.starter.reserve() if self.starter is not None else None
         if slot is not None:
             try:
-                # Once a claim may commit, the request going away (its handler is cancelled)
-                # must not leave the slot unsettled: what committed starts, else the slot is
-                # given back.
-                return await _shielded(
-                    self._create_run_settling(who, conversation_id, ask, idempotency_key, slot))
+                # The handler shields this call (api/routes.py), so a request that goes away
+                # cannot leave the slot unsettled: what committed starts, else it is given back.
+                return await self._create_run_settling(who, conversation_id, ask,
+                                                       idempotency_key, slot)
             except asyncpg.DeadlockDetectedError:
                 pass
         try:
@@ -677,19 +675,3 @@ def _idempotency_conflict(run_id: UUID) -> ServiceError:
     return ServiceError(409, "idempotency_conflict",
                         "this Idempotency-Key was already used with a different request",
                         run_id=str(run_id))
-
-
-async def _shielded(work: Coroutine[Any, Any, T]) -> T:
-    """Run `work` to its end even if the caller is cancelled (the caller still sees the cancel);
-    an outcome nobody awaits any more is retrieved, so it is not logged as lost."""
-    task = asyncio.ensure_future(work)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(_retrieve)
-        raise
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
