@@ -110,8 +110,8 @@ SELECT * FROM claim_runs($1::text, $2::float8, $3::int, $4::int);
 -- params: worker_id, lease_ttl_s, default_max_running, run_id
 -- The same claim, sent inside an enqueue's transaction (service.Service.create_run), so the turn
 -- just written can start in the same commit; kept only when the fair claim picks that turn
--- (sql/016). Only the claim rolls back when it picks another, loses a race or waits past
--- lock_timeout (sql/015): the enqueue never fails for it.
+-- (sql/015). Only the claim rolls back when it picks another, loses a race or waits past
+-- lock_timeout: the enqueue never fails for it.
 SELECT * FROM claim_runs_beside_enqueue($1::text, $2::float8, $3::int, $4::uuid);
 
 -- beat --

@@ -1,4 +1,4 @@
-"""A claim inside the enqueue's own transaction (sql/015, sql/016, dispatcher.Reservation): the
+"""A claim inside the enqueue's own transaction (sql/015, dispatcher.Reservation): the
 turn starts in the commit that wrote it when the fair claim picks it, the transaction keeps no lock
 of any other turn's, and the enqueue never fails for the claim.
 
