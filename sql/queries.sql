@@ -10,9 +10,15 @@
 -- A run is a row (docs/architecture.md rule 1): for each item, the user message, the run,
 -- journal seq 1-2 and the wake commit in ONE statement (with every other item of the call).
 -- Items are numbered by their place in the arrays; the answer has one row per item.
--- The conversations are locked first (in id order: calls cannot deadlock), so runs of one
--- conversation get created_at in commit order (a conversation feed's watermark relies on it)
--- and on_busy checks serialize with us; items of one conversation are inserted in item order.
+-- Each conversation is updated first (its updated_at, the conversation list's order), which
+-- also locks it: runs of one conversation get created_at in commit order (a conversation feed's
+-- watermark relies on it), on_busy checks serialize with us, and items of one conversation are
+-- inserted in item order. The row is touched once, lock and update in one step: locking it and
+-- updating it later in the statement deadlocked enqueues into one conversation (the update went
+-- back to the version the statement began with, where a rival was queued waiting for us;
+-- tests/integration/test_enqueue.py). So a post moves updated_at even when it creates no turn
+-- (a full queue, a replayed key). A call naming several conversations locks them in the order
+-- the plan meets them, and two such calls can deadlock; the daemon's calls name one.
 -- Bounded: the call takes distinct free queue slots of its account for its turns at once
 -- (take_queue_slots, sql/012), so no race can overshoot max_queued ($8 when the account sets
 -- none), enqueues of one account never wait for each other, and no insert is turned away for
@@ -27,11 +33,10 @@ WITH item AS (
         WITH ORDINALITY AS i (conversation_id, content, request, request_hash, idempotency_key,
                               n)
 ), conv AS (
-    SELECT c.id, c.account_id, coalesce(a.max_queued, $8::int) AS max_queued
-    FROM conversation c JOIN account a ON a.id = c.account_id
-    WHERE c.id = ANY ($2::uuid[]) AND c.account_id = $1::uuid
-    ORDER BY c.id
-    FOR NO KEY UPDATE OF c
+    UPDATE conversation c SET updated_at = clock_timestamp()
+    FROM account a
+    WHERE a.id = c.account_id AND c.id = ANY ($2::uuid[]) AND c.account_id = $1::uuid
+    RETURNING c.id, c.account_id, coalesce(a.max_queued, $8::int) AS max_queued
 ), asking AS (
     SELECT item.*, conv.account_id, conv.max_queued, gen_random_uuid() AS message_id,
            row_number() OVER (ORDER BY item.n) AS place
@@ -55,9 +60,6 @@ WITH item AS (
     ORDER BY s.n
     ON CONFLICT DO NOTHING
     RETURNING id, conversation_id, user_message_id, status, created_at
-), touched AS (
-    UPDATE conversation c SET updated_at = clock_timestamp()
-    WHERE c.id = ANY (ARRAY(SELECT r.conversation_id FROM run r))
 ), msg AS (
     INSERT INTO message (id, conversation_id, run_id, role, content, status)
     SELECT r.user_message_id, r.conversation_id, r.id, 'user', s.content, 'queued'
@@ -949,8 +951,8 @@ ORDER BY id;
 -- notify_batch --
 -- params: channels, payloads
 -- Wake hints for rows already committed, many per statement (signals are hints, rows are
--- truth: docs/architecture.md rule 6). A notify-only transaction assigns no xid, so it commits
--- without a WAL flush.
+-- truth: docs/architecture.md rule 6). A NOTIFY gives even this transaction an xid, so it
+-- writes a commit record (40 bytes of WAL) like any other write.
 SELECT count(pg_notify(t.channel, t.payload))
 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS t (channel, payload, n);
 

@@ -338,10 +338,10 @@ class Service:
 
     async def _create_run_once(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                                idempotency_key: str | None) -> CreatedRun:
-        """With a claim beside the enqueue when a slot is free. A deadlock rolls the whole
-        transaction back (PostgreSQL picks a victim when enqueues into one conversation meet
-        claims beside other enqueues: docs/architecture.md): nothing was written, so it runs
-        once more, without a claim beside it."""
+        """With a claim beside the enqueue when a slot is free. Should PostgreSQL pick this
+        transaction as a deadlock's victim (none is known to remain: docs/architecture.md), it
+        rolled back whole and nothing was written, so it runs once more, without a claim beside
+        it."""
         slot = await self.starter.reserve() if self.starter is not None else None
         if slot is not None:
             try:

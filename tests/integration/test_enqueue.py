@@ -341,3 +341,33 @@ async def test_a_slot_filled_and_freed_without_pause_is_never_handed_out_twice(
     raise_unexpected(results)
     assert made + refused == racers * attempts
     assert made > 0 and refused > 0, "the slot was contended"
+
+
+async def test_enqueues_into_one_conversation_never_deadlock(dsn: str) -> None:
+    """Enqueues into one conversation meet each other and a writer that key-share-locks its row
+    (an answer message, through its foreign key), round after round on separate sessions. Each
+    enqueue touches the conversation's row once: the lock and the new `updated_at` in one step.
+    When the statement locked the row and updated it in a later part, this test deadlocked
+    within a few hundred rounds every time it was run (seven runs, PostgreSQL 15 and 18): the
+    update went back to the version the statement began with, where a rival was queued waiting
+    for the statement's own transaction."""
+    rounds = 400
+    async with connections(dsn, 5) as conns:
+        setup, keysharer, enqueuers = conns[0], conns[1], conns[2:]
+        tenant = await new_tenant(setup)
+
+        async def share_lock() -> None:
+            await keysharer.execute(
+                "INSERT INTO message (conversation_id, role, content, status)"
+                " VALUES ($1, 'assistant', 'answer', 'complete')", tenant.conversation_id)
+
+        async def post(conn: asyncpg.Connection, content: str) -> None:
+            await enqueue(conn, tenant.account_id, tenant.conversation_id, content,
+                          default_max_queued=10_000)
+
+        for round_ in range(rounds):
+            results = await race(share_lock, *(
+                lambda conn=conn, text=f"round {round_} {i}": post(conn, text)
+                for i, conn in enumerate(enqueuers)))
+            raise_unexpected(results, context=f"round {round_}")
+        assert await setup.fetchval("SELECT count(*) FROM agent_run") == rounds * len(enqueuers)
