@@ -17,8 +17,9 @@
 -- updating it later in the statement deadlocked enqueues into one conversation (the update went
 -- back to the version the statement began with, where a rival was queued waiting for us;
 -- tests/integration/test_enqueue.py). So a post that creates no turn (a full queue, a replayed
--- key) moves updated_at too, unless its caller's transaction rolls back. A call naming several conversations locks them in the order
--- the plan meets them, and two such calls can deadlock; the daemon's calls name one.
+-- key) moves updated_at too, unless its caller's transaction rolls back. A call naming several
+-- conversations locks them in the order the plan meets them, and two such calls can deadlock;
+-- the daemon's calls name one.
 -- Bounded: the call takes distinct free queue slots of its account for its turns at once
 -- (take_queue_slots, sql/012), so no race can overshoot max_queued ($8 when the account sets
 -- none), enqueues of one account never wait for each other, and no insert is turned away for
