@@ -243,7 +243,9 @@ async def enqueue_runs(db: Db, *, account_id: UUID, runs: Sequence[NewRun],
     """Enqueue several turns of one account in one statement (each a run, its message, journal
     seq 1-2 and a wake: a run is a row, docs/architecture.md); one outcome per turn, in order:
     the run, or the QueueFull / ConversationNotFound / IdempotencyConflict that refused it
-    (nothing written for it). The turns are created in the order asked."""
+    (no turn written for it; its conversation's updated_at may move). The turns are created in
+    the order asked. Each conversation's row is locked by updating it, in no fixed order: two
+    calls naming several of the same conversations can deadlock (one rolls back whole)."""
     digests = [request_hash(r.conversation_id, r.content, r.request) for r in runs]
     rows = await db.fetch(*Q.enqueue_runs.bind(
         account_id=account_id, conversation_ids=[r.conversation_id for r in runs],
@@ -286,7 +288,7 @@ async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, conten
                       request: dict[str, Any], device_id: UUID | None = None,
                       idempotency_key: str | None = None,
                       default_max_queued: int = DEFAULT_MAX_QUEUED) -> EnqueuedRun:
-    """Enqueue one turn (enqueue_runs). Raises QueueFull (nothing written) when the account is
+    """Enqueue one turn (enqueue_runs). Raises QueueFull (no turn written) when the account is
     at its queued limit, ConversationNotFound when the conversation is not the account's,
     IdempotencyConflict when the key was used for another request."""
     [outcome] = await enqueue_runs(
