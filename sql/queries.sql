@@ -6,7 +6,7 @@
 -- "Rule N" is rule N of docs/architecture.md ("The rules and where they live").
 
 -- enqueue_runs --
--- params: account_id, conversation_ids, device_id, contents, requests, request_hashes, idempotency_keys, default_max_queued
+-- params: account_id, conversation_ids, device_id, contents, requests, request_hashes, idempotency_keys, default_max_queued, wake_dispatchers
 -- A run is a row (docs/architecture.md rule 1): for each item, the user message, the run,
 -- journal seq 1-2 and the wake commit in ONE statement (with every other item of the call).
 -- Items are numbered by their place in the arrays; the answer has one row per item.
@@ -28,6 +28,9 @@
 -- answer says which: `conversation` false = no such conversation here; `slot` NULL = no free
 -- slot (the queue is full) or a key already used; `id` NULL with a slot = its key was used
 -- meanwhile (earlier in this call, or by a rival that committed first).
+-- The wake: the conversation's feeds always; the dispatchers unless $9 is false, for a caller
+-- that claims beside the enqueue in the same transaction and wakes them itself (wake_dispatchers)
+-- only if the turn is left queued: a turn started there needs no other claim loop.
 WITH item AS (
     SELECT i.*
     FROM unnest($2::uuid[], $4::text[], $5::text[], $6::text[], $7::text[])
@@ -78,7 +81,8 @@ WITH item AS (
             'device', (SELECT d.name FROM device d WHERE d.id = $3::uuid)))
     ) AS e (seq, type, payload)
 ), woken AS (
-    SELECT count(pg_notify('agentd_run_enqueued', w.conversation_id::text))
+    SELECT count(CASE WHEN $9::boolean
+                      THEN pg_notify('agentd_run_enqueued', w.conversation_id::text) END)
          + count(pg_notify('agentd_conversation', w.conversation_id::text)) AS hints
     FROM (SELECT DISTINCT r.conversation_id FROM run r) w
 )
@@ -89,6 +93,13 @@ LEFT JOIN conv ON conv.id = item.conversation_id
 LEFT JOIN slotted s ON s.n = item.n
 LEFT JOIN run r ON r.user_message_id = s.message_id
 ORDER BY item.n;
+
+-- wake_dispatchers --
+-- params: conversation_id
+-- The dispatchers' wake for a turn enqueued without it (enqueue_runs with wake_dispatchers
+-- false), sent in the enqueue's transaction once the claim beside it left the turn queued: the
+-- wake still commits with the row (docs/architecture.md rule 1).
+SELECT pg_notify('agentd_run_enqueued', $1::text);
 
 -- find_run_by_idempotency_key --
 -- params: account_id, idempotency_key

@@ -239,20 +239,23 @@ EnqueueOutcome = EnqueuedRun | QueueFull | ConversationNotFound | IdempotencyCon
 
 async def enqueue_runs(db: Db, *, account_id: UUID, runs: Sequence[NewRun],
                        device_id: UUID | None = None,
-                       default_max_queued: int = DEFAULT_MAX_QUEUED) -> list[EnqueueOutcome]:
+                       default_max_queued: int = DEFAULT_MAX_QUEUED,
+                       wake_dispatchers: bool = True) -> list[EnqueueOutcome]:
     """Enqueue several turns of one account in one statement (each a run, its message, journal
     seq 1-2 and a wake: a run is a row, docs/architecture.md); one outcome per turn, in order:
     the run, or the QueueFull / ConversationNotFound / IdempotencyConflict that refused it
     (no turn written for it; its conversation's updated_at may move). The turns are created in
     the order asked. Each conversation's row is locked by updating it, in no fixed order: two
-    calls naming several of the same conversations can deadlock (one rolls back whole)."""
+    calls naming several of the same conversations can deadlock (one rolls back whole).
+    Without `wake_dispatchers` the claim loops are not woken: the caller claims beside the
+    enqueue in its transaction and calls wake_dispatchers there if a turn is left queued."""
     digests = [request_hash(r.conversation_id, r.content, r.request) for r in runs]
     rows = await db.fetch(*Q.enqueue_runs.bind(
         account_id=account_id, conversation_ids=[r.conversation_id for r in runs],
         device_id=device_id, contents=[r.content for r in runs],
         requests=[json.dumps(r.request) for r in runs], request_hashes=digests,
         idempotency_keys=[r.idempotency_key for r in runs],
-        default_max_queued=default_max_queued))
+        default_max_queued=default_max_queued, wake_dispatchers=wake_dispatchers))
     outcomes: list[EnqueueOutcome] = []
     for row, ask, digest in zip(rows, runs, digests, strict=True):
         if not row["conversation"]:
@@ -287,13 +290,15 @@ async def _replay(db: Db, account_id: UUID, ask: NewRun,
 async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, content: str,
                       request: dict[str, Any], device_id: UUID | None = None,
                       idempotency_key: str | None = None,
-                      default_max_queued: int = DEFAULT_MAX_QUEUED) -> EnqueuedRun:
+                      default_max_queued: int = DEFAULT_MAX_QUEUED,
+                      wake_dispatchers: bool = True) -> EnqueuedRun:
     """Enqueue one turn (enqueue_runs). Raises QueueFull (no turn written) when the account is
     at its queued limit, ConversationNotFound when the conversation is not the account's,
     IdempotencyConflict when the key was used for another request."""
     [outcome] = await enqueue_runs(
         db, account_id=account_id, device_id=device_id, default_max_queued=default_max_queued,
-        runs=[NewRun(conversation_id, content, request, idempotency_key)])
+        runs=[NewRun(conversation_id, content, request, idempotency_key)],
+        wake_dispatchers=wake_dispatchers)
     if isinstance(outcome, Exception):
         raise outcome
     return outcome
@@ -335,6 +340,12 @@ async def notify_batch(db: Db, hints: Sequence[tuple[Channel, str]]) -> None:
     """Send wake hints for rows already committed, in one statement."""
     await db.execute(*Q.notify_batch.bind(channels=[str(c) for c, _ in hints],
                                           payloads=[p for _, p in hints]))
+
+
+async def wake_dispatchers(conn: Conn, conversation_id: UUID) -> None:
+    """In the transaction that enqueued a turn without waking the claim loops (enqueue_run with
+    wake_dispatchers false) and then left it queued: wake them, in the same commit."""
+    await conn.execute(*Q.wake_dispatchers.bind(conversation_id=str(conversation_id)))
 
 
 async def notify_conversation(db: Db, payload: str) -> None:

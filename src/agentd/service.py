@@ -316,23 +316,25 @@ class Service:
         # The enqueue's own NOTIFYs come back to this process too, often before its answer is
         # read; the hints below wake this process's subscribers instead, so those echoes are
         # dropped (a claim loop woken for nothing claims nothing; a feed reads everything twice).
-        forget = [self.hub.expect_echo(channel, conversation)
-                  for channel in (Channel.RUN_ENQUEUED, Channel.CONVERSATION)]
+        forget = {channel: self.hub.expect_echo(channel, conversation)
+                  for channel in (Channel.RUN_ENQUEUED, Channel.CONVERSATION)}
         try:
             created = await self._create_run_once(who, conversation_id, ask, idempotency_key)
         except BaseException:
-            for echo in forget:  # nothing committed, or nobody is left to hint: let it through
+            for echo in forget.values():  # nothing committed, or nobody is left to hint
                 echo()
             raise
         if created.replayed:
-            for echo in forget:  # a replay writes nothing and sends nothing
+            for echo in forget.values():  # a replay writes nothing and sends nothing
                 echo()
             return created
         # Committed: this process's claim loop and the conversation's feeds here start now, not
         # when the enqueue's own NOTIFY has come back from PostgreSQL. A turn already started
-        # beside its enqueue needs no claim.
+        # beside its enqueue needs no claim, and no claim loop was woken for it (_claim_beside).
         if created.status == RunStatus.QUEUED:
             self.hub.hint_locally(Channel.RUN_ENQUEUED, conversation, echo=False)
+        else:
+            forget[Channel.RUN_ENQUEUED]()  # no echo of a wake that was never sent
         self.hub.hint_locally(Channel.CONVERSATION, conversation, echo=False)
         return created
 
@@ -368,12 +370,17 @@ class Service:
 
     async def _claim_beside(self, conn: Conn, created: CreatedRun,
                             slot: ClaimSlot | None) -> CreatedRun:
-        """In the enqueue's transaction, once its turn is written: claim with the slot held."""
+        """In the enqueue's transaction, once its turn is written: claim with the slot held.
+        The enqueue held back the claim loops' wake when a slot was held (`_enqueue`): a turn
+        started here needs no other claim loop (each, in every process, would claim nothing),
+        so they are woken, in the same commit, only for a turn left queued."""
         if slot is None or created.replayed:
             return created
         claims = await slot.claim(conn, created.run_id)
-        return dataclasses.replace(created, started=tuple(claims),
-                                   status=RunStatus.RUNNING if claims else created.status)
+        if not claims:
+            await queue.wake_dispatchers(conn, created.conversation_id)
+            return created
+        return dataclasses.replace(created, started=tuple(claims), status=RunStatus.RUNNING)
 
     async def _create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                           idempotency_key: str | None, slot: ClaimSlot | None) -> CreatedRun:
@@ -400,7 +407,8 @@ class Service:
             return await self._enqueue(self.pool, who, conversation_id, req, idempotency_key)
         if req.on_busy == "enqueue":
             async with self.pool.acquire() as conn, conn.transaction():
-                created = await self._enqueue(conn, who, conversation_id, req, idempotency_key)
+                created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
+                                              beside=slot)
                 return await self._claim_beside(conn, created, slot)
         async with self.pool.acquire() as conn, conn.transaction():
             if not await convs.lock_conversation(conn, who.account_id, conversation_id):
@@ -425,7 +433,8 @@ class Service:
                 stopped = await queue.stop_conversation(conn, account_id=who.account_id,
                                                         conversation_id=conversation_id)
                 drafts = stopped.drafts
-            created = await self._enqueue(conn, who, conversation_id, req, idempotency_key)
+            created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
+                                          beside=slot)
             created = await self._claim_beside(conn, created, slot)
         return dataclasses.replace(created, drafts=drafts)
 
@@ -476,7 +485,8 @@ class Service:
                 raise
             if "tool" in req.params:
                 await self._check_tool(req.params["tool"])
-            created = await self._enqueue(conn, who, conversation_id, req, idempotency_key)
+            created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
+                                          beside=slot)
             assert created.user_message_id is not None
             await convs.supersede_exchange(conn, conversation_id, retried,
                                            created.user_message_id)
@@ -505,7 +515,11 @@ class Service:
         return await self._replay(conn, who, conversation_id, key, req)
 
     async def _enqueue(self, db: queue.Db, who: Principal, conversation_id: UUID,
-                       req: RunRequest, idempotency_key: str | None) -> CreatedRun:
+                       req: RunRequest, idempotency_key: str | None, *,
+                       beside: ClaimSlot | None = None) -> CreatedRun:
+        """Enqueue the turn. With `beside` (a slot held for a claim beside it), the claim loops
+        are not woken here: `_claim_beside`, which must follow in the same transaction, wakes
+        them if the turn is left queued."""
         if not model_allowed(str(req.model), who.models):
             raise ServiceError(403, "model_not_allowed",
                                f"model {str(req.model)!r} is {NOT_ALLOWED} "
@@ -516,7 +530,8 @@ class Service:
                 db, account_id=who.account_id, conversation_id=conversation_id,
                 content=req.content, request=req.snapshot(), device_id=who.device_id,
                 idempotency_key=idempotency_key,
-                default_max_queued=self.settings.account_max_queued)
+                default_max_queued=self.settings.account_max_queued,
+                wake_dispatchers=beside is None)
         except queue.IdempotencyConflict as exc:
             raise _idempotency_conflict(exc.run_id) from None
         except queue.QueueFull as exc:

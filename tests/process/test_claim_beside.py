@@ -1,10 +1,12 @@
 """A turn posted to a daemon with a free slot starts in the commit that wrote it (the claim beside
 the enqueue, docs/architecture.md); with no slot free, or with claim_on_enqueue off, it is
-queued and the claim loop takes it as before.
+queued and the claim loop takes it as before. A turn started beside its enqueue wakes no claim
+loop anywhere; one left queued wakes them in its own commit.
 """
 
 from __future__ import annotations
 
+import asyncio
 from uuid import UUID
 
 import asyncpg
@@ -57,6 +59,46 @@ async def test_without_a_free_slot_or_with_it_off_the_turn_is_queued_first(spawn
         for created in (long, queued, plain):
             await wait_status(pool, UUID(created["run_id"]), "completed", timeout=30)
     await _assert_every_run_started_once(pool)
+
+
+async def test_only_a_turn_left_queued_wakes_the_claim_loops(spawn_daemon, pool, dsn):
+    """Another process's view: a LISTEN on the claim loops' channel. NOTIFYs arrive in commit
+    order, so a marker sent after the POST's answer shows what its commit sent before it."""
+    daemon = spawn_daemon(tick_s=60)
+    await daemon.wait_ready()
+    device = await new_device(pool, "beside", "laptop")
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    listener = await asyncpg.connect(dsn)
+    await listener.add_listener("agentd_run_enqueued", lambda *args: heard.put_nowait(args[3]))
+
+    async def heard_before(marker: str) -> list[str]:
+        await pool.execute("SELECT pg_notify('agentd_run_enqueued', $1)", marker)
+        payloads = []
+        async with asyncio.timeout(15):
+            while (payload := await heard.get()) != marker:
+                payloads.append(payload)
+        return payloads
+
+    try:
+        async with device.client(daemon) as client:
+            conversation = await create_conversation(client)
+            # Long enough to outlast both markers: its ending wakes the claim loops (the
+            # conversation's next turn may start), which is not what is looked at here.
+            first = await post_turn(client, conversation, tokens=200, delay_ms=50)
+            assert first["status"] == "running"
+            assert await heard_before("after the first post") == []
+            second = await post_turn(client, conversation, tokens=2, delay_ms=0)
+            assert second["status"] == "queued"  # the conversation is busy
+            assert await heard_before("after the second post") == [conversation]
+            assert (await pool.fetchval("SELECT status FROM agent_run WHERE id = $1",
+                                        UUID(first["run_id"]))) == "running", \
+                "the first turn ended before the markers: nothing was shown"
+            stopped = await client.post(f"/v1/conversations/{conversation}/stop")
+            assert stopped.status_code == 202, stopped.text
+            for created in (first, second):
+                await wait_status(pool, UUID(created["run_id"]), "cancelled", timeout=15)
+    finally:
+        await listener.close()
 
 
 async def _assert_every_run_started_once(pool: asyncpg.Pool) -> None:
