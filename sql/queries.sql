@@ -29,8 +29,8 @@
 -- slot (the queue is full) or a key already used; `id` NULL with a slot = its key was used
 -- meanwhile (earlier in this call, or by a rival that committed first).
 -- The wake: the conversation's feeds always; the dispatchers unless $9 is false, for a caller
--- that claims beside the enqueue in the same transaction and wakes them itself (wake_dispatchers)
--- only if the turn is left queued: a turn started there needs no other claim loop.
+-- that claims beside the enqueue in the same transaction and wakes them itself (notify_batch,
+-- before its commit) only if the turn is left queued: a turn started there needs no claim loop.
 WITH item AS (
     SELECT i.*
     FROM unnest($2::uuid[], $4::text[], $5::text[], $6::text[], $7::text[])
@@ -93,13 +93,6 @@ LEFT JOIN conv ON conv.id = item.conversation_id
 LEFT JOIN slotted s ON s.n = item.n
 LEFT JOIN run r ON r.user_message_id = s.message_id
 ORDER BY item.n;
-
--- wake_dispatchers --
--- params: conversation_id
--- The dispatchers' wake for a turn enqueued without it (enqueue_runs with wake_dispatchers
--- false), sent in the enqueue's transaction once the claim beside it left the turn queued: the
--- wake still commits with the row (docs/architecture.md rule 1).
-SELECT pg_notify('agentd_run_enqueued', $1::text);
 
 -- find_run_by_idempotency_key --
 -- params: account_id, idempotency_key
@@ -962,9 +955,10 @@ ORDER BY id;
 
 -- notify_batch --
 -- params: channels, payloads
--- Wake hints for rows already committed, many per statement (signals are hints, rows are
--- truth: docs/architecture.md rule 6). A NOTIFY gives even this transaction an xid, so it
--- writes a commit record (40 bytes of WAL) like any other write.
+-- Wake hints, many per statement (signals are hints, rows are truth: docs/architecture.md
+-- rule 6): for rows already committed, in a transaction of their own, or for rows the caller's
+-- open transaction wrote, which the hints then commit with (rule 1). A NOTIFY gives even a
+-- transaction of its own an xid, so it writes a commit record (40 bytes of WAL) like any write.
 SELECT count(pg_notify(t.channel, t.payload))
 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS t (channel, payload, n);
 

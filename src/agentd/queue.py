@@ -248,7 +248,7 @@ async def enqueue_runs(db: Db, *, account_id: UUID, runs: Sequence[NewRun],
     the order asked. Each conversation's row is locked by updating it, in no fixed order: two
     calls naming several of the same conversations can deadlock (one rolls back whole).
     Without `wake_dispatchers` the claim loops are not woken: the caller claims beside the
-    enqueue in its transaction and calls wake_dispatchers there if a turn is left queued."""
+    enqueue in its transaction and wakes them there (notify_batch) if a turn is left queued."""
     digests = [request_hash(r.conversation_id, r.content, r.request) for r in runs]
     rows = await db.fetch(*Q.enqueue_runs.bind(
         account_id=account_id, conversation_ids=[r.conversation_id for r in runs],
@@ -337,15 +337,10 @@ async def _send_hints(db: Db, hint: Hint | None, hints: Sequence[tuple[Channel, 
 
 
 async def notify_batch(db: Db, hints: Sequence[tuple[Channel, str]]) -> None:
-    """Send wake hints for rows already committed, in one statement."""
+    """Send wake hints in one statement: for rows already committed, or, inside the transaction
+    that wrote them, to commit with them."""
     await db.execute(*Q.notify_batch.bind(channels=[str(c) for c, _ in hints],
                                           payloads=[p for _, p in hints]))
-
-
-async def wake_dispatchers(conn: Conn, conversation_id: UUID) -> None:
-    """In the transaction that enqueued a turn without waking the claim loops (enqueue_run with
-    wake_dispatchers false) and then left it queued: wake them, in the same commit."""
-    await conn.execute(*Q.wake_dispatchers.bind(conversation_id=str(conversation_id)))
 
 
 async def notify_conversation(db: Db, payload: str) -> None:

@@ -378,7 +378,7 @@ class Service:
             return created
         claims = await slot.claim(conn, created.run_id)
         if not claims:
-            await queue.wake_dispatchers(conn, created.conversation_id)
+            await queue.notify_batch(conn, [(Channel.RUN_ENQUEUED, str(created.conversation_id))])
             return created
         return dataclasses.replace(created, started=tuple(claims), status=RunStatus.RUNNING)
 
