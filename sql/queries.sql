@@ -546,18 +546,6 @@ SELECT * FROM agent_run_with_device
 WHERE conversation_id = $1::uuid AND status IN ('queued', 'running')
 ORDER BY created_at, id;
 
--- get_conversation_lease --
--- params: account_id, conversation_id
--- Who owns the conversation (its lease) and until when. The deadline is joined from the owning
--- run (one source of truth); live is decided by the database clock.
-SELECT l.run_id, l.execution_id, l.fence, l.worker_id, l.device_id, d.name AS device,
-       r.lease_expires_at AS expires_at,
-       (r.status = 'running' AND r.lease_expires_at > clock_timestamp()) AS live
-FROM conversation_lease l
-JOIN agent_run r ON r.id = l.run_id AND r.claim_token = l.execution_id
-LEFT JOIN device d ON d.id = l.device_id
-WHERE l.account_id = $1::uuid AND l.conversation_id = $2::uuid;
-
 -- young_tables_due --
 -- params: tables, min_changes, grown_up_rows
 -- Planner statistics while a hot table is young (statistics.py): the named tables that have
@@ -834,17 +822,6 @@ WITH gone AS (
     DELETE FROM presence WHERE id = $1::uuid RETURNING conversation_id
 )
 SELECT pg_notify('agentd_conversation', gone.conversation_id::text) FROM gone;
-
--- list_attached --
--- params: conversation_id
--- Attached devices of a conversation, by the database clock; a device with two streams counts
--- once, attached since its earliest. A revoked device is never shown, whatever rows remain.
-SELECT d.id AS device_id, d.name AS device, min(p.since) AS since
-FROM presence p JOIN device d ON d.id = p.device_id
-WHERE p.conversation_id = $1::uuid AND p.expires_at > clock_timestamp()
-  AND d.revoked_at IS NULL
-GROUP BY d.id, d.name
-ORDER BY min(p.since), d.name;
 
 -- purge_expired_presence --
 -- Rows of streams whose server died without detaching; cosmetic, the reads filter them anyway.
@@ -1134,9 +1111,12 @@ ORDER BY a.requested_at, a.call_id;
 
 -- conversation_meta --
 -- params: conversation_id, account_id
--- Rule 9 and a feed's re-read: the conversation (zero rows: not yours, or deleted, which ends
--- every feed of it), the messages a retry or an edit superseded (each with the user message
--- that replaced it), and the token totals of its runs.
+-- Rule 9 and a feed's re-read, in one round trip: the conversation (zero rows: not yours, or
+-- deleted, which ends every feed of it), the messages a retry or an edit superseded (each with
+-- the user message that replaced it), the token totals of its runs, who owns it (the lease
+-- columns, NULL without one: its deadline joined from the owning run, one source of truth, and
+-- live decided by the database clock) and the devices attached now (by the database clock; a
+-- device with two streams counts once, attached since its earliest; a revoked one never shows).
 SELECT c.id, c.account_id, c.title, c.model, c.archived_at, c.created_at, c.updated_at,
        (SELECT coalesce(jsonb_object_agg(m.id, m.superseded_by), '{}'::jsonb)
         FROM message m
@@ -1146,8 +1126,34 @@ SELECT c.id, c.account_id, c.title, c.model, c.archived_at, c.created_at, c.upda
                    'output_tokens', coalesce(sum((r.usage ->> 'output_tokens')::bigint), 0),
                    'runs', count(*))
         FROM agent_run r
-        WHERE r.conversation_id = c.id AND r.usage IS NOT NULL) AS usage
+        WHERE r.conversation_id = c.id AND r.usage IS NOT NULL) AS usage,
+       lease.run_id AS lease_run_id, lease.execution_id AS lease_execution_id,
+       lease.fence AS lease_fence, lease.worker_id AS lease_worker_id,
+       lease.device_id AS lease_device_id, lease.device AS lease_device,
+       lease.expires_at AS lease_expires_at, lease.live AS lease_live,
+       coalesce(attached.device_ids, '{}') AS attached_device_ids,
+       coalesce(attached.devices, '{}') AS attached_devices,
+       coalesce(attached.since, '{}') AS attached_since
 FROM conversation c
+LEFT JOIN LATERAL (
+    SELECT l.run_id, l.execution_id, l.fence, l.worker_id, l.device_id, d.name AS device,
+           r.lease_expires_at AS expires_at,
+           (r.status = 'running' AND r.lease_expires_at > clock_timestamp()) AS live
+    FROM conversation_lease l
+    JOIN agent_run r ON r.id = l.run_id AND r.claim_token = l.execution_id
+    LEFT JOIN device d ON d.id = l.device_id
+    WHERE l.account_id = c.account_id AND l.conversation_id = c.id
+) lease ON true
+CROSS JOIN LATERAL (
+    SELECT array_agg(a.device_id ORDER BY a.since, a.device) AS device_ids,
+           array_agg(a.device ORDER BY a.since, a.device) AS devices,
+           array_agg(a.since ORDER BY a.since, a.device) AS since
+    FROM (SELECT d.id AS device_id, d.name AS device, min(p.since) AS since
+          FROM presence p JOIN device d ON d.id = p.device_id
+          WHERE p.conversation_id = c.id AND p.expires_at > clock_timestamp()
+            AND d.revoked_at IS NULL
+          GROUP BY d.id, d.name) a
+) attached
 WHERE c.id = $1::uuid AND c.account_id = $2::uuid;
 
 -- conversation_run_usage --

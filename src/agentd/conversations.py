@@ -91,6 +91,24 @@ class Lease:
     expires_at: datetime
     live: bool
 
+    @classmethod
+    def from_meta_record(cls, r: Any) -> Lease | None:
+        """The lease columns of a conversation_meta row (None: nobody holds one)."""
+        if r["lease_run_id"] is None:
+            return None
+        return cls(r["lease_run_id"], r["lease_execution_id"], r["lease_fence"],
+                   r["lease_worker_id"], r["lease_device_id"], r["lease_device"],
+                   r["lease_expires_at"], r["lease_live"])
+
+
+@dataclass(frozen=True, slots=True)
+class Attached:
+    """A device attached to a conversation now, since its earliest open stream."""
+
+    device_id: UUID
+    device: str
+    since: datetime
+
 
 @dataclass(frozen=True, slots=True)
 class Note:
@@ -112,6 +130,7 @@ class ConversationState:
     # Paged (a `limit` was asked): older turns remain before `messages`; page on from `before`.
     has_more: bool = False
     before: UUID | None = None
+    attached: tuple[Attached, ...] = ()  # devices attached now, earliest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,17 +151,23 @@ NO_TURN_BOUND = 2**63 - 1  # "before the end": every turn position is below it
 
 @dataclass(frozen=True, slots=True)
 class ConversationMeta:
-    """What a conversation feed re-reads when told the conversation changed."""
+    """What a conversation feed re-reads, in one round trip, when told the conversation changed
+    or one of its turns started or ended: the conversation, who owns it, who is attached."""
 
     conversation: Conversation
     superseded: dict[UUID, UUID]  # message id -> the user message that replaced it
     usage: dict[str, int]
+    lease: Lease | None
+    attached: tuple[Attached, ...]  # earliest first
 
     @classmethod
     def from_record(cls, r: Any) -> ConversationMeta:
         return cls(Conversation.from_record(r),
                    {UUID(k): UUID(v) for k, v in (r["superseded"] or {}).items()},
-                   dict(r["usage"] or {}))
+                   dict(r["usage"] or {}), Lease.from_meta_record(r),
+                   tuple(Attached(*a) for a in zip(r["attached_device_ids"],
+                                                   r["attached_devices"], r["attached_since"],
+                                                   strict=True)))
 
 
 async def create_conversation(db: Db, account_id: UUID, title: str = "",
@@ -192,9 +217,8 @@ async def conversation_state(db: Db, account_id: UUID, conversation_id: UUID, *,
         conversation_id=conversation_id)))
     runs = await list_active_runs(db, conversation_id)
     runs.sort(key=lambda run: run.status != RunStatus.RUNNING)
-    lease = await get_lease(db, account_id, conversation_id)
-    return ConversationState(meta.conversation, messages, runs, lease, meta.usage,
-                             page.has_more, page.before)
+    return ConversationState(meta.conversation, messages, runs, meta.lease, meta.usage,
+                             page.has_more, page.before, meta.attached)
 
 
 async def message_page(db: Db, account_id: UUID, conversation_id: UUID, *,
@@ -298,12 +322,6 @@ async def list_active_runs(db: Db, conversation_id: UUID) -> list[RunRow]:
         *Q.list_active_runs.bind(conversation_id=conversation_id))]
 
 
-async def get_lease(db: Db, account_id: UUID, conversation_id: UUID) -> Lease | None:
-    row = await db.fetchrow(*Q.get_conversation_lease.bind(account_id=account_id,
-                                                           conversation_id=conversation_id))
-    return Lease(**dict(row)) if row else None
-
-
 async def latest_run(db: Db, conversation_id: UUID) -> tuple[datetime, UUID] | None:
     """(created_at, id) of the conversation's newest run: a feed's starting watermark."""
     row = await db.fetchrow(*Q.latest_run_of_conversation.bind(conversation_id=conversation_id))
@@ -353,13 +371,6 @@ async def renew_presence(db: Db, presence_id: UUID, ttl_s: float) -> bool:
 
 async def detach_presence(db: Db, presence_id: UUID) -> None:
     await db.execute(*Q.presence_detach.bind(presence_id=presence_id))
-
-
-async def list_attached(db: Db, conversation_id: UUID) -> list[asyncpg.Record]:
-    """Devices attached now: device_id, device, since."""
-    rows: list[asyncpg.Record] = await db.fetch(*Q.list_attached.bind(
-        conversation_id=conversation_id))
-    return rows
 
 
 # the notebook -------------------------------------------------------------------------------

@@ -143,9 +143,8 @@ class MessagePaging:
 class FeedSnapshot:
     """Where a conversation feed starts, read in one snapshot so the parts agree."""
 
-    state: convs.ConversationState
+    state: convs.ConversationState  # its attached devices included
     watermark: tuple[datetime, UUID] | None  # the newest run; None when there is none yet
-    attached: list[asyncpg.Record]
 
 
 def parse_uuid(value: str, what: str) -> UUID:
@@ -278,15 +277,7 @@ class Service:
                                                                  readonly=True):
             state = await self.conversation_state(who, conversation_id, db=conn, limit=limit)
             watermark = await convs.latest_run(conn, conversation_id)
-            attached = await self.attached(conversation_id, db=conn)
-        return FeedSnapshot(state, watermark, attached)
-
-    async def lease(self, who: Principal, conversation_id: UUID) -> convs.Lease | None:
-        return await convs.get_lease(self.pool, who.account_id, conversation_id)
-
-    async def attached(self, conversation_id: UUID,
-                       db: queue.Db | None = None) -> list[asyncpg.Record]:
-        return await convs.list_attached(db or self.pool, conversation_id)
+        return FeedSnapshot(state, watermark)
 
     # runs -----------------------------------------------------------------------------------
 
@@ -422,7 +413,8 @@ class Service:
                 active = await convs.list_active_runs(conn, conversation_id)
                 if active:
                     owner = active[0]
-                    lease = await convs.get_lease(conn, who.account_id, conversation_id)
+                    meta = await convs.conversation_meta(conn, who.account_id, conversation_id)
+                    lease = meta.lease if meta is not None else None
                     raise ServiceError(
                         409, "conversation_busy",
                         f"the conversation is busy with run {owner.id} ({owner.status})",
@@ -647,7 +639,8 @@ class Service:
 
     async def conversation_meta(self, who: Principal,
                                 conversation_id: UUID) -> convs.ConversationMeta | None:
-        """None once the conversation is gone: its feeds end."""
+        """With its lease and attached devices; None once the conversation is gone: its feeds
+        end."""
         return await convs.conversation_meta(self.pool, who.account_id, conversation_id)
 
 

@@ -12,7 +12,7 @@ import asyncio
 import base64
 import binascii
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -157,18 +157,29 @@ class FeedItem:
     data: Any = None
 
 
+@dataclass(frozen=True, slots=True)
+class Recheck:
+    """A feed's re-read of its conversation, JSON-ready: the conversation frame, the lease
+    (None: nobody owns it) and the devices attached."""
+
+    conversation: Any
+    lease: Any
+    attached: Any
+
+
 async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
                             cursor: FeedCursor, *, keepalive_s: float,
-                            lease_reader: Any, presence_reader: Any, meta_reader: Any,
+                            recheck: Callable[[], Awaitable[Recheck | None]],
                             meta_seen: Any, on_idle: Any = None,
                             reads: SharedReads | None = None) -> AsyncIterator[FeedItem]:
     """Every run's events in run order, plus lease, presence and conversation changes, after
     `cursor`; ends with a `deleted` item once the conversation is gone.
 
-    `lease_reader()` / `presence_reader()` / `meta_reader()` return JSON-ready values (the
-    last None when the conversation no longer exists); an item is yielded when they change
-    (`meta_seen`: the value the client already has, from its snapshot). `on_idle()` runs on
-    each quiet poll (presence renewal). `reads`: the process's shared reads.
+    `recheck()` reads the conversation, its lease and its attached devices in one round trip,
+    as JSON-ready values (None when the conversation no longer exists); an item is yielded for
+    each that changed (`meta_seen`: the conversation the client already has, from its
+    snapshot). `on_idle()` runs on each quiet poll (presence renewal). `reads`: the process's
+    shared reads.
     """
     reads = reads or SharedReads(pool)
     loop = asyncio.get_running_loop()
@@ -180,10 +191,10 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
         sub.listen(Channel.CONVERSATION, str(conversation_id))
         for run_id in cursor.open:
             sub.listen(Channel.RUN_EVENT, str(run_id))
-        recheck = True
+        stale_meta = True
         polled = True  # the first pass, and every one after a poll, reads the database
         while True:
-            stale = sub.clear() or polled or recheck
+            stale = sub.clear() or polled or stale_meta
             polled = False
             # Woken only by rows this process wrote for runs the feed follows: they are at
             # hand (shared_reads.py), no list of runs or journal to read.
@@ -214,37 +225,35 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
                     progressed = True
                     if item.event is not None and item.event.type in (
                             EventType.RUN_STARTED, EventType.COMPLETE):
-                        recheck = True
+                        stale_meta = True
                     yield item
                 if run_id not in cursor.open:
                     sub.unlisten(Channel.RUN_EVENT, str(run_id))
-            if recheck:
-                meta = await meta_reader()
-                if meta is None:
+            if stale_meta:
+                now = await recheck()
+                if now is None:
                     yield FeedItem("deleted", cursor.encode(),
                                    data={"conversation_id": str(conversation_id)})
                     return
-                if meta != meta_seen:
-                    meta_seen = meta
+                if now.conversation != meta_seen:
+                    meta_seen = now.conversation
                     progressed = True
-                    yield FeedItem("conversation", cursor.encode(), data=meta)
-                lease = await lease_reader()
-                if lease != lease_seen:
-                    lease_seen = lease
+                    yield FeedItem("conversation", cursor.encode(), data=now.conversation)
+                if now.lease != lease_seen:
+                    lease_seen = now.lease
                     progressed = True
-                    yield FeedItem("lease", cursor.encode(), data=lease)
-                attached = await presence_reader()
-                if attached != presence_seen:
-                    presence_seen = attached
+                    yield FeedItem("lease", cursor.encode(), data=now.lease)
+                if now.attached != presence_seen:
+                    presence_seen = now.attached
                     progressed = True
-                    yield FeedItem("presence", cursor.encode(), data=attached)
+                    yield FeedItem("presence", cursor.encode(), data=now.attached)
             if progressed:
                 last_sent = loop.time()
-                recheck = False
+                stale_meta = False
                 continue
             woke = await sub.wait(poll_interval(hub, keepalive_s))
             polled = not woke
-            recheck = not woke or RECONNECTED in woke or str(conversation_id) in woke
+            stale_meta = not woke or RECONNECTED in woke or str(conversation_id) in woke
             if not woke and on_idle is not None:
                 await on_idle()
             if loop.time() - last_sent >= keepalive_s:

@@ -31,7 +31,15 @@ from agentd.export import conversation_markdown
 from agentd.providers.catalog import offers
 from agentd.queue import Event
 from agentd.service import NOT_ALLOWED, Service, ServiceError, model_allowed, not_found, parse_uuid
-from agentd.tail import EPOCH, NIL_UUID, BadCursor, FeedCursor, conversation_feed, run_tail
+from agentd.tail import (
+    EPOCH,
+    NIL_UUID,
+    BadCursor,
+    FeedCursor,
+    Recheck,
+    conversation_feed,
+    run_tail,
+)
 from agentd.vocabulary import EventType
 
 PRESENCE_TTL_S = 20.0
@@ -119,8 +127,7 @@ async def get_conversation(request: web.Request) -> web.Response:
     conversation_id = _path_id(request, "conversation")
     state = await service.conversation_state(principal(request), conversation_id,
                                              limit=page_limit(request.query))
-    attached = await service.attached(conversation_id)
-    return web.json_response(wire.conversation_state(state, attached))
+    return web.json_response(wire.conversation_state(state))
 
 
 async def list_messages(request: web.Request) -> web.Response:
@@ -311,7 +318,7 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     except BadCursor as exc:
         raise ServiceError(400, "invalid_cursor", str(exc)) from None
     start = await service.feed_snapshot(who, conversation_id, limit=page_limit(request.query))
-    state, attached = start.state, start.attached
+    state = start.state
     if cursor is None:
         cursor = FeedCursor(start.watermark or (EPOCH, NIL_UUID),
                             {run.id: 0 for run in state.runs})
@@ -327,15 +334,12 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     renewed = loop.time()
 
-    async def read_lease() -> Any:
-        return wire.lease(await service.lease(who, conversation_id))
-
-    async def read_presence() -> Any:
-        return wire.attached(await service.attached(conversation_id))
-
-    async def read_meta() -> Any:
+    async def recheck() -> Recheck | None:
         meta = await service.conversation_meta(who, conversation_id)
-        return wire.conversation_meta(meta) if meta is not None else None
+        if meta is None:
+            return None
+        return Recheck(wire.conversation_meta(meta), wire.lease(meta.lease),
+                       wire.attached(meta.attached))
 
     async def renew() -> None:
         nonlocal presence_id, renewed
@@ -346,7 +350,7 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
 
     try:
         response = await sse.open_stream(request)
-        snapshot = wire.conversation_state(state, attached)
+        snapshot = wire.conversation_state(state)
         lag = _DeltaLag(request)
 
         async def pump() -> None:
@@ -354,8 +358,7 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
                            {"type": "snapshot", "conversation": snapshot})
             async for item in conversation_feed(
                     service.pool, service.hub, conversation_id, cursor,
-                    keepalive_s=service.settings.keepalive_s, lease_reader=read_lease,
-                    presence_reader=read_presence, meta_reader=read_meta,
+                    keepalive_s=service.settings.keepalive_s, recheck=recheck,
                     meta_seen=_snapshot_meta(snapshot), on_idle=renew,
                     reads=request.app[RUNTIME].reads):
                 if item.kind == "event":

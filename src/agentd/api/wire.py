@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 from agentd.conversations import (
+    Attached,
     Conversation,
     ConversationMeta,
     ConversationState,
@@ -85,17 +87,17 @@ def lease(lease_row: Lease | None) -> dict[str, Any] | None:
             "expires_at": ts(lease_row.expires_at)}
 
 
-def attached(rows: list[Any]) -> list[dict[str, Any]]:
-    return [{"device": r["device"], "device_id": str(r["device_id"]), "since": ts(r["since"])}
-            for r in rows]
+def attached(devices: Sequence[Attached]) -> list[dict[str, Any]]:
+    return [{"device": a.device, "device_id": str(a.device_id), "since": ts(a.since)}
+            for a in devices]
 
 
-def conversation_state(state: ConversationState, attached_rows: list[Any]) -> dict[str, Any]:
+def conversation_state(state: ConversationState) -> dict[str, Any]:
     return {**conversation(state.conversation),
             "messages": [message(m) for m in state.messages],
             "runs": [run(r) for r in state.runs],
             "lease": lease(state.lease),
-            "attached": attached(attached_rows),
+            "attached": attached(state.attached),
             "usage": state.usage,
             "has_more": state.has_more,
             "before": str(state.before) if state.before else None}
