@@ -109,8 +109,9 @@ def _ms(seconds: float) -> float:
     return seconds * 1000
 
 
-async def first_token_series(mode: str, http: aiohttp.ClientSession, pool: asyncpg.Pool,
-                             url: str, conversations: list[UUID], tokens: int, delay_ms: int,
+async def first_token_series(mode: str, http: aiohttp.ClientSession,
+                             posts: aiohttp.ClientSession, pool: asyncpg.Pool, url: str,
+                             conversations: list[UUID], tokens: int, delay_ms: int,
                              offset: float) -> dict[str, Any]:
     delay = delay_ms / 1000
     totals, parts = [], {"post_to_enqueued": [], "enqueued_to_claimed": [],
@@ -125,13 +126,13 @@ async def first_token_series(mode: str, http: aiohttp.ClientSession, pool: async
                 await feed.next(_is("presence"))  # attached and idle
                 await asyncio.sleep(random.uniform(0.02, 0.1))
                 posted, posted_wall = time.monotonic(), time.time()
-                run_id = (await post_json(http, runs_url, body))["run_id"]
+                run_id = (await post_json(posts, runs_url, body))["run_id"]
                 first = await feed.next(_is("content_delta", run_id))
                 await feed.next(_is("complete", run_id))
         else:
             await asyncio.sleep(random.uniform(0.02, 0.1))
             posted, posted_wall = time.monotonic(), time.time()
-            run_id = (await post_json(http, runs_url, body))["run_id"]
+            run_id = (await post_json(posts, runs_url, body))["run_id"]
             async with http.get(f"{url}/v1/runs/{run_id}/events") as resp:
                 stream = sse_stream(resp)
                 first = await anext(e async for e in stream if e.event == "content_delta")
@@ -147,12 +148,14 @@ async def first_token_series(mode: str, http: aiohttp.ClientSession, pool: async
             _ms(s["first_delta"] - s["run_started"] - delay))
         parts["journaled_to_client"].append(_ms(first.received + offset - s["first_delta"]))
     return {"post_to_first_delta_minus_delay_ms": percentiles(totals),
+            # In sample order: the first few after the daemon's start show its warm-up.
+            "samples_ms": [round(t, 2) for t in totals],
             "breakdown_p50_ms": {k: percentiles(v)["p50"] for k, v in parts.items()},
             "breakdown_ms": {k: percentiles(v) for k, v in parts.items()}}
 
 
-async def stop_series(http: aiohttp.ClientSession, pool: asyncpg.Pool, url: str,
-                      conversations: list[UUID], delay_ms: int,
+async def stop_series(http: aiohttp.ClientSession, posts: aiohttp.ClientSession,
+                      pool: asyncpg.Pool, url: str, conversations: list[UUID], delay_ms: int,
                       offset: float) -> dict[str, Any]:
     totals, statuses = [], {}
     parts: dict[str, list[float]] = {"post_to_cancel_journaled": [],
@@ -164,14 +167,14 @@ async def stop_series(http: aiohttp.ClientSession, pool: asyncpg.Pool, url: str,
     for i, conversation in enumerate(conversations):
         async with Feed(http, f"{url}/v1/conversations/{conversation}/events").open() as feed:
             await feed.next(_is("presence"))
-            run_id = (await post_json(http, f"{url}/v1/conversations/{conversation}/runs", {
+            run_id = (await post_json(posts, f"{url}/v1/conversations/{conversation}/runs", {
                 "content": f"stop {i}", "params": {"tokens": long_tokens,
                                                    "delay_ms": delay_ms}}))["run_id"]
             await feed.next(_is("content_delta", run_id))
             # Land the stop at a random point of the flush clock and of the heartbeat cycle.
             await asyncio.sleep(random.uniform(0.05, 0.6))
             asked, asked_wall = time.monotonic(), time.time()
-            await post_json(http, f"{url}/v1/conversations/{conversation}/stop")
+            await post_json(posts, f"{url}/v1/conversations/{conversation}/stop")
             complete = await feed.next(_is("complete", run_id))
         totals.append(_ms(complete.received_mono - asked))
         status = complete.data.get("status")
@@ -216,18 +219,21 @@ async def main() -> int:
             feed_convs = convs[:args.samples]
             run_convs = convs[args.samples:2 * args.samples]
             stop_convs = convs[2 * args.samples:]
+            # POSTs go over a connection kept for them, as an attached client's do (agenttui
+            # keeps one for KEEPALIVE_S): in one session, each sample's feed took the POST's
+            # idle connection, so every POST paid a new TCP connection.
             async with daemons(database, 1, **daemon_settings(args)) as (daemon,), \
-                    client_session(token) as http:
+                    client_session(token) as http, client_session(token) as posts:
                 offset = await clock_offset(database.dsn)
                 progress(f"first token via the conversation feed: {args.samples} samples")
-                feed = await first_token_series("conversation_feed", http, pool, daemon.url,
-                                                feed_convs, args.tokens, args.delay_ms,
-                                                offset)
+                feed = await first_token_series("conversation_feed", http, posts, pool,
+                                                daemon.url, feed_convs, args.tokens,
+                                                args.delay_ms, offset)
                 progress(f"first token via the run stream: {args.samples} samples")
-                run = await first_token_series("run_stream", http, pool, daemon.url, run_convs,
-                                               args.tokens, args.delay_ms, offset)
+                run = await first_token_series("run_stream", http, posts, pool, daemon.url,
+                                               run_convs, args.tokens, args.delay_ms, offset)
                 progress(f"stop latency: {args.stop_samples} samples")
-                stop = await stop_series(http, pool, daemon.url, stop_convs,
+                stop = await stop_series(http, posts, pool, daemon.url, stop_convs,
                                          args.stop_delay_ms, offset)
         finally:
             await pool.close()

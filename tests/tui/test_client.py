@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import defaultdict
+from types import SimpleNamespace
 
+import httpcore._async.http11
+import httpx
 import pytest
 
 from agentd.providers.demo import expected_answer
 from agentd.vocabulary import EventType, MessageStatus, RunStatus
 from agenttui.client import (
+    KEEPALIVE_S,
     AgentClient,
     Conflict,
     ConnectionState,
@@ -78,6 +83,33 @@ async def test_every_endpoint_answers_typed_objects(daemon: Daemon, desk: Device
     async with AgentClient(daemon.url, "agd_not-a-token", trust_env=False) as stranger:
         with pytest.raises(Unauthorized):
             await stranger.me()
+
+
+async def test_a_turn_posted_after_a_pause_goes_over_the_open_connection(
+        daemon: Daemon, desk: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """People read an answer, then type: a turn posted a while after the last call reuses the
+    connection already open instead of paying a new one (and over https a new handshake) in
+    front of its first token. The idle time passes on the connection pool's clock only."""
+    idle_s = 0.0
+    real_clock = time.monotonic
+    monkeypatch.setattr(httpcore._async.http11, "time",
+                        SimpleNamespace(monotonic=lambda: real_clock() + idle_s))
+    async with client_for(daemon, desk) as client:
+        used: list[object] = []
+
+        async def note_connection(response: httpx.Response) -> None:
+            stream = response.extensions["network_stream"]
+            used.append(stream.get_extra_info("client_addr"))
+
+        client._http.event_hooks["response"].append(note_connection)
+        conversation = await client.create_conversation("after a pause")
+        idle_s = 30.0  # six times httpx's own keep-alive
+        await client.create_run(conversation.id, "and then?", params={"tokens": 2, "delay_ms": 0})
+        assert used[1] == used[0]
+        # The same check sees a new connection once the pause outlasts the client's keep-alive.
+        idle_s += KEEPALIVE_S + 1
+        await client.list_conversations()
+        assert used[2] != used[1]
 
 
 async def test_conversation_stream_survives_random_disconnects_exactly_once(

@@ -16,7 +16,14 @@ from agenttui.client.errors import (
     Unavailable,
     describe,
 )
-from agenttui.client.http import DEFAULT_URL, UNSET, AgentClient, token_problem, url_problem
+from agenttui.client.http import (
+    DEFAULT_URL,
+    KEEPALIVE_S,
+    UNSET,
+    AgentClient,
+    token_problem,
+    url_problem,
+)
 from agenttui.client.streams import (
     Backoff,
     ConnectionState,
@@ -48,7 +55,8 @@ from agenttui.models import (
 )
 
 __all__ = [
-    "DEFAULT_URL", "UNSET", "AgentClient", "ApiError", "Attached", "Backoff", "CertificateMismatch",
+    "DEFAULT_URL", "KEEPALIVE_S", "UNSET", "AgentClient", "ApiError", "Attached", "Backoff",
+    "CertificateMismatch",
     "Conflict", "ConnectionState", "ConnectionStatus", "Conversation", "ConversationChanged",
     "ConversationDeleted", "ConversationState", "ConversationStream", "CreatedRun", "Draft",
     "FeedItem", "Lease", "LeaseChanged", "Me", "MessagePage", "Models", "NotFound",

@@ -40,6 +40,12 @@ from agenttui.models import (
 from agenttui.pinning import pinned_context
 
 DEFAULT_URL = "http://127.0.0.1:8740"
+# How long an idle connection is kept for the next call. httpx's own 5 s meant that a turn
+# posted after a pause longer than that (most of them: people read the answer, then type)
+# paid a new TCP connection, and over https a new handshake, in front of its first token. Kept
+# under the daemon's default idle timeout (idle_timeout_s, 60 s), so the daemon seldom closes
+# one first; when it does (a shorter setting), httpx sees the closed socket before reusing it.
+KEEPALIVE_S = 50.0
 UNSET: Any = object()  # "not given", where None is a value (a conversation's model)
 
 
@@ -83,6 +89,8 @@ class AgentClient:
         self._http = httpx.AsyncClient(
             base_url=self.url, headers=headers, transport=transport, trust_env=trust_env,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+            limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
+                                keepalive_expiry=KEEPALIVE_S),
             verify=pinned_context(self.pinned) if self.pinned else True,
             follow_redirects=False)
         self._clock_offset = timedelta(0)
