@@ -414,7 +414,8 @@ class Service:
                 if active:
                     owner = active[0]
                     meta = await convs.conversation_meta(conn, who.account_id, conversation_id)
-                    lease = meta.lease if meta is not None else None
+                    assert meta is not None  # locked above
+                    lease = meta.lease
                     raise ServiceError(
                         409, "conversation_busy",
                         f"the conversation is busy with run {owner.id} ({owner.status})",

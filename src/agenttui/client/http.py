@@ -89,6 +89,7 @@ class AgentClient:
         self._http = httpx.AsyncClient(
             base_url=self.url, headers=headers, transport=transport, trust_env=trust_env,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
+            # httpx's own caps on connections, with a longer keep-alive.
             limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
                                 keepalive_expiry=KEEPALIVE_S),
             verify=pinned_context(self.pinned) if self.pinned else True,
