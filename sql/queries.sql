@@ -417,10 +417,11 @@ RETURNING run_id;
 -- Stop is one transaction (docs/architecture.md rule 8): the sweep locks every active run of
 -- the conversation, queued and running, in ONE transaction, so no claim or terminal wake can
 -- start a turn in the middle of it.
+-- Both states as OR, not IN: PostgreSQL answers that from their partial indexes (sql/017).
 SELECT id, status
 FROM agent_run
 WHERE conversation_id = $1::uuid AND account_id = $2::uuid
-  AND status IN ('queued', 'running')
+  AND (status = 'queued' OR status = 'running')
 ORDER BY created_at, id
 FOR UPDATE;
 
@@ -542,8 +543,9 @@ ORDER BY o.turn_position, o.position;
 -- list_active_runs --
 -- params: conversation_id
 -- The running turn and the queued ones behind it, in the order they will run.
+-- Both states as OR, not IN: PostgreSQL answers that from their partial indexes (sql/017).
 SELECT * FROM agent_run_with_device
-WHERE conversation_id = $1::uuid AND status IN ('queued', 'running')
+WHERE conversation_id = $1::uuid AND (status = 'queued' OR status = 'running')
 ORDER BY created_at, id;
 
 -- young_tables_due --
@@ -648,10 +650,11 @@ ORDER BY a.name;
 -- params: limit
 -- What `agentd status` and /metrics show per account: the busiest accounts' queued and running
 -- turns, with their own limits (NULL: the fleet's default).
+-- Both states as OR, not IN: PostgreSQL answers that from their partial indexes (sql/017).
 SELECT a.name AS account, t.queued, t.running, a.max_running, a.max_queued
 FROM (SELECT account_id, count(*) FILTER (WHERE status = 'queued') AS queued,
              count(*) FILTER (WHERE status = 'running') AS running
-      FROM agent_run WHERE status IN ('queued', 'running')
+      FROM agent_run WHERE status = 'queued' OR status = 'running'
       GROUP BY account_id) t
 JOIN account a ON a.id = t.account_id
 ORDER BY t.queued + t.running DESC, a.name
@@ -776,6 +779,7 @@ CREATE DATABASE agentd;
 
 -- queue_status --
 -- What `agentd status` shows: queue depth, running turns and the workers holding live leases.
+-- Both states as OR, not IN: PostgreSQL answers that from their partial indexes (sql/017).
 SELECT
     count(*) FILTER (WHERE status = 'queued') AS queued,
     count(*) FILTER (WHERE status = 'running') AS running,
@@ -784,7 +788,7 @@ SELECT
     coalesce(array_agg(DISTINCT worker_id) FILTER (
         WHERE status = 'running' AND lease_expires_at > clock_timestamp()), '{}') AS workers
 FROM agent_run
-WHERE status IN ('queued', 'running');
+WHERE status = 'queued' OR status = 'running';
 
 -- server_version --
 -- Reported by doctor; agentd needs PostgreSQL 15 or newer.

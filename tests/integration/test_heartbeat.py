@@ -202,3 +202,24 @@ async def test_the_keeper_tells_a_lost_run_and_a_stop_at_once(pool: asyncpg.Pool
         assert not stopping.lost.is_set()
         assert metrics.registry.get_sample_value("agentd_leases_lost_total") == 1
         assert len(kept) == 1  # the lost run is no longer beaten
+
+
+async def test_a_renewal_changes_no_indexed_column_so_it_can_write_no_index_entry(
+        pool: asyncpg.Pool) -> None:
+    # No index of agent_run holds the lease columns, as a key, an expression or a predicate:
+    # a renewal then qualifies as a heap-only update (sql/017), which writes no index entry.
+    definitions = await pool.fetch(
+        "SELECT indexdef FROM pg_indexes WHERE schemaname = 'public' AND tablename = 'agent_run'")
+    assert definitions
+    for row in definitions:
+        assert "lease_expires_at" not in row["indexdef"], row["indexdef"]
+        assert "last_heartbeat_at" not in row["indexdef"], row["indexdef"]
+    held = await claims(pool, 25)
+    async with pool.acquire() as conn, conn.transaction():
+        result = await beat(conn, REPORT, held, 60.0)
+        assert set(result.renewed) == {c.run_id for c in held}
+        heap_only = await conn.fetchval(
+            "SELECT pg_stat_get_xact_tuples_hot_updated('agent_run'::regclass)")
+    # Whether each one is depends on room on its row's page; the claims just moved these rows
+    # to pages with room, so most are (with the old index on lease_expires_at: none).
+    assert 0 < heap_only <= len(held)
