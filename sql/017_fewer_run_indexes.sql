@@ -1,5 +1,5 @@
 -- Two of agent_run's indexes go: every turn wrote their entries, and narrower indexes serve
--- their readers.
+-- their readers. And a tenth of each new page of runs is left free, for renewals.
 --
 -- A turn's row gets a new version, with an entry in every index whose predicate it meets, when
 -- it is enqueued, claimed and finished, and at every lease renewal while it runs (a renewal
@@ -17,3 +17,8 @@
 --   column, so it can be a heap-only update, writing no index entry at all.
 DROP INDEX agent_run_conversation_active_idx;
 DROP INDEX agent_run_running_deadline_idx;
+-- * fillfactor 90: a heap-only update needs room on its row's page. With pages filled by new
+--   runs to the brim, 45% of renewals found it (300 running runs renewed 20 times on a fresh
+--   table); leaving a tenth of each page free, 84%, and WAL per renewal went 492 -> 212 bytes
+--   (829 with the deadline index). Applies to pages written from now on.
+ALTER TABLE agent_run SET (fillfactor = 90);
