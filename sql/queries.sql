@@ -940,8 +940,22 @@ ORDER BY id;
 -- rule 6): for rows already committed, in a transaction of their own, or for rows the caller's
 -- open transaction wrote, which the hints then commit with (rule 1). A NOTIFY gives even a
 -- transaction of its own an xid, so it writes a commit record (40 bytes of WAL) like any write.
-SELECT count(pg_notify(t.channel, t.payload))
-FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS t (channel, payload, n);
+-- A dispatchers' wake (agentd_run_enqueued, payload a conversation) goes out only while that
+-- conversation's account has a turn queued, as this statement sees it: only such a turn can
+-- have become claimable, and every process's claim loop would otherwise claim nothing. Sent
+-- after the commit that caused it (a turn's ending), no turn is missed: one queued before this
+-- snapshot is seen here, one queued after it sends its own wake, which the claim loops hear
+-- after that ending committed. Returns the places (1-based) of the hints sent.
+SELECT coalesce(array_agg(t.n ORDER BY t.n) FILTER (WHERE t.send), '{}') AS sent,
+       count(CASE WHEN t.send THEN pg_notify(t.channel, t.payload) END) AS hints
+FROM (
+    SELECT h.n, h.channel, h.payload,
+           CASE WHEN h.channel = 'agentd_run_enqueued' THEN EXISTS (
+                    SELECT 1 FROM conversation c JOIN agent_run q ON q.account_id = c.account_id
+                    WHERE c.id = h.payload::uuid AND q.status = 'queued')
+                ELSE true END AS send
+    FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS h (channel, payload, n)
+) t;
 
 -- create_pairing --
 -- params: code_hash, account_id, device_name, created_by, ttl_s

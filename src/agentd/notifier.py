@@ -5,6 +5,11 @@ held until its commit is flushed; a hint per journal append made concurrent turn
 time. Hints are hints, rows are truth (docs/architecture.md): sending them just after the commit,
 from one statement per batch, loses nothing a poll would not recover, and frees the hot commits to
 flush together.
+
+A dispatchers' wake (run_enqueued) goes out only while its account has a turn queued, which the
+sending statement checks after the commit that caused it (queue.notify_batch): a turn's ending
+would otherwise wake every claim loop of the fleet to claim nothing. This process's own claim
+loop is woken once that statement says the wake went out.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import asyncpg
 
@@ -21,14 +27,21 @@ from agentd.vocabulary import Channel
 
 log = logging.getLogger("agentd.notifier")
 
-LocalHint = Callable[..., None]  # Hub.hint_locally
+class LocalHub(Protocol):
+    """What the notifier needs of the process's hub (hub.Hub)."""
+
+    def hint_locally(self, channel: Channel, payload: str, *, echo: bool,
+                     rows_at_hand: bool = False) -> None: ...
+
+    def expect_echo(self, channel: Channel, payload: str) -> Callable[[], None]: ...
 
 
 class Notifier:
     """Collects (channel, payload) hints and sends each batch in one statement, in order; with
-    `local` (the process's hub), this process's own subscribers are woken at once."""
+    `local` (the process's hub), this process's own subscribers are woken at once (its claim
+    loop once the statement has decided that its wake goes out)."""
 
-    def __init__(self, pool: asyncpg.Pool, local: LocalHint | None = None) -> None:
+    def __init__(self, pool: asyncpg.Pool, local: LocalHub | None = None) -> None:
         self._pool = pool
         self._local = local
         self._pending: dict[tuple[Channel, str], None] = {}  # ordered, de-duplicated
@@ -52,9 +65,10 @@ class Notifier:
         subscriber may have read between two commits), the fleet once the batch is sent —
         which carries each (channel, payload) once, so the hub awaits one echo per batch.
         `rows_at_hand`: the rows were handed to this process's shared reads already."""
-        if self._local is not None:
-            self._local(channel, payload, echo=(channel, payload) not in self._pending,
-                        rows_at_hand=rows_at_hand)
+        if self._local is not None and channel is not Channel.RUN_ENQUEUED:
+            self._local.hint_locally(channel, payload,
+                                     echo=(channel, payload) not in self._pending,
+                                     rows_at_hand=rows_at_hand)
         self._pending[(channel, payload)] = None
         self._wake.set()
 
@@ -72,10 +86,26 @@ class Notifier:
         if not self._pending:
             return
         batch, self._pending = list(self._pending), {}
+        # The claim loop's wakes, whose NOTIFY may come back before the statement's answer:
+        # their echoes are awaited first, then dropped or forgotten (hub.expect_echo).
+        echoes = {hint: self._local.expect_echo(*hint) for hint in batch
+                  if hint[0] is Channel.RUN_ENQUEUED} if self._local is not None else {}
         try:
-            await notify_batch(self._pool, batch)
-            self.sent += len(batch)
+            sent = await notify_batch(self._pool, batch)
+            self.sent += len(sent)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            # Lost hints cost latency, never correctness: every waiter also polls.
+            # Lost hints cost latency, never correctness: every waiter also polls. Nothing
+            # went out; this process's claim loop is woken all the same.
             log.warning("could not send wake hints", extra={"hints": len(batch),
                                                             "error": str(exc)})
+            sent = list(echoes)
+            for forget in echoes.values():
+                forget()
+            echoes = {}
+        if self._local is not None:
+            for hint in sent:
+                if hint[0] is Channel.RUN_ENQUEUED:
+                    self._local.hint_locally(*hint, echo=False)
+        for hint, forget in echoes.items():
+            if hint not in sent:
+                forget()

@@ -336,11 +336,14 @@ async def _send_hints(db: Db, hint: Hint | None, hints: Sequence[tuple[Channel, 
         await notify_batch(db, hints)
 
 
-async def notify_batch(db: Db, hints: Sequence[tuple[Channel, str]]) -> None:
+async def notify_batch(db: Db, hints: Sequence[tuple[Channel, str]]
+                       ) -> list[tuple[Channel, str]]:
     """Send wake hints in one statement: for rows already committed, or, inside the transaction
-    that wrote them, to commit with them."""
-    await db.execute(*Q.notify_batch.bind(channels=[str(c) for c, _ in hints],
-                                          payloads=[p for _, p in hints]))
+    that wrote them, to commit with them. Returns those sent: a dispatchers' wake (RUN_ENQUEUED)
+    goes out only while its conversation's account has a turn queued."""
+    sent = await db.fetchval(*Q.notify_batch.bind(channels=[str(c) for c, _ in hints],
+                                                  payloads=[p for _, p in hints]))
+    return [hints[n - 1] for n in sent]
 
 
 async def notify_conversation(db: Db, payload: str) -> None:

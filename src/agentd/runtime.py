@@ -194,7 +194,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     keeper = LeaseKeeper(settings.direct_dsn(database.dsn), hub, settings, metrics,
                          report=lambda: _worker_report(runtime))
     runtime.keeper = keeper
-    notifier = Notifier(pool, local=hub.hint_locally)
+    notifier = Notifier(pool, local=hub)
     notifier.start()
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     appends: Appends = Batcher(

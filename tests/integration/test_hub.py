@@ -16,6 +16,7 @@ from agentd.notifier import Notifier
 from agentd.vocabulary import Channel
 from tests.integration.helpers import DEFAULT_TIMEOUT_S, listening
 from tests.support.daemon import poll_until
+from tests.support.factories import enqueue, new_conversation, new_tenant
 
 
 async def heard(sub: Subscription, within: float = DEFAULT_TIMEOUT_S) -> set[str]:
@@ -28,7 +29,7 @@ async def notify_from_elsewhere(pool: asyncpg.Pool, channel: Channel, payload: s
 
 async def test_a_local_hint_wakes_at_once_and_its_own_notify_is_dropped_when_it_returns(
         pool: asyncpg.Pool, hub: Hub, dsn: str) -> None:
-    notifier = Notifier(pool, local=hub.hint_locally)
+    notifier = Notifier(pool, local=hub)
     async with hub.subscribe(Channel.RUN_EVENT, "run-1") as sub, \
             listening(dsn, str(Channel.RUN_EVENT)) as fleet:
         notifier.notify(Channel.RUN_EVENT, "run-1")  # not sent yet: the notifier is idle
@@ -51,7 +52,7 @@ async def test_hints_in_one_batch_wait_for_one_echo_and_each_wakes_the_subscribe
         pool: asyncpg.Pool, hub: Hub) -> None:
     """Two commits before the notifier sends: two local wakes (a subscriber may have read in
     between), one NOTIFY (a batch carries each pair once), so one echo to drop, not two."""
-    notifier = Notifier(pool, local=hub.hint_locally)
+    notifier = Notifier(pool, local=hub)
     async with hub.subscribe(Channel.CONVERSATION, "c") as sub:
         notifier.notify(Channel.CONVERSATION, "c")
         assert sub.drain() == {"c"}
@@ -120,6 +121,40 @@ async def test_rows_at_hand_leave_a_subscription_fresh_and_anything_else_makes_i
         hub.hint_locally(Channel.RUN_EVENT, "r", echo=False)
         assert sub.clear(), "one hint without its rows: read"
         assert not sub.clear()
+
+
+async def test_a_dispatchers_wake_goes_out_only_while_its_account_has_a_turn_queued(
+        pool: asyncpg.Pool, hub: Hub, dsn: str) -> None:
+    """A turn's ending wakes the claim loops (the conversation's next turn may start) only when
+    its account has a turn queued, in any of its conversations: otherwise every claim loop of
+    the fleet would claim nothing. When it goes out, this process's loop hears it once."""
+    tenant = await new_tenant(pool)
+    ended = str(tenant.conversation_id)
+    async with hub.subscribe(Channel.RUN_ENQUEUED) as loop, \
+            listening(dsn, str(Channel.RUN_ENQUEUED)) as fleet:
+        notifier = Notifier(pool, local=hub)
+        notifier.notify(Channel.RUN_ENQUEUED, ended)
+        assert loop.drain() == set(), "woken before the statement decided"
+        await notifier.close()  # sends what is pending
+        # Notifications reach a listener in commit order: the first one after the notifier's
+        # statement is this one only if that statement sent none.
+        await notify_from_elsewhere(pool, Channel.RUN_ENQUEUED, "after")
+        assert await fleet.next() == "after"
+        assert await heard(loop) == {"after"}
+
+        other = await new_conversation(pool, tenant.account_id)
+        await enqueue(pool, tenant.account_id, other)  # queued in another conversation
+        assert await fleet.next() == str(other)  # the enqueue's own wake
+        assert await heard(loop) == {str(other)}
+        echoes = hub.echoes
+        notifier = Notifier(pool, local=hub)
+        notifier.notify(Channel.RUN_ENQUEUED, ended)
+        await notifier.close()
+        assert loop.drain() == {ended}, "this process's claim loop is woken"
+        assert await fleet.next() == ended, "and the fleet's"
+        await poll_until(lambda: _true(hub.echoes == echoes + 1), DEFAULT_TIMEOUT_S,
+                         interval=0.005, what="its echo to come back and be dropped")
+        assert loop.drain() == set(), "woken twice for one ending"
 
 
 async def _true(value: bool) -> bool:

@@ -226,6 +226,8 @@ def test_every_notify_channel_in_the_queries_is_a_vocabulary_channel() -> None:
     batch = Q.notify_batch.sql
     rest = text.replace(batch, "")
     assert batch in text and "pg_notify(t.channel" in batch
+    # The channel notify_batch singles out (the dispatchers' wake, sent only with work queued).
+    assert set(re.findall(r"channel = '([^']*)'", batch)) == {str(Channel.RUN_ENQUEUED)}
     assert len(re.findall(r"pg_notify\(", rest)) == len(re.findall(r"pg_notify\(\s*'", rest))
 
 

@@ -168,7 +168,7 @@ async def test_tails_of_a_run_this_process_writes_are_handed_its_rows_and_read_n
     database."""
     hub = Hub(dsn)
     await hub.start()
-    notifier = Notifier(pool, local=hub.hint_locally)
+    notifier = Notifier(pool, local=hub)
     notifier.start()
     appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
     claim = await start_run(pool)
