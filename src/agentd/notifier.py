@@ -27,6 +27,7 @@ from agentd.vocabulary import Channel
 
 log = logging.getLogger("agentd.notifier")
 
+
 class LocalHub(Protocol):
     """What the notifier needs of the process's hub (hub.Hub)."""
 
@@ -63,7 +64,8 @@ class Notifier:
     def notify(self, channel: Channel, payload: str, *, rows_at_hand: bool = False) -> None:
         """A hint for rows already committed: this process hears it now, every time (a
         subscriber may have read between two commits), the fleet once the batch is sent —
-        which carries each (channel, payload) once, so the hub awaits one echo per batch.
+        which carries each (channel, payload) once, so the hub awaits one echo per batch. A
+        dispatchers' wake is the exception: heard here, too, only once the batch has sent it.
         `rows_at_hand`: the rows were handed to this process's shared reads already."""
         if self._local is not None and channel is not Channel.RUN_ENQUEUED:
             self._local.hint_locally(channel, payload,
@@ -93,6 +95,10 @@ class Notifier:
         try:
             sent = await notify_batch(self._pool, batch)
             self.sent += len(sent)
+        except asyncio.CancelledError:
+            for forget in echoes.values():  # whatever went out, no echo is awaited any more
+                forget()
+            raise
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             # Lost hints cost latency, never correctness: every waiter also polls. Nothing
             # went out; this process's claim loop is woken all the same.
