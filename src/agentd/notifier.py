@@ -48,7 +48,6 @@ class Notifier:
         self._pending: dict[tuple[Channel, str], None] = {}  # ordered, de-duplicated
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.sent = 0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._send_forever(), name="agentd-notifier")
@@ -92,9 +91,9 @@ class Notifier:
         # their echoes are awaited first, then dropped or forgotten (hub.expect_echo).
         echoes = {hint: self._local.expect_echo(*hint) for hint in batch
                   if hint[0] is Channel.RUN_ENQUEUED} if self._local is not None else {}
+        failed = False
         try:
-            sent = await notify_batch(self._pool, batch)
-            self.sent += len(sent)
+            sent = set(await notify_batch(self._pool, batch))
         except asyncio.CancelledError:
             for forget in echoes.values():  # whatever went out, no echo is awaited any more
                 forget()
@@ -104,14 +103,10 @@ class Notifier:
             # went out; this process's claim loop is woken all the same.
             log.warning("could not send wake hints", extra={"hints": len(batch),
                                                             "error": str(exc)})
-            sent = list(echoes)
-            for forget in echoes.values():
-                forget()
-            echoes = {}
-        if self._local is not None:
-            for hint in sent:
-                if hint[0] is Channel.RUN_ENQUEUED:
-                    self._local.hint_locally(*hint, echo=False)
+            sent, failed = set(), True
         for hint, forget in echoes.items():
             if hint not in sent:
-                forget()
+                forget()  # no NOTIFY of ours will come: another process's must get through
+            if hint in sent or failed:
+                assert self._local is not None  # echoes are only awaited through it
+                self._local.hint_locally(*hint, echo=False)
