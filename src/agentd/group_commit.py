@@ -3,12 +3,15 @@ so N turns streaming at once cost a few WAL flushes per clock tick, not N.
 
 `Batcher` is the mechanism: items submitted while `max_in_flight` batches are being written wait
 and go together into the next batch; an idle process waits for nothing (a lone item starts a
-batch at once). Its writer returns one outcome per item: each caller gets the result or the
-error its own write would have had. Journal appends use it with one statement for the whole
-batch (queue.append_events_many), and so do terminal writes (queue.finish_runs), each run
-fenced on its own in that statement: one refused is missing from its answer while the others
-land. A failed commit fails every item of its batch, as each one's own failed commit would
-have.
+batch at once). A batch is cut when its writer task starts, one turn of the event loop after the
+first item asked for it, so items submitted in the same turn (the turns of one claim ending
+together) share it instead of filling every free writer with one item each.
+
+Its writer returns one outcome per item: each caller gets the result or the error its own write
+would have had. Journal appends use it with one statement for the whole batch
+(queue.append_events_many), and so do terminal writes (queue.finish_runs), each run fenced on
+its own in that statement: one refused is missing from its answer while the others land. A
+failed commit fails every item of its batch, as each one's own failed commit would have.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ class Batcher(Generic[I, R]):
         self._max_batch = max_batch
         self._max_in_flight = max_in_flight
         self._queue: list[tuple[I, asyncio.Future[R]]] = []
-        self._in_flight = 0
+        self._in_flight = 0  # writer tasks started or about to start
+        self._cutting = False  # one of them has not cut its batch yet
         self._tasks: set[asyncio.Task[None]] = set()
         self.batches = 0  # batches written (or tried)
         self.items = 0  # items they carried
@@ -44,16 +48,19 @@ class Batcher(Generic[I, R]):
         return await future
 
     def _start_batches(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._queue and self._in_flight < self._max_in_flight:
-            batch = self._queue[:self._max_batch]
-            del self._queue[:self._max_batch]
+        # At most one writer waits to cut a batch: what is submitted until it starts joins it.
+        if self._queue and not self._cutting and self._in_flight < self._max_in_flight:
             self._in_flight += 1
-            task = loop.create_task(self._run(batch))
+            self._cutting = True
+            task = asyncio.get_running_loop().create_task(self._run())
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, batch: list[tuple[I, asyncio.Future[R]]]) -> None:
+    async def _run(self) -> None:
+        batch = self._queue[:self._max_batch]
+        del self._queue[:self._max_batch]
+        self._cutting = False
+        self._start_batches()  # what did not fit goes to the next writer, if one is free
         try:
             self.batches += 1
             self.items += len(batch)

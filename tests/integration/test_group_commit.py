@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
+from collections.abc import Sequence
 
 import asyncpg
 import pytest
@@ -16,6 +17,8 @@ from agentd.journal import Emitter
 from agentd.queue import (
     Claim,
     Finish,
+    JournalBatch,
+    Journaled,
     LeaseLost,
     NewEvent,
     SeqConflict,
@@ -26,6 +29,7 @@ from agentd.queue import (
     finish_runs,
 )
 from agentd.vocabulary import EventType, RunStatus
+from tests.support.daemon import poll_until
 from tests.support.factories import enqueue, new_tenant
 from tests.support.journal import assert_journal_sound, read_journal
 
@@ -49,18 +53,49 @@ def delta(claim: Claim, text: str, offset: int = 1) -> list[NewEvent]:
 async def test_writes_arriving_during_a_commit_share_the_next_and_a_fenced_one_fails_alone(
         pool: asyncpg.Pool) -> None:
     claims = await claimed_runs(pool, RUNS)
-    group = Batcher(pool, lambda batches: append_events_many(pool, batches), max_in_flight=1)
+    writing, gate = asyncio.Event(), asyncio.Event()
+
+    async def write(batches: Sequence[JournalBatch]) -> list[Journaled | Exception]:
+        writing.set()
+        await gate.wait()  # the commit under way, until every other write has arrived
+        return await append_events_many(pool, batches)
+
+    group = Batcher(pool, write, max_in_flight=1)
+    submitted = 0
+    submit = group.submit
+
+    async def counted(item: JournalBatch) -> Journaled:
+        nonlocal submitted
+        submitted += 1
+        return await submit(item)
+
+    group.submit = counted  # type: ignore[method-assign]
     # One execution that no longer owns its run (another token), and one whose seq is taken.
     stale = dataclasses.replace(claims[1], claim_token=uuid.uuid4())
     taken = claims[2]
+    gate.set()
     await append_events_batched(group, taken, delta(taken, "first"))
+    gate.clear()
+    writing.clear()
     hinted: list[str] = []
-    writes = [append_events_batched(group, c, delta(c, f"text {i}"),
-                                    hint=lambda _ch, p: hinted.append(p))
-              for i, c in enumerate([claims[0], stale, *claims[2:]])]
+
+    def write_text(i: int, claim: Claim) -> asyncio.Future[None]:
+        return asyncio.ensure_future(append_events_batched(
+            group, claim, delta(claim, f"text {i}"), hint=lambda _ch, p: hinted.append(p)))
+
+    writes = [write_text(0, claims[0])]
+    await writing.wait()  # the first of them is being written alone...
+    writes += [write_text(i, c) for i, c in enumerate([stale, *claims[2:]], start=1)]
+
+    async def all_arrived() -> bool:
+        return submitted == 1 + RUNS
+
+    await poll_until(all_arrived, 10.0)  # ...while the others arrive
+    gate.set()
     results = await asyncio.gather(*writes, return_exceptions=True)
 
-    # The first alone, the rest together (plus the earlier write of "first").
+    # "first" alone; then the first of the twelve, alone; then the eleven that arrived during
+    # its commit, together.
     assert group.items == RUNS + 1 and group.batches == 3
     assert isinstance(results[1], LeaseLost) and not isinstance(results[1], SeqConflict)
     assert isinstance(results[2], SeqConflict)
@@ -80,7 +115,7 @@ async def test_writes_arriving_during_a_commit_share_the_next_and_a_fenced_one_f
 async def test_turns_ending_together_finish_in_shared_commits_each_whole(
         pool: asyncpg.Pool) -> None:
     claims = await claimed_runs(pool, RUNS)
-    group = Batcher(pool, lambda items: finish_runs(pool, items), max_in_flight=1)
+    group = Batcher(pool, lambda items: finish_runs(pool, items))
     appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
     emitters = [Emitter(pool, c, flush_interval_s=3600, appends=appends) for c in claims]
     for i, emitter in enumerate(emitters):
@@ -92,8 +127,9 @@ async def test_turns_ending_together_finish_in_shared_commits_each_whole(
         pool, c, RunStatus.COMPLETED, last=last, seq=e.next_seq,
         content=f"first {i} last {i}", finishes=group)
         for i, (c, e, last) in enumerate(zip(claims, emitters, lasts, strict=True))))
-    # The first alone, the other eleven in ONE statement.
-    assert group.batches - before == 2
+    # Ended in one turn of the event loop, all twelve go in ONE statement, though the batcher
+    # was idle with four writers free (cutting a batch as the first arrived gave four).
+    assert group.batches - before == 1
     for i, claim in enumerate(claims):
         rows = await assert_journal_sound(pool, claim.run_id)
         text = "".join(r["payload"]["delta"] for r in rows
