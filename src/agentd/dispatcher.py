@@ -37,6 +37,7 @@ from agentd.queue import (
     claim_runs,
     claim_runs_beside_enqueue,
     finish_run,
+    open_turn_in_claim,
 )
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunErrorCode, RunStatus
@@ -230,9 +231,12 @@ class Reservation:
 
     async def claim(self, conn: Conn, run_id: UUID) -> list[Claim]:
         d = self._dispatcher
-        return await claim_runs_beside_enqueue(
+        claims = await claim_runs_beside_enqueue(
             conn, run_id, worker_id=d._worker_id, lease_ttl_s=d._settings.lease_ttl_s,
             default_max_running=d._settings.account_max_running)
+        # The turn's first read too, while the transaction is under way: after the commit it
+        # would be one more round trip, made by then beside the feeds' reads and the hints.
+        return [await open_turn_in_claim(conn, claim) for claim in claims]
 
     def settle(self, committed: Sequence[Claim]) -> None:
         """Start what committed, give the slot back if nothing did, and announce the runs."""

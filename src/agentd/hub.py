@@ -78,16 +78,26 @@ class Subscription:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def wait(self, poll_s: float) -> set[str]:
-        """Wait for hints; returns their payloads (empty when the poll interval passed first)."""
-        if not self._items:
+    async def wait(self, poll_s: float, *,
+                   until: asyncio.Future[Any] | None = None) -> set[str]:
+        """Wait for hints; returns their payloads (empty when the poll interval passed first,
+        or when `until`, some other work of the reader's, finished first)."""
+        if not self._items and (until is None or not until.done()):
             loop = asyncio.get_running_loop()
             waiter = self._waiter = loop.create_future()
             timer = loop.call_later(poll_s, _time_is_up, waiter)
+
+            def done(_: asyncio.Future[Any]) -> None:
+                _time_is_up(waiter)
+
+            if until is not None:
+                until.add_done_callback(done)
             try:
                 await waiter
             finally:
                 timer.cancel()
+                if until is not None:
+                    until.remove_done_callback(done)
                 self._waiter = None
         return self.drain()
 

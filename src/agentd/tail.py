@@ -187,78 +187,109 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
     lease_seen: Any = object()
     presence_seen: Any = object()
     flagged: set[UUID] = set()  # open runs whose stop request this feed has announced
-    async with hub.watch() as sub:
-        sub.listen(Channel.CONVERSATION, str(conversation_id))
-        for run_id in cursor.open:
-            sub.listen(Channel.RUN_EVENT, str(run_id))
-        stale_meta = True
-        polled = True  # the first pass, and every one after a poll, reads the database
-        while True:
-            stale = sub.clear() or polled or stale_meta
-            polled = False
-            # Woken only by rows this process wrote for runs the feed follows: they are at
-            # hand (shared_reads.py), no list of runs or journal to read.
-            held = None if stale else _held_events(reads, cursor)
-            runs = [] if held is not None else await reads.runs(
-                conversation_id, cursor.watermark, list(cursor.open))
-            progressed = False
-            for run_id, event in held or ():
-                cursor.open[run_id] = event.seq
-                progressed = True
-                yield FeedItem("event", cursor.encode(), run_id, event)
-            for row in runs:
-                run_id = row["id"]
-                if (row["created_at"], run_id) > cursor.watermark:
-                    cursor.watermark = (row["created_at"], run_id)
-                    cursor.open.setdefault(run_id, 0)
-                    sub.listen(Channel.RUN_EVENT, str(run_id))
-                if run_id not in cursor.open:
+    # The re-read of the conversation runs beside the journal, not in front of it: a turn's
+    # first delta, committed while the re-read its run_started asked for is under way, goes
+    # out at once instead of waiting for it (a round trip of first-token latency).
+    checking: asyncio.Future[Recheck | None] | None = None
+    check_again = False  # asked for while one was under way, which may have read too early
+    try:
+        async with hub.watch() as sub:
+            sub.listen(Channel.CONVERSATION, str(conversation_id))
+            for run_id in cursor.open:
+                sub.listen(Channel.RUN_EVENT, str(run_id))
+            stale_meta = True
+            polled = True  # the first pass, and every one after a poll, reads the database
+            read_rows = True
+            while True:
+                progressed = False
+                if read_rows:
+                    stale = sub.clear() or polled or stale_meta
+                    polled = False
+                    # Woken only by rows this process wrote for runs the feed follows: they
+                    # are at hand (shared_reads.py), no list of runs or journal to read.
+                    held = None if stale else _held_events(reads, cursor)
+                    runs = [] if held is not None else await reads.runs(
+                        conversation_id, cursor.watermark, list(cursor.open))
+                    for run_id, event in held or ():
+                        cursor.open[run_id] = event.seq
+                        progressed = True
+                        yield FeedItem("event", cursor.encode(), run_id, event)
+                    for row in runs:
+                        run_id = row["id"]
+                        if (row["created_at"], run_id) > cursor.watermark:
+                            cursor.watermark = (row["created_at"], run_id)
+                            cursor.open.setdefault(run_id, 0)
+                            sub.listen(Channel.RUN_EVENT, str(run_id))
+                        if run_id not in cursor.open:
+                            continue
+                        if row["cancel_requested"] and run_id not in flagged:
+                            # Stop is a state: show it on every device now, not when it ends.
+                            flagged.add(run_id)
+                            progressed = True
+                            yield FeedItem("run_state", cursor.encode(), run_id, data={
+                                "run_id": str(run_id), "status": row["status"],
+                                "cancel_requested": True})
+                        async for item in _drain_run(pool, reads, cursor, run_id,
+                                                     row["status"]):
+                            progressed = True
+                            if item.event is not None and item.event.type in (
+                                    EventType.RUN_STARTED, EventType.COMPLETE):
+                                stale_meta = True
+                            yield item
+                        if run_id not in cursor.open:
+                            sub.unlisten(Channel.RUN_EVENT, str(run_id))
+                read_rows = True
+                if stale_meta:
+                    stale_meta = False
+                    if checking is None:
+                        checking = asyncio.ensure_future(recheck())
+                    else:
+                        check_again = True
+                if checking is not None and checking.done():
+                    now = checking.result()
+                    checking = None
+                    if check_again:
+                        check_again, stale_meta = False, True
+                    if now is None:
+                        yield FeedItem("deleted", cursor.encode(),
+                                       data={"conversation_id": str(conversation_id)})
+                        return
+                    if now.conversation != meta_seen:
+                        meta_seen = now.conversation
+                        progressed = True
+                        yield FeedItem("conversation", cursor.encode(), data=now.conversation)
+                    if now.lease != lease_seen:
+                        lease_seen = now.lease
+                        progressed = True
+                        yield FeedItem("lease", cursor.encode(), data=now.lease)
+                    if now.attached != presence_seen:
+                        presence_seen = now.attached
+                        progressed = True
+                        yield FeedItem("presence", cursor.encode(), data=now.attached)
+                if progressed:
+                    last_sent = loop.time()
+                if stale_meta:
                     continue
-                if row["cancel_requested"] and run_id not in flagged:
-                    # Stop is a state: show it on every device now, not when the run ends.
-                    flagged.add(run_id)
-                    progressed = True
-                    yield FeedItem("run_state", cursor.encode(), run_id, data={
-                        "run_id": str(run_id), "status": row["status"],
-                        "cancel_requested": True})
-                async for item in _drain_run(pool, reads, cursor, run_id, row["status"]):
-                    progressed = True
-                    if item.event is not None and item.event.type in (
-                            EventType.RUN_STARTED, EventType.COMPLETE):
-                        stale_meta = True
-                    yield item
-                if run_id not in cursor.open:
-                    sub.unlisten(Channel.RUN_EVENT, str(run_id))
-            if stale_meta:
-                now = await recheck()
-                if now is None:
-                    yield FeedItem("deleted", cursor.encode(),
-                                   data={"conversation_id": str(conversation_id)})
-                    return
-                if now.conversation != meta_seen:
-                    meta_seen = now.conversation
-                    progressed = True
-                    yield FeedItem("conversation", cursor.encode(), data=now.conversation)
-                if now.lease != lease_seen:
-                    lease_seen = now.lease
-                    progressed = True
-                    yield FeedItem("lease", cursor.encode(), data=now.lease)
-                if now.attached != presence_seen:
-                    presence_seen = now.attached
-                    progressed = True
-                    yield FeedItem("presence", cursor.encode(), data=now.attached)
-            if progressed:
-                last_sent = loop.time()
-                stale_meta = False
-                continue
-            woke = await sub.wait(poll_interval(hub, keepalive_s))
-            polled = not woke
-            stale_meta = not woke or RECONNECTED in woke or str(conversation_id) in woke
-            if not woke and on_idle is not None:
-                await on_idle()
-            if loop.time() - last_sent >= keepalive_s:
-                last_sent = loop.time()
-                yield FeedItem("keepalive", cursor.encode())
+                # Whatever was committed after the read began sent a hint, which the inbox
+                # (cleared before it) keeps: the wait returns at once for it. With none, there
+                # is nothing to read again, and a delta this process writes next is handed out
+                # from its rows, not after a read of the database begun for nothing.
+                woke = await sub.wait(poll_interval(hub, keepalive_s), until=checking)
+                if not woke and checking is not None and checking.done():
+                    read_rows = False  # only the re-read came back: hand out what it found
+                    continue
+                polled = not woke
+                stale_meta = not woke or RECONNECTED in woke or str(conversation_id) in woke
+                if not woke and on_idle is not None:
+                    await on_idle()
+                if loop.time() - last_sent >= keepalive_s:
+                    last_sent = loop.time()
+                    yield FeedItem("keepalive", cursor.encode())
+    finally:
+        if checking is not None and not checking.done():
+            checking.cancel()
+        elif checking is not None and not checking.cancelled():
+            checking.exception()  # retrieved: the feed ended for another reason first
 
 
 def _held_events(reads: SharedReads, cursor: FeedCursor) -> list[tuple[UUID, Event]] | None:

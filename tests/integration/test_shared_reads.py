@@ -24,7 +24,7 @@ from agentd.queue import (
     reap_expired,
 )
 from agentd.shared_reads import SharedReads
-from agentd.tail import run_tail
+from agentd.tail import FeedCursor, FeedItem, Recheck, conversation_feed, run_tail
 from agentd.vocabulary import Channel, EventType, RunStatus
 from tests.integration.helpers import DEFAULT_TIMEOUT_S
 from tests.support.daemon import poll_until
@@ -207,6 +207,69 @@ async def test_tails_of_a_run_this_process_writes_are_handed_its_rows_and_read_n
                 [(e.seq, e.type, e.payload, e.created_at) for e in journal]
     finally:
         await _cancel(tasks)
+        await notifier.close()
+        await hub.close()
+
+
+async def test_a_feed_hands_out_a_delta_while_its_conversation_re_read_is_under_way(
+        pool: asyncpg.Pool, dsn: str) -> None:
+    """A conversation feed re-reads its conversation (lease, presence) when a turn starts or
+    ends. A first delta committed meanwhile goes out at once, not after that re-read; a re-read
+    asked for while one is under way (the turn ended) runs again once it is back."""
+    hub = Hub(dsn)
+    await hub.start()
+    notifier = Notifier(pool, local=hub)
+    notifier.start()
+    appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
+    claim = await start_run(pool)
+    reads = SharedReads(pool)
+    emitter = Emitter(pool, claim, flush_interval_s=3600, hint=notifier.notify_rows_at_hand,
+                      appends=appends, journaled=reads.journaled)
+    gate = asyncio.Event()  # the re-reads wait for it: one is under way until the test says
+    calls = 0
+
+    async def recheck() -> Recheck:
+        nonlocal calls
+        calls += 1
+        asked = calls
+        await gate.wait()
+        return Recheck({"id": "kept"}, {"re_read": asked}, [])
+
+    items: list[FeedItem] = []
+
+    async def feed() -> None:
+        async for item in conversation_feed(pool, hub, claim.conversation_id, FeedCursor(),
+                                            keepalive_s=3600, recheck=recheck,
+                                            meta_seen={"id": "kept"}, reads=reads):
+            items.append(item)
+
+    def events(kind: EventType) -> list[FeedItem]:
+        return [i for i in items if i.event is not None and i.event.type == kind]
+
+    task = asyncio.create_task(feed())
+    try:
+        # The first pass hands out the turn so far; its run_started asks for a re-read.
+        await poll_until(lambda: _true(calls == 1 and bool(events(EventType.RUN_STARTED))),
+                         DEFAULT_TIMEOUT_S, interval=0.002, what="the feed's first re-read")
+        await emitter.delta("first ")
+        await poll_until(lambda: _true(bool(events(EventType.CONTENT_DELTA))), DEFAULT_TIMEOUT_S,
+                         interval=0.002, what="the delta, while the re-read is under way")
+        assert calls == 1 and not [i for i in items if i.kind == "lease"]
+        # The turn ends while that re-read is still out: its ending needs a later one.
+        await finish_run(pool, claim, RunStatus.COMPLETED, seq=emitter.next_seq,
+                         content="first ", hint=notifier.notify)
+        await poll_until(lambda: _true(bool(events(EventType.COMPLETE))), DEFAULT_TIMEOUT_S,
+                         interval=0.002, what="the ending, while the re-read is under way")
+        assert calls == 1
+        gate.set()
+        await poll_until(lambda: _true(len([i for i in items if i.kind == "lease"]) == 2),
+                         DEFAULT_TIMEOUT_S, interval=0.002, what="both re-reads' leases")
+        assert [i.data for i in items if i.kind == "lease"] == [{"re_read": 1}, {"re_read": 2}]
+        assert calls == 2
+        assert [i.event.payload["delta"] for i in events(EventType.CONTENT_DELTA)
+                if i.event is not None] == ["first "]
+    finally:
+        await _cancel([task])
         await notifier.close()
         await hub.close()
 
