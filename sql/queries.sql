@@ -945,22 +945,15 @@ ORDER BY id;
 -- have become claimable, and every process's claim loop would otherwise claim nothing. Sent
 -- after the commit that caused it (a turn's ending), no turn is missed: one queued before this
 -- snapshot is seen here, one queued after it sends its own wake, which the claim loops hear
--- after that ending committed. The account's newest queued turn is looked for: the oldest
--- entries of its queued-turn index are the turns just claimed, dead until vacuum passes, and a
--- busy account has many (looking oldest first cost 1.2 ms a statement under load, 0.13 ms now).
--- Returns the places (1-based) of the hints sent.
+-- after that ending committed. The check is a function (account_has_queued_turn, sql/018),
+-- whose plan is cached: written out here, it made this statement cost 0.4 ms to plan at
+-- every call. Returns the places (1-based) of the hints sent.
 SELECT coalesce(array_agg(t.n ORDER BY t.n) FILTER (WHERE t.send), '{}') AS sent,
        count(CASE WHEN t.send THEN pg_notify(t.channel, t.payload) END) AS hints
 FROM (
     SELECT h.n, h.channel, h.payload,
-           CASE WHEN h.channel = 'agentd_run_enqueued' THEN EXISTS (
-                    SELECT 1 FROM conversation c
-                    CROSS JOIN LATERAL (
-                        SELECT 1 FROM agent_run q
-                        WHERE q.account_id = c.account_id AND q.status = 'queued'
-                        ORDER BY q.created_at DESC, q.id DESC
-                        LIMIT 1) newest
-                    WHERE c.id = h.payload::uuid)
+           CASE WHEN h.channel = 'agentd_run_enqueued'
+                THEN account_has_queued_turn(h.payload::uuid)
                 ELSE true END AS send
     FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS h (channel, payload, n)
 ) t;
@@ -968,10 +961,8 @@ FROM (
 -- notify_hints --
 -- params: channels, payloads
 -- Wake hints that go out whatever the queue holds (every kind but a dispatchers' wake, which
--- notify_batch checks first), many per statement (signals are hints: rule 6). Kept apart from
--- notify_batch because PostgreSQL plans that one afresh at every call (its cached plan never
--- wins the cost comparison) for 0.4 ms, mostly its queue check; this one plans in microseconds,
--- and the journal's hints, most of the hints sent, never need the check.
+-- notify_batch checks first), many per statement (signals are hints: rule 6): the journal's
+-- hints, most of those sent, need no check at all.
 SELECT count(pg_notify(h.channel, h.payload)) AS hints
 FROM unnest($1::text[], $2::text[]) AS h (channel, payload);
 
