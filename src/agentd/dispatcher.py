@@ -33,11 +33,9 @@ from agentd.queue import (
     Hint,
     LeaseLost,
     SeqConflict,
-    claim_hints,
     claim_runs,
     claim_runs_beside_enqueue,
     finish_run,
-    open_turn_in_claim,
 )
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunErrorCode, RunStatus
@@ -231,15 +229,19 @@ class Reservation:
 
     async def claim(self, conn: Conn, run_id: UUID) -> list[Claim]:
         d = self._dispatcher
-        claims = await claim_runs_beside_enqueue(
+        return await claim_runs_beside_enqueue(
             conn, run_id, worker_id=d._worker_id, lease_ttl_s=d._settings.lease_ttl_s,
             default_max_running=d._settings.account_max_running)
-        # The turn's first read too, while the transaction is under way: after the commit it
-        # would be one more round trip, made by then beside the feeds' reads and the hints.
-        return [await open_turn_in_claim(conn, claim) for claim in claims]
 
     def settle(self, committed: Sequence[Claim]) -> None:
-        """Start what committed, give the slot back if nothing did, and announce the runs."""
+        """Start what committed, and give the slot back if nothing did.
+
+        No hint announces the runs' run_started, as the claim loop's claims do (claim_hints):
+        it committed with the run itself and with the conversation's wake, so every reader
+        finds it in its first read of the run. A run tail opens only once the post has
+        answered; a conversation feed, here or in another process, learns of the run from that
+        wake. The hint's NOTIFY would cost a transaction, and its commit a WAL flush, on the
+        path to the turn's first token."""
         if self._settled:
             return
         self._settled = True
@@ -249,6 +251,3 @@ class Reservation:
         d._release(1 - len(committed))
         d._beside = None
         d._beside_settled.set()
-        if d._hint is not None:
-            for channel, payload in claim_hints(committed):
-                d._hint(channel, payload)

@@ -159,14 +159,8 @@ class TurnRunner:
                 # moments ago can have expired since: docs/architecture.md, lease and fence).
                 # A read, not a renewal: the claim just granted a full lease, and a write here
                 # would put one more synchronous commit in front of every turn.
-                # One round trip with the transcript the model is about to read, unless the
-                # claim's own transaction made it (beside an enqueue) well within the lease.
-                opened = claim.opened
-                if opened is not None and \
-                        time.monotonic() - opened.read_at < self._settings.lease_ttl_s / 2:
-                    beat, transcript = opened.beat, list(opened.transcript)
-                else:
-                    beat, transcript = await open_turn(self._pool, claim)
+                # One round trip with the transcript the model is about to read.
+                beat, transcript = await open_turn(self._pool, claim)
             except LeaseLost:
                 log.warning("lease gone before the turn started; standing down", extra=ctx)
                 return False

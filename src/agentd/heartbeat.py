@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -40,11 +38,6 @@ log = logging.getLogger("agentd.heartbeat")
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4)  # after a failed beat; then every RETRY_CAP_S at most
 RETRY_CAP_S = 1.0
-# Stop hints for runs not held (yet) are remembered this long, this many at most: a run whose
-# first read was made in its claim's transaction is held only after that commit, and a stop
-# committed in between must still reach it within a beat, not at the next one.
-UNHELD_STOP_S = 10.0
-UNHELD_STOPS = 1024
 # How long the retry of a locked run may wait for its row (a mid-append lock lasts milliseconds;
 # a transaction frozen with its process must not hold up the next beat).
 STRAGGLER_LOCK_TIMEOUT_MS = 500
@@ -74,8 +67,6 @@ class LeaseKeeper:
         self._metrics = metrics
         self._report = report
         self._held: dict[UUID, HeldRun] = {}
-        self._cancels: Subscription | None = None
-        self._unheld_stops: OrderedDict[str, float] = OrderedDict()  # run -> when heard
         self._conn: asyncpg.Connection | None = None
         self._task: asyncio.Task[None] | None = None
         self._failures = 0
@@ -105,12 +96,6 @@ class LeaseKeeper:
         if claim.cancel_requested:
             held.cancel.set()
         self._held[claim.run_id] = held
-        heard = self._unheld_stops.pop(str(claim.run_id), None)
-        if heard is not None and time.monotonic() - heard < UNHELD_STOP_S and \
-                self._cancels is not None:
-            # A stop hint came before this run was held: beat at once, as for a held run's
-            # (the flag is read from the row).
-            self._cancels.deliver(str(claim.run_id))
         return held
 
     def release(self, run_id: UUID) -> None:
@@ -121,7 +106,6 @@ class LeaseKeeper:
     async def _beat_forever(self) -> None:
         loop = asyncio.get_running_loop()
         async with self._hub.subscribe(Channel.RUN_CANCEL) as cancels:
-            self._cancels = cancels
             due = loop.time()
             while True:
                 await self._until(due, cancels)
@@ -141,18 +125,9 @@ class LeaseKeeper:
         loop = asyncio.get_running_loop()
         while (left := due - loop.time()) > 0:
             hints = await cancels.wait(left)
-            held = self._held_keys()
-            if RECONNECTED in hints or any(hint in held for hint in hints):
+            if RECONNECTED in hints or any(
+                    hint in self._held_keys() for hint in hints):
                 return
-            self._remember_unheld(hints)
-
-    def _remember_unheld(self, hints: set[str]) -> None:
-        now = time.monotonic()
-        for hint in hints:
-            self._unheld_stops[hint] = now
-            self._unheld_stops.move_to_end(hint)
-        while len(self._unheld_stops) > UNHELD_STOPS:
-            self._unheld_stops.popitem(last=False)
 
     def _held_keys(self) -> set[str]:
         return {str(run_id) for run_id in self._held}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -86,23 +85,12 @@ class Claim:
     last_seq: int
     created_at: datetime | None = None  # when it was enqueued (database clock)
     started_at: datetime | None = None  # when this claim started it (database clock)
-    opened: OpenedTurn | None = None  # its turn's first read, when the claim's transaction made it
 
 
 @dataclass(frozen=True, slots=True)
 class Beat:
     cancel_requested: bool
     lease_expires_at: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class OpenedTurn:
-    """A turn's first read (`open_turn`), made inside the transaction that claimed it; `read_at`
-    says when, on this process's monotonic clock."""
-
-    beat: Beat
-    transcript: tuple[asyncpg.Record, ...]
-    read_at: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +341,7 @@ async def notify_batch(db: Db, hints: Sequence[tuple[Channel, str]]
     """Send wake hints in one statement: for rows already committed, or, inside the transaction
     that wrote them, to commit with them. Returns those sent: a dispatchers' wake (RUN_ENQUEUED)
     goes out only while its conversation's account has a turn queued; a batch without one
-    goes by the statement that makes no such check (notify_hints: far cheaper to plan)."""
+    goes by the statement that checks nothing (notify_hints)."""
     channels, payloads = [str(c) for c, _ in hints], [p for _, p in hints]
     if Channel.RUN_ENQUEUED not in (c for c, _ in hints):
         await db.execute(*Q.notify_hints.bind(channels=channels, payloads=payloads))
@@ -504,17 +492,6 @@ async def open_turn(db: Db, claim: Claim) -> tuple[Beat, list[asyncpg.Record]]:
     if not rows:
         raise LeaseLost(claim.run_id, "lease check")
     return Beat(rows[0]["cancel_requested"], rows[0]["lease_expires_at"]), rows
-
-
-async def open_turn_in_claim(db: Db, claim: Claim) -> Claim:
-    """The claim with its turn's first read made now, in the transaction that claimed it (the
-    claim beside an enqueue), so its executor starts without a round trip of its own; the claim
-    as it was should the read find nothing (the executor then reads, and stands down)."""
-    try:
-        beat, rows = await open_turn(db, claim)
-    except LeaseLost:
-        return claim
-    return dataclasses.replace(claim, opened=OpenedTurn(beat, tuple(rows), time.monotonic()))
 
 
 async def append_events(db: Db, claim: Claim, events: Sequence[NewEvent], *,

@@ -13,14 +13,7 @@ from uuid import UUID
 
 import asyncpg
 
-from agentd.queue import (
-    Claim,
-    claim_runs,
-    claim_runs_beside_enqueue,
-    finish_run,
-    open_turn,
-    open_turn_in_claim,
-)
+from agentd.queue import Claim, claim_runs, claim_runs_beside_enqueue, finish_run
 from agentd.vocabulary import RunStatus
 from tests.integration.helpers import connections, race, raise_unexpected
 from tests.integration.test_claim_races import assert_no_violations
@@ -68,30 +61,6 @@ async def test_the_turn_starts_in_the_commit_that_wrote_it(dsn: str) -> None:
             (1, "user_message"), (2, "run_queued"), (3, "run_started")]
         assert claim.last_seq == 3
         await assert_no_violations(other, "after the commit")
-
-
-async def test_the_turns_first_read_is_made_in_the_claims_own_transaction(dsn: str) -> None:
-    """The executor of a turn claimed beside its enqueue starts from a read made before the
-    commit: the same lease check and transcript it would read after it, one round trip fewer."""
-    async with connections(dsn, 2) as (conn, other):
-        tenant = await new_tenant(conn)
-        earlier = await enqueue(conn, tenant.account_id, tenant.conversation_id, "earlier")
-        [first] = await claim_runs(conn, worker_id="w", lease_ttl_s=LEASE_S)
-        await finish_run(conn, first, RunStatus.COMPLETED, seq=first.last_seq + 1,
-                         content="an answer")
-        async with conn.transaction():
-            run = await enqueue(conn, tenant.account_id, tenant.conversation_id, "now")
-            [claim] = await claim_runs_beside_enqueue(conn, run.run_id, worker_id="w",
-                                                      lease_ttl_s=LEASE_S)
-            claim = await open_turn_in_claim(conn, claim)
-        opened = claim.opened
-        assert opened is not None and earlier.run_id != run.run_id
-        beat, rows = await open_turn(other, claim)  # what the executor would read now
-        assert [tuple(r) for r in opened.transcript] == [tuple(r) for r in rows]
-        assert [(r["role"], r["content"]) for r in rows] == [
-            ("user", "earlier"), ("assistant", "an answer"), ("user", "now")]
-        assert (opened.beat.cancel_requested, opened.beat.lease_expires_at) == (
-            beat.cancel_requested, beat.lease_expires_at) == (False, claim.lease_expires_at)
 
 
 async def test_a_claim_that_cannot_get_its_locks_leaves_the_enqueue_whole(dsn: str) -> None:

@@ -20,7 +20,7 @@ from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
 from agentd.queue import Claim, finish_run
 from agentd.settings import Settings
-from agentd.vocabulary import RunStatus
+from agentd.vocabulary import Channel, RunStatus
 from tests.integration.helpers import DEFAULT_TIMEOUT_S
 from tests.support.daemon import poll_until
 from tests.support.factories import enqueue, new_tenant
@@ -119,6 +119,54 @@ async def test_slots_for_claims_beside_enqueues_are_free_ones_one_at_a_time(
 
     off = _dispatcher(pool, hub, run_turn, claim_on_enqueue=False)
     assert await off.reserve() is None
+
+
+async def test_a_turn_claimed_beside_its_enqueue_is_announced_by_that_commit_alone(
+        pool: asyncpg.Pool, hub: Hub, dsn: str) -> None:
+    """The claim beside an enqueue sends no run_event hint for its run_started: that row
+    committed with the run and with the conversation's wake, so a feed elsewhere, woken by
+    that wake, finds it in its first read (and a run tail opens only after the post answers).
+    A hint would cost one more transaction on the way to the first token."""
+    started, run_turn = _recording_turns(pool)
+    hints: list[tuple[Channel, str]] = []
+    tenant = await new_tenant(pool)
+    listener = await asyncpg.connect(dsn)  # a feed in another process, as the hub hears it
+    heard: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+    try:
+        for channel in (Channel.CONVERSATION, Channel.RUN_EVENT):
+            await listener.add_listener(str(channel),
+                                        lambda _c, _p, ch, payload: heard.put_nowait((ch, payload)))
+        metrics, settings = Metrics(), Settings()
+        load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
+                           max_pool_wait_s=settings.max_pool_wait_ms / 1000)
+        dispatcher = Dispatcher(pool, hub, settings, "vm:dispatcher-test", run_turn, load, metrics,
+                                hint=lambda channel, payload: hints.append((channel, payload)))
+        slot = await dispatcher.reserve()
+        assert slot is not None
+        async with pool.acquire() as conn:
+            async with conn.transaction():
+                queued = await enqueue(conn, tenant.account_id, tenant.conversation_id, "now",
+                                       wake_dispatchers=False)
+                claims = await slot.claim(conn, queued.run_id)
+            slot.settle(claims)
+        assert [c.run_id for c in claims] == [queued.run_id]
+        assert (Channel.RUN_EVENT, str(queued.run_id)) not in hints
+        # The conversation's wake, then the first read a feed makes: run_started is there.
+        assert await asyncio.wait_for(heard.get(), DEFAULT_TIMEOUT_S) == (
+            str(Channel.CONVERSATION), str(tenant.conversation_id))
+        journal = await listener.fetch("SELECT seq, type FROM run_event WHERE run_id = $1 "
+                                       "ORDER BY seq", queued.run_id)
+        assert [(r["seq"], r["type"]) for r in journal][:3] == [
+            (1, "user_message"), (2, "run_queued"), (3, "run_started")]
+        await poll_until(lambda: _true(bool(started)), DEFAULT_TIMEOUT_S, interval=0.002,
+                         what="the turn to start")
+        await dispatcher.drain(DEFAULT_TIMEOUT_S)
+    finally:
+        await listener.close()
+
+
+async def _true(value: bool) -> bool:
+    return value
 
 
 def _recording_turns(pool: asyncpg.Pool) -> tuple[list[Claim],

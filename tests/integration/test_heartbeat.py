@@ -27,7 +27,6 @@ from agentd.queue import (
     stop_conversation,
 )
 from agentd.settings import Settings
-from agentd.vocabulary import Channel
 from tests.integration.helpers import DEFAULT_TIMEOUT_S, connections, race, wait_lease_expired
 from tests.integration.test_fencing import Staircase
 from tests.support.daemon import poll_until
@@ -203,34 +202,6 @@ async def test_the_keeper_tells_a_lost_run_and_a_stop_at_once(pool: asyncpg.Pool
         assert not stopping.lost.is_set()
         assert metrics.registry.get_sample_value("agentd_leases_lost_total") == 1
         assert len(kept) == 1  # the lost run is no longer beaten
-
-
-async def test_a_stop_heard_before_its_run_is_held_still_brings_a_beat_at_once(
-        pool: asyncpg.Pool, dsn: str) -> None:
-    """A turn claimed beside its enqueue is held once that transaction has committed (its first
-    read was made inside it): a stop committed in between is heard before the run is held, and
-    holding it then beats at once (the flag read from the row), not a heartbeat later."""
-    settings = Settings(lease_ttl_s=90, heartbeat_s=30)  # a beat within it came from the stop
-    [claim] = await claims(pool, 1)
-    async with keeper(dsn, settings) as (kept, _):
-        hub = kept._hub
-        await poll_until(lambda: _true(kept.beats == 1), DEFAULT_TIMEOUT_S, interval=0.002,
-                         what="the keeper's first beat")
-        [inbox] = hub.subscribers(Channel.RUN_CANCEL)
-        async with hub.subscribe(Channel.RUN_CANCEL, str(claim.run_id)) as heard:
-            await stop_conversation(pool, account_id=claim.account_id,
-                                    conversation_id=claim.conversation_id)
-            assert await heard.wait(DEFAULT_TIMEOUT_S), "the stop's hint never came"
-        # The same hint reached the keeper's inbox: it has taken it, for a run it did not hold.
-        await poll_until(lambda: _true(inbox.waiting and not inbox.pending()), DEFAULT_TIMEOUT_S,
-                         interval=0.002, what="the keeper to take the hint")
-        held = kept.hold(claim)
-        await asyncio.wait_for(held.cancel.wait(), DEFAULT_TIMEOUT_S)
-        assert kept.beats == 2
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def test_a_renewal_changes_no_indexed_column_so_it_can_write_no_index_entry(
