@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import asyncpg
 
@@ -40,6 +41,28 @@ async def start_run(pool: asyncpg.Pool) -> Claim:
     await enqueue(pool, tenant.account_id, tenant.conversation_id, "go")
     [claim] = await claim_runs(pool, worker_id="worker", lease_ttl_s=LONG_S)
     return claim
+
+
+@contextlib.asynccontextmanager
+async def own_run(pool: asyncpg.Pool, dsn: str) -> AsyncIterator[
+        tuple[Hub, Notifier, Claim, SharedReads, Emitter]]:
+    """A running turn whose journal this process writes as the daemon does: its batches go by
+    group commit and are handed to the process's shared reads, and its hints wake the process's
+    subscribers at once (the hub and the notifier, closed on exit)."""
+    hub = Hub(dsn)
+    await hub.start()
+    notifier = Notifier(pool, local=hub)
+    notifier.start()
+    try:
+        appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
+        claim = await start_run(pool)
+        reads = SharedReads(pool)
+        emitter = Emitter(pool, claim, flush_interval_s=3600, hint=notifier.notify_rows_at_hand,
+                          appends=appends, journaled=reads.journaled)
+        yield hub, notifier, claim, reads, emitter
+    finally:
+        await notifier.close()
+        await hub.close()
 
 
 async def test_tails_of_one_run_woken_together_cause_one_read_per_wake_and_get_exact_text(
@@ -166,49 +189,39 @@ async def test_tails_of_a_run_this_process_writes_are_handed_its_rows_and_read_n
     their first read they read nothing back, yet get every row as the journal holds it; a hint
     from elsewhere (another writer: here a finalizer's complete) still sends them to the
     database."""
-    hub = Hub(dsn)
-    await hub.start()
-    notifier = Notifier(pool, local=hub)
-    notifier.start()
-    appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
-    claim = await start_run(pool)
-    reads = SharedReads(pool)
-    emitter = Emitter(pool, claim, flush_interval_s=3600, hint=notifier.notify_rows_at_hand,
-                      appends=appends, journaled=reads.journaled)
-    got: list[list[Event]] = [[] for _ in range(3)]
+    async with own_run(pool, dsn) as (hub, _notifier, claim, reads, emitter):
+        got: list[list[Event]] = [[] for _ in range(3)]
 
-    async def tail(i: int) -> None:
-        async for event in run_tail(pool, hub, claim.run_id, claim.last_seq, keepalive_s=3600,
-                                    reads=reads):
-            if event is not None:
-                got[i].append(event)
+        async def tail(i: int) -> None:
+            async for event in run_tail(pool, hub, claim.run_id, claim.last_seq, keepalive_s=3600,
+                                        reads=reads):
+                if event is not None:
+                    got[i].append(event)
 
-    tasks = [asyncio.create_task(tail(i)) for i in range(3)]
-    try:
-        await emitter.delta("first ")
-        await poll_until(lambda: _true(all(len(g) == 1 for g in got)), DEFAULT_TIMEOUT_S,
-                         interval=0.002, what="every tail to get the first delta")
-        issued = reads.issued
-        for n in range(WAKES):
-            await emitter.delta(f"piece {n} ")
-            await emitter.flush()
-            await poll_until(lambda n=n: _true(all(len(g) == n + 2 for g in got)),
-                             DEFAULT_TIMEOUT_S, interval=0.002, what=f"every tail at {n}")
-        assert reads.issued == issued, "the writer's own rows were read back"
-        assert reads.served_held >= 3 * WAKES
-        # Another writer's row (a finalizer ending the run) announces itself by NOTIFY only.
-        stopped = await reap_now(pool, claim)
-        await poll_until(lambda: _true(all(g[-1].type == EventType.COMPLETE for g in got)),
-                         DEFAULT_TIMEOUT_S, interval=0.002, what="every tail at complete")
-        assert reads.issued > issued and stopped
-        journal = await read_events(pool, claim.run_id, after_seq=claim.last_seq)
-        for g in got:
-            assert [(e.seq, e.type, e.payload, e.created_at) for e in g] == \
-                [(e.seq, e.type, e.payload, e.created_at) for e in journal]
-    finally:
-        await _cancel(tasks)
-        await notifier.close()
-        await hub.close()
+        tasks = [asyncio.create_task(tail(i)) for i in range(3)]
+        try:
+            await emitter.delta("first ")
+            await poll_until(lambda: _true(all(len(g) == 1 for g in got)), DEFAULT_TIMEOUT_S,
+                             interval=0.002, what="every tail to get the first delta")
+            issued = reads.issued
+            for n in range(WAKES):
+                await emitter.delta(f"piece {n} ")
+                await emitter.flush()
+                await poll_until(lambda n=n: _true(all(len(g) == n + 2 for g in got)),
+                                 DEFAULT_TIMEOUT_S, interval=0.002, what=f"every tail at {n}")
+            assert reads.issued == issued, "the writer's own rows were read back"
+            assert reads.served_held >= 3 * WAKES
+            # Another writer's row (a finalizer ending the run) announces itself by NOTIFY only.
+            stopped = await reap_now(pool, claim)
+            await poll_until(lambda: _true(all(g[-1].type == EventType.COMPLETE for g in got)),
+                             DEFAULT_TIMEOUT_S, interval=0.002, what="every tail at complete")
+            assert reads.issued > issued and stopped
+            journal = await read_events(pool, claim.run_id, after_seq=claim.last_seq)
+            for g in got:
+                assert [(e.seq, e.type, e.payload, e.created_at) for e in g] == \
+                    [(e.seq, e.type, e.payload, e.created_at) for e in journal]
+        finally:
+            await _cancel(tasks)
 
 
 async def test_a_feed_hands_out_a_delta_while_its_conversation_re_read_is_under_way(
@@ -216,62 +229,53 @@ async def test_a_feed_hands_out_a_delta_while_its_conversation_re_read_is_under_
     """A conversation feed re-reads its conversation (lease, presence) when a turn starts or
     ends. A first delta committed meanwhile goes out at once, not after that re-read; a re-read
     asked for while one is under way (the turn ended) runs again once it is back."""
-    hub = Hub(dsn)
-    await hub.start()
-    notifier = Notifier(pool, local=hub)
-    notifier.start()
-    appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
-    claim = await start_run(pool)
-    reads = SharedReads(pool)
-    emitter = Emitter(pool, claim, flush_interval_s=3600, hint=notifier.notify_rows_at_hand,
-                      appends=appends, journaled=reads.journaled)
-    gate = asyncio.Event()  # the re-reads wait for it: one is under way until the test says
-    calls = 0
+    async with own_run(pool, dsn) as (hub, notifier, claim, reads, emitter):
+        gate = asyncio.Event()  # the re-reads wait for it: one is under way until the test says
+        calls = 0
 
-    async def recheck() -> Recheck:
-        nonlocal calls
-        calls += 1
-        asked = calls
-        await gate.wait()
-        return Recheck({"id": "kept"}, {"re_read": asked}, [])
+        async def recheck() -> Recheck:
+            nonlocal calls
+            calls += 1
+            asked = calls
+            await gate.wait()
+            return Recheck({"id": "kept"}, {"re_read": asked}, [])
 
-    items: list[FeedItem] = []
+        items: list[FeedItem] = []
 
-    async def feed() -> None:
-        async for item in conversation_feed(pool, hub, claim.conversation_id, FeedCursor(),
-                                            keepalive_s=3600, recheck=recheck,
-                                            meta_seen={"id": "kept"}, reads=reads):
-            items.append(item)
+        async def feed() -> None:
+            async for item in conversation_feed(pool, hub, claim.conversation_id, FeedCursor(),
+                                                keepalive_s=3600, recheck=recheck,
+                                                meta_seen={"id": "kept"}, reads=reads):
+                items.append(item)
 
-    def events(kind: EventType) -> list[FeedItem]:
-        return [i for i in items if i.event is not None and i.event.type == kind]
+        def events(kind: EventType) -> list[FeedItem]:
+            return [i for i in items if i.event is not None and i.event.type == kind]
 
-    task = asyncio.create_task(feed())
-    try:
-        # The first pass hands out the turn so far; its run_started asks for a re-read.
-        await poll_until(lambda: _true(calls == 1 and bool(events(EventType.RUN_STARTED))),
-                         DEFAULT_TIMEOUT_S, interval=0.002, what="the feed's first re-read")
-        await emitter.delta("first ")
-        await poll_until(lambda: _true(bool(events(EventType.CONTENT_DELTA))), DEFAULT_TIMEOUT_S,
-                         interval=0.002, what="the delta, while the re-read is under way")
-        assert calls == 1 and not [i for i in items if i.kind == "lease"]
-        # The turn ends while that re-read is still out: its ending needs a later one.
-        await finish_run(pool, claim, RunStatus.COMPLETED, seq=emitter.next_seq,
-                         content="first ", hint=notifier.notify)
-        await poll_until(lambda: _true(bool(events(EventType.COMPLETE))), DEFAULT_TIMEOUT_S,
-                         interval=0.002, what="the ending, while the re-read is under way")
-        assert calls == 1
-        gate.set()
-        await poll_until(lambda: _true(len([i for i in items if i.kind == "lease"]) == 2),
-                         DEFAULT_TIMEOUT_S, interval=0.002, what="both re-reads' leases")
-        assert [i.data for i in items if i.kind == "lease"] == [{"re_read": 1}, {"re_read": 2}]
-        assert calls == 2
-        assert [i.event.payload["delta"] for i in events(EventType.CONTENT_DELTA)
-                if i.event is not None] == ["first "]
-    finally:
-        await _cancel([task])
-        await notifier.close()
-        await hub.close()
+        task = asyncio.create_task(feed())
+        try:
+            # The first pass hands out the turn so far; its run_started asks for a re-read.
+            await poll_until(lambda: _true(calls == 1 and bool(events(EventType.RUN_STARTED))),
+                             DEFAULT_TIMEOUT_S, interval=0.002, what="the feed's first re-read")
+            await emitter.delta("first ")
+            await poll_until(lambda: _true(bool(events(EventType.CONTENT_DELTA))),
+                             DEFAULT_TIMEOUT_S, interval=0.002,
+                             what="the delta, while the re-read is under way")
+            assert calls == 1 and not [i for i in items if i.kind == "lease"]
+            # The turn ends while that re-read is still out: its ending needs a later one.
+            await finish_run(pool, claim, RunStatus.COMPLETED, seq=emitter.next_seq,
+                             content="first ", hint=notifier.notify)
+            await poll_until(lambda: _true(bool(events(EventType.COMPLETE))), DEFAULT_TIMEOUT_S,
+                             interval=0.002, what="the ending, while the re-read is under way")
+            assert calls == 1
+            gate.set()
+            await poll_until(lambda: _true(len([i for i in items if i.kind == "lease"]) == 2),
+                             DEFAULT_TIMEOUT_S, interval=0.002, what="both re-reads' leases")
+            assert [i.data for i in items if i.kind == "lease"] == [{"re_read": 1}, {"re_read": 2}]
+            assert calls == 2
+            assert [i.event.payload["delta"] for i in events(EventType.CONTENT_DELTA)
+                    if i.event is not None] == ["first "]
+        finally:
+            await _cancel([task])
 
 
 async def reap_now(pool: asyncpg.Pool, claim: Claim) -> bool:
