@@ -958,14 +958,6 @@ FROM (
     FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS h (channel, payload, n)
 ) t;
 
--- notify_hints --
--- params: channels, payloads
--- Wake hints that go out whatever the queue holds (every kind but a dispatchers' wake, which
--- notify_batch checks first), many per statement (signals are hints: rule 6): the journal's
--- hints, most of those sent, need no check at all.
-SELECT count(pg_notify(h.channel, h.payload)) AS hints
-FROM unnest($1::text[], $2::text[]) AS h (channel, payload);
-
 -- create_pairing --
 -- params: code_hash, account_id, device_name, created_by, ttl_s
 -- A one-time code, stored only as its hash, valid until a deadline on the database clock.

@@ -340,13 +340,9 @@ async def notify_batch(db: Db, hints: Sequence[tuple[Channel, str]]
                        ) -> list[tuple[Channel, str]]:
     """Send wake hints in one statement: for rows already committed, or, inside the transaction
     that wrote them, to commit with them. Returns those sent: a dispatchers' wake (RUN_ENQUEUED)
-    goes out only while its conversation's account has a turn queued; a batch without one
-    goes by the statement that checks nothing (notify_hints)."""
-    channels, payloads = [str(c) for c, _ in hints], [p for _, p in hints]
-    if Channel.RUN_ENQUEUED not in (c for c, _ in hints):
-        await db.execute(*Q.notify_hints.bind(channels=channels, payloads=payloads))
-        return list(hints)
-    sent = await db.fetchval(*Q.notify_batch.bind(channels=channels, payloads=payloads))
+    goes out only while its conversation's account has a turn queued."""
+    sent = await db.fetchval(*Q.notify_batch.bind(channels=[str(c) for c, _ in hints],
+                                                  payloads=[p for _, p in hints]))
     return [hints[n - 1] for n in sent]
 
 

@@ -222,12 +222,10 @@ def test_every_notify_channel_in_the_queries_is_a_vocabulary_channel() -> None:
     assert len(literals) >= 4, literals  # the scan itself found the statements' channels
     assert literals <= {str(c) for c in Channel}, literals - {str(c) for c in Channel}
     # No channel is ever named by a non-literal expression the scan above would miss, except
-    # in notify_batch and notify_hints, whose channels are typed as vocabulary.Channel by their
-    # only caller (queue.notify_batch).
-    batch, hints = Q.notify_batch.sql, Q.notify_hints.sql
-    rest = text.replace(batch, "").replace(hints, "")
+    # in notify_batch, whose channels are typed as vocabulary.Channel by its only callers.
+    batch = Q.notify_batch.sql
+    rest = text.replace(batch, "")
     assert batch in text and "pg_notify(t.channel" in batch
-    assert hints in text and "pg_notify(h.channel" in hints
     # The channel notify_batch singles out (the dispatchers' wake, sent only with work queued).
     assert set(re.findall(r"channel = '([^']*)'", batch)) == {str(Channel.RUN_ENQUEUED)}
     assert len(re.findall(r"pg_notify\(", rest)) == len(re.findall(r"pg_notify\(\s*'", rest))
