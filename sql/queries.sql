@@ -6,93 +6,22 @@
 -- "Rule N" is rule N of docs/architecture.md ("The rules and where they live").
 
 -- enqueue_runs --
--- params: account_id, conversation_ids, device_id, contents, requests, request_hashes, idempotency_keys, default_max_queued, wake_dispatchers
--- A run is a row (docs/architecture.md rule 1): for each item, the user message, the run,
--- journal seq 1-2 and the wake commit in ONE statement (with every other item of the call).
--- Items are numbered by their place in the arrays; the answer has one row per item.
--- Each conversation is updated first (its updated_at, the conversation list's order), which
--- also locks it: runs of one conversation get created_at in commit order (a conversation feed's
--- watermark relies on it), on_busy checks serialize with us, and items of one conversation are
--- inserted in item order. The row is touched once, lock and update in one step: locking it and
--- updating it later in the statement deadlocked enqueues into one conversation (the update went
--- back to the version the statement began with, where a rival was queued waiting for us;
--- tests/integration/test_enqueue.py). So a post that creates no turn (a full queue, a replayed
--- key) moves updated_at too, unless its caller's transaction rolls back. A call naming several
--- conversations locks them in the order the plan meets them, and two such calls can deadlock;
--- the daemon's calls name one.
--- Bounded: the call takes distinct free queue slots of its account for its turns at once
--- (take_queue_slots, sql/012), so no race can overshoot max_queued ($8 when the account sets
--- none), enqueues of one account never wait for each other, and no insert is turned away for
--- its slot; a turn whose idempotency key is taken already needs none. ON CONFLICT DO NOTHING: a
--- repeated idempotency key inserts nothing (a unique index arbitrates, even mid-flight). The
--- answer says which: `conversation` false = no such conversation here; `slot` NULL = no free
--- slot (the queue is full) or a key already used; `id` NULL with a slot = its key was used
--- meanwhile (earlier in this call, or by a rival that committed first).
--- The wake: the conversation's feeds always; the dispatchers unless $9 is false, for a caller
--- that claims beside the enqueue in the same transaction and wakes them itself (notify_batch,
--- before its commit) only if the turn is left queued: a turn started there needs no claim loop.
-WITH item AS (
-    SELECT i.*
-    FROM unnest($2::uuid[], $4::text[], $5::text[], $6::text[], $7::text[])
-        WITH ORDINALITY AS i (conversation_id, content, request, request_hash, idempotency_key,
-                              n)
-), conv AS (
-    UPDATE conversation c SET updated_at = clock_timestamp()
-    FROM account a
-    WHERE a.id = c.account_id AND c.id = ANY ($2::uuid[]) AND c.account_id = $1::uuid
-    RETURNING c.id, c.account_id, coalesce(a.max_queued, $8::int) AS max_queued
-), asking AS (
-    SELECT item.*, conv.account_id, conv.max_queued, gen_random_uuid() AS message_id,
-           row_number() OVER (ORDER BY item.n) AS place
-    FROM item JOIN conv ON conv.id = item.conversation_id
-    WHERE item.idempotency_key IS NULL OR NOT EXISTS (
-        SELECT 1 FROM agent_run used
-        WHERE used.account_id = $1::uuid AND used.idempotency_key = item.idempotency_key)
-), slots AS (
-    SELECT take_queue_slots($1::uuid, (SELECT max(conv.max_queued) FROM conv),
-                            (SELECT count(*) FROM asking)::int) AS taken
-), slotted AS (
-    SELECT asking.*, (SELECT slots.taken FROM slots)[asking.place] AS slot
-    FROM asking
-), run AS (
-    INSERT INTO agent_run (account_id, conversation_id, user_message_id, origin_device_id,
-                           request, request_hash, idempotency_key, created_at, slot)
-    SELECT s.account_id, s.conversation_id, s.message_id, $3::uuid, s.request::jsonb,
-           s.request_hash, s.idempotency_key, clock_timestamp(), s.slot
-    FROM slotted s
-    WHERE s.slot IS NOT NULL
-    ORDER BY s.n
-    ON CONFLICT DO NOTHING
-    RETURNING id, conversation_id, user_message_id, status, created_at
-), msg AS (
-    INSERT INTO message (id, conversation_id, run_id, role, content, status)
-    SELECT r.user_message_id, r.conversation_id, r.id, 'user', s.content, 'queued'
-    FROM run r JOIN slotted s ON s.message_id = r.user_message_id
-    ORDER BY s.n
-), journal AS (
-    INSERT INTO run_event (run_id, seq, type, payload)
-    SELECT r.id, e.seq, e.type, e.payload
-    FROM run r JOIN slotted s ON s.message_id = r.user_message_id
-    CROSS JOIN LATERAL (VALUES
-        (1, 'user_message', jsonb_build_object(
-            'message_id', r.user_message_id, 'role', 'user', 'content', s.content)),
-        (2, 'run_queued', jsonb_build_object(
-            'run_id', r.id, 'conversation_id', r.conversation_id, 'device_id', $3::uuid,
-            'device', (SELECT d.name FROM device d WHERE d.id = $3::uuid)))
-    ) AS e (seq, type, payload)
-), woken AS (
-    SELECT count(CASE WHEN $9::boolean
-                      THEN pg_notify('agentd_run_enqueued', w.conversation_id::text) END)
-         + count(pg_notify('agentd_conversation', w.conversation_id::text)) AS hints
-    FROM (SELECT DISTINCT r.conversation_id FROM run r) w
-)
-SELECT item.n, conv.id IS NOT NULL AS conversation, s.slot, conv.max_queued, r.id, r.status,
-       r.user_message_id, r.created_at, (SELECT hints FROM woken) AS hints
-FROM item
-LEFT JOIN conv ON conv.id = item.conversation_id
-LEFT JOIN slotted s ON s.n = item.n
-LEFT JOIN run r ON r.user_message_id = s.message_id
-ORDER BY item.n;
+-- params: account_id, conversation_ids, device_id, contents, requests, request_hashes, idempotency_keys, default_max_queued
+-- A run is a row (docs/architecture.md rule 1): for each turn, the user message, the run,
+-- journal seq 1-2 and the wake commit in ONE statement, with every other turn of the call,
+-- within the account's queued limit, a repeated idempotency key inserting nothing; one answer
+-- row per turn, in order (the enqueue_runs function, sql/019, says how).
+SELECT * FROM enqueue_runs($1::uuid, $2::uuid[], $3::uuid, $4::text[], $5::text[], $6::text[],
+                           $7::text[], $8::int, true);
+
+-- post_turn --
+-- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key, default_max_queued, worker_id, lease_ttl_s, default_max_running
+-- A client's post: one turn enqueued in ONE statement (sql/019) that writes nothing at all
+-- when it refuses the turn, and, with a worker_id (a free slot of the posting process), claimed
+-- beside its enqueue: it starts in that commit only when the fair claim picks it (sql/015),
+-- else it stays queued and the claim loops are woken; the enqueue never fails for the claim.
+SELECT * FROM post_turn($1::uuid, $2::uuid, $3::uuid, $4::text, $5::text, $6::text, $7::text,
+                        $8::int, $9::text, $10::float8, $11::int);
 
 -- find_run_by_idempotency_key --
 -- params: account_id, idempotency_key
@@ -112,14 +41,6 @@ WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 -- database clock, takes the conversation lease (a live holder aborts the whole claim: no half
 -- claim can commit) and journals run_started; last_seq is that event's seq.
 SELECT * FROM claim_runs($1::text, $2::float8, $3::int, $4::int);
-
--- claim_runs_beside_enqueue --
--- params: worker_id, lease_ttl_s, default_max_running, run_id
--- The same claim, sent inside an enqueue's transaction (service.Service.create_run), so the turn
--- just written can start in the same commit; kept only when the fair claim picks that turn
--- (sql/015). Only the claim rolls back when it picks another, loses a race or waits past
--- lock_timeout: the enqueue never fails for it.
-SELECT * FROM claim_runs_beside_enqueue($1::text, $2::float8, $3::int, $4::uuid);
 
 -- beat --
 -- params: worker_id, host, pid, listen, version, lease_ttl_s, runs_in_flight, max_runs, loop_lag_ms, pool_wait_ms, admitting, run_ids, claim_tokens

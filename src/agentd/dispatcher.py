@@ -19,22 +19,20 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from uuid import UUID
 
 import asyncpg
 
-from agentd.db import Conn
 from agentd.failures import RunFailure, failure, log_failure
 from agentd.hub import Hub
 from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
 from agentd.queue import (
     Claim,
+    ClaimBeside,
     Hint,
     LeaseLost,
     SeqConflict,
     claim_runs,
-    claim_runs_beside_enqueue,
     finish_run,
 )
 from agentd.settings import Settings
@@ -219,19 +217,16 @@ class Dispatcher:
 
 
 class Reservation:
-    """One slot, taken by Dispatcher.reserve for a claim inside an enqueue's transaction.
-    `claim` runs in that transaction; `settle` is called once whatever happened to it, with the
-    claims that committed (none if the transaction rolled back)."""
+    """One slot, taken by Dispatcher.reserve for a claim beside an enqueue, made by the
+    enqueue's own statement (queue.post_turn) on the dispatcher's `terms`; `settle` is called
+    once whatever happened to it, with the claims that committed (none if nothing did)."""
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         self._dispatcher = dispatcher
         self._settled = False
-
-    async def claim(self, conn: Conn, run_id: UUID) -> list[Claim]:
-        d = self._dispatcher
-        return await claim_runs_beside_enqueue(
-            conn, run_id, worker_id=d._worker_id, lease_ttl_s=d._settings.lease_ttl_s,
-            default_max_running=d._settings.account_max_running)
+        settings = dispatcher._settings
+        self.terms = ClaimBeside(dispatcher._worker_id, settings.lease_ttl_s,
+                                 settings.account_max_running)
 
     def settle(self, committed: Sequence[Claim]) -> None:
         """Start what committed, and give the slot back if nothing did.

@@ -239,39 +239,40 @@ EnqueueOutcome = EnqueuedRun | QueueFull | ConversationNotFound | IdempotencyCon
 
 async def enqueue_runs(db: Db, *, account_id: UUID, runs: Sequence[NewRun],
                        device_id: UUID | None = None,
-                       default_max_queued: int = DEFAULT_MAX_QUEUED,
-                       wake_dispatchers: bool = True) -> list[EnqueueOutcome]:
+                       default_max_queued: int = DEFAULT_MAX_QUEUED) -> list[EnqueueOutcome]:
     """Enqueue several turns of one account in one statement (each a run, its message, journal
     seq 1-2 and a wake: a run is a row, docs/architecture.md); one outcome per turn, in order:
     the run, or the QueueFull / ConversationNotFound / IdempotencyConflict that refused it
     (no turn written for it; its conversation's updated_at may move). The turns are created in
     the order asked. Each conversation's row is locked by updating it, in no fixed order: two
     calls naming several of the same conversations can deadlock (one rolls back whole).
-    Without `wake_dispatchers` the claim loops are not woken: the caller claims beside the
-    enqueue in its transaction and wakes them there (notify_batch) if a turn is left queued."""
+    Every process's claim loop is woken: post_turn is the enqueue that claims beside itself."""
     digests = [request_hash(r.conversation_id, r.content, r.request) for r in runs]
     rows = await db.fetch(*Q.enqueue_runs.bind(
         account_id=account_id, conversation_ids=[r.conversation_id for r in runs],
         device_id=device_id, contents=[r.content for r in runs],
         requests=[json.dumps(r.request) for r in runs], request_hashes=digests,
         idempotency_keys=[r.idempotency_key for r in runs],
-        default_max_queued=default_max_queued, wake_dispatchers=wake_dispatchers))
-    outcomes: list[EnqueueOutcome] = []
-    for row, ask, digest in zip(rows, runs, digests, strict=True):
-        if not row["conversation"]:
-            outcomes.append(ConversationNotFound(str(ask.conversation_id)))
-        elif row["id"] is not None:
-            outcomes.append(EnqueuedRun(row["id"], RunStatus(row["status"]),
-                                        ask.conversation_id, True, row["user_message_id"]))
-        elif (replay := await _replay(db, account_id, ask, digest)) is not None:
-            outcomes.append(replay)  # a retried POST: its first run stands, full queue or not
-        elif row["slot"] is None:
-            outcomes.append(QueueFull(row["max_queued"]))
-        else:
-            # A slot is checked free under its lock before the insert, so only a writer that
-            # bypassed take_queue_slots could have taken it: a bug, not a race to retry.
-            raise RuntimeError(f"turn {row['n']} was not inserted and holds no replay")
-    return outcomes
+        default_max_queued=default_max_queued))
+    return [await _outcome(db, account_id, row, ask, digest)
+            for row, ask, digest in zip(rows, runs, digests, strict=True)]
+
+
+async def _outcome(db: Db, account_id: UUID, row: asyncpg.Record, ask: NewRun,
+                   digest: str) -> EnqueueOutcome:
+    """What the enqueue statement's answer row says happened to one turn."""
+    if not row["conversation"]:
+        return ConversationNotFound(str(ask.conversation_id))
+    if row["id"] is not None:
+        return EnqueuedRun(row["id"], RunStatus(row["status"]), ask.conversation_id, True,
+                           row["user_message_id"])
+    if (replay := await _replay(db, account_id, ask, digest)) is not None:
+        return replay  # a retried POST: its first run stands, full queue or not
+    if row["slot"] is None:
+        return QueueFull(row["max_queued"])
+    # A slot is checked free under its lock before the insert, so only a writer that bypassed
+    # take_queue_slots could have taken it: a bug, not a race to retry.
+    raise RuntimeError(f"turn {row['n']} was not inserted and holds no replay")
 
 
 async def _replay(db: Db, account_id: UUID, ask: NewRun,
@@ -290,18 +291,56 @@ async def _replay(db: Db, account_id: UUID, ask: NewRun,
 async def enqueue_run(db: Db, *, account_id: UUID, conversation_id: UUID, content: str,
                       request: dict[str, Any], device_id: UUID | None = None,
                       idempotency_key: str | None = None,
-                      default_max_queued: int = DEFAULT_MAX_QUEUED,
-                      wake_dispatchers: bool = True) -> EnqueuedRun:
+                      default_max_queued: int = DEFAULT_MAX_QUEUED) -> EnqueuedRun:
     """Enqueue one turn (enqueue_runs). Raises QueueFull (no turn written) when the account is
     at its queued limit, ConversationNotFound when the conversation is not the account's,
     IdempotencyConflict when the key was used for another request."""
     [outcome] = await enqueue_runs(
         db, account_id=account_id, device_id=device_id, default_max_queued=default_max_queued,
-        runs=[NewRun(conversation_id, content, request, idempotency_key)],
-        wake_dispatchers=wake_dispatchers)
+        runs=[NewRun(conversation_id, content, request, idempotency_key)])
     if isinstance(outcome, Exception):
         raise outcome
     return outcome
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimBeside:
+    """Who claims a turn beside its enqueue, and on what terms (claim_runs' own parameters)."""
+
+    worker_id: str
+    lease_ttl_s: float
+    default_max_running: int = DEFAULT_MAX_RUNNING
+
+
+async def post_turn(db: Db, *, account_id: UUID, turn: NewRun, claim: ClaimBeside | None,
+                    device_id: UUID | None = None,
+                    default_max_queued: int = DEFAULT_MAX_QUEUED
+                    ) -> tuple[EnqueuedRun, Claim | None]:
+    """Enqueue one turn as a client's post does, in ONE statement (sql/019), and with `claim`
+    (a free slot of this process) claim it beside its enqueue: it starts in the commit that
+    wrote it when the fair claim picks it, else it is left queued and the claim loops are woken.
+    The claim holds only once committed: at once on the pool, else at the caller's commit.
+    Raises as enqueue_run does; unlike it, a post refused so writes nothing at all."""
+    digest = request_hash(turn.conversation_id, turn.content, turn.request)
+    row = await fetch_one(db, *Q.post_turn.bind(
+        account_id=account_id, conversation_id=turn.conversation_id, device_id=device_id,
+        content=turn.content, request=json.dumps(turn.request), request_hash=digest,
+        idempotency_key=turn.idempotency_key, default_max_queued=default_max_queued,
+        worker_id=claim.worker_id if claim else None,
+        lease_ttl_s=claim.lease_ttl_s if claim else None,
+        default_max_running=claim.default_max_running if claim else None))
+    outcome = await _outcome(db, account_id, row, turn, digest)
+    if isinstance(outcome, Exception):
+        raise outcome
+    if row["claim_token"] is None:
+        return outcome, None
+    return outcome, Claim(
+        run_id=row["id"], account_id=account_id, conversation_id=turn.conversation_id,
+        user_message_id=row["user_message_id"], origin_device_id=device_id,
+        request=turn.request, claim_token=row["claim_token"], fence=row["fence"],
+        worker_id=row["worker_id"], lease_expires_at=row["lease_expires_at"],
+        cancel_requested=row["cancel_requested"], last_seq=row["last_seq"],
+        created_at=row["created_at"], started_at=row["started_at"])
 
 
 async def find_run_by_idempotency_key(db: Db, account_id: UUID,
@@ -374,20 +413,6 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
     claims = [_claim_from_row(row) for row in rows]
     await _send_hints(db, hint, claim_hints(claims))
     return claims
-
-
-async def claim_runs_beside_enqueue(conn: Conn, run_id: UUID, *, worker_id: str,
-                                    lease_ttl_s: float,
-                                    default_max_running: int = DEFAULT_MAX_RUNNING
-                                    ) -> list[Claim]:
-    """The same claim inside the caller's transaction (an enqueue's), kept only when it picks
-    `run_id`, the turn that enqueue wrote: it then starts in that commit. Picking another turn,
-    losing a race or a lock wait claims nothing and leaves the rest of the transaction intact;
-    the caller sends the run's hints once it has committed."""
-    rows = await conn.fetch(*Q.claim_runs_beside_enqueue.bind(
-        worker_id=worker_id, lease_ttl_s=lease_ttl_s, default_max_running=default_max_running,
-        run_id=run_id))
-    return [_claim_from_row(row) for row in rows]
 
 
 def claim_hints(claims: Sequence[Claim]) -> list[tuple[Channel, str]]:

@@ -46,11 +46,11 @@ QUEUE_FULL_RETRY_AFTER_S = 10
 
 
 class ClaimSlot(Protocol):
-    """A slot of this process held for a claim inside an enqueue's transaction."""
+    """A slot of this process held for a claim beside an enqueue, in the enqueue's statement."""
 
-    async def claim(self, conn: Conn, run_id: UUID) -> list[queue.Claim]:
-        """Claim in `conn`'s transaction as the dispatcher would, keeping the claim only if it
-        picks `run_id` (the turn this transaction enqueued)."""
+    @property
+    def terms(self) -> queue.ClaimBeside:
+        """Who claims, and on what terms: the dispatcher's own."""
 
     def settle(self, committed: Sequence[queue.Claim]) -> None:
         """Called once, whatever happened: start what committed, else give the slot back."""
@@ -359,20 +359,6 @@ class Service:
         finally:
             slot.settle(committed)
 
-    async def _claim_beside(self, conn: Conn, created: CreatedRun,
-                            slot: ClaimSlot | None) -> CreatedRun:
-        """In the enqueue's transaction, once its turn is written: claim with the slot held.
-        The enqueue held back the claim loops' wake when a slot was held (`_enqueue`): a turn
-        started here needs no other claim loop (each, in every process, would claim nothing),
-        so they are woken, in the same commit, only for a turn left queued."""
-        if slot is None or created.replayed:
-            return created
-        claims = await slot.claim(conn, created.run_id)
-        if not claims:
-            await queue.notify_batch(conn, [(Channel.RUN_ENQUEUED, str(created.conversation_id))])
-            return created
-        return dataclasses.replace(created, started=tuple(claims), status=RunStatus.RUNNING)
-
     async def _create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                           idempotency_key: str | None, slot: ClaimSlot | None) -> CreatedRun:
         if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
@@ -392,15 +378,12 @@ class Service:
                                 ask.params)
         if "tool" in req.params:
             await self._check_tool(req.params["tool"])
-        if req.on_busy == "enqueue" and slot is None:
-            # One statement, one round trip: it locks the conversation row itself, checks the
-            # account, and lets the unique index arbitrate the idempotency key.
-            return await self._enqueue(self.pool, who, conversation_id, req, idempotency_key)
         if req.on_busy == "enqueue":
-            async with self.pool.acquire() as conn, conn.transaction():
-                created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
-                                              beside=slot)
-                return await self._claim_beside(conn, created, slot)
+            # One statement, one round trip, with the claim beside it when a slot is held: it
+            # locks the conversation row itself, checks the account, and lets the unique index
+            # arbitrate the idempotency key.
+            return await self._enqueue(self.pool, who, conversation_id, req, idempotency_key,
+                                       beside=slot)
         async with self.pool.acquire() as conn, conn.transaction():
             if not await convs.lock_conversation(conn, who.account_id, conversation_id):
                 raise not_found("conversation")
@@ -428,7 +411,6 @@ class Service:
                 drafts = stopped.drafts
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
                                           beside=slot)
-            created = await self._claim_beside(conn, created, slot)
         return dataclasses.replace(created, drafts=drafts)
 
     async def _check_tool(self, name: str) -> None:
@@ -483,7 +465,7 @@ class Service:
             assert created.user_message_id is not None
             await convs.supersede_exchange(conn, conversation_id, retried,
                                            created.user_message_id)
-            return await self._claim_beside(conn, created, slot)
+            return created
 
     async def _replay_retry(self, conn: Conn, who: Principal,
                             conversation_id: UUID, key: str, ask: RunAsk,
@@ -510,21 +492,22 @@ class Service:
     async def _enqueue(self, db: queue.Db, who: Principal, conversation_id: UUID,
                        req: RunRequest, idempotency_key: str | None, *,
                        beside: ClaimSlot | None = None) -> CreatedRun:
-        """Enqueue the turn. With `beside` (a slot held for a claim beside it), the claim loops
-        are not woken here: `_claim_beside`, which must follow in the same transaction, wakes
-        them if the turn is left queued."""
+        """Enqueue the turn in one statement that writes nothing if it refuses it
+        (queue.post_turn). With `beside` (a slot of this process held for it), that statement
+        claims it too when the fair claim picks it; the claim loops are woken only for a turn
+        left queued: one started here needs none of them. What the claim started is `started`,
+        valid once `db`'s transaction has committed."""
         if not model_allowed(str(req.model), who.models):
             raise ServiceError(403, "model_not_allowed",
                                f"model {str(req.model)!r} is {NOT_ALLOWED} "
                                f"(allowed: {', '.join(who.models or ())})",
                                model=str(req.model))
+        turn = queue.NewRun(conversation_id, req.content, req.snapshot(), idempotency_key)
         try:
-            run = await queue.enqueue_run(
-                db, account_id=who.account_id, conversation_id=conversation_id,
-                content=req.content, request=req.snapshot(), device_id=who.device_id,
-                idempotency_key=idempotency_key,
-                default_max_queued=self.settings.account_max_queued,
-                wake_dispatchers=beside is None)
+            run, claim = await queue.post_turn(
+                db, account_id=who.account_id, turn=turn,
+                claim=beside.terms if beside is not None else None, device_id=who.device_id,
+                default_max_queued=self.settings.account_max_queued)
         except queue.IdempotencyConflict as exc:
             raise _idempotency_conflict(exc.run_id) from None
         except queue.QueueFull as exc:
@@ -535,7 +518,8 @@ class Service:
         except queue.ConversationNotFound:
             raise not_found("conversation") from None
         return CreatedRun(run.run_id, run.status, run.conversation_id, not run.created,
-                          user_message_id=run.user_message_id)
+                          user_message_id=run.user_message_id,
+                          started=() if claim is None else (claim,))
 
     async def _replay(self, conn: Conn, who: Principal, conversation_id: UUID,
                       key: str, req: RunRequest) -> CreatedRun | None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import asyncpg
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentd.accounts import LimitChange, set_account_limits
@@ -19,7 +21,15 @@ from tests.support.factories import create_conversation
 from tests.support.sse import read_sse
 
 
-async def test_over_the_queued_limit_is_429_with_retry_after_and_nothing_written(api: Api):
+@pytest.mark.parametrize("claim_on_enqueue", [True, False],
+                         ids=["with a claim beside the enqueue", "without"])
+async def test_over_the_queued_limit_is_429_with_retry_after_and_nothing_written(
+        spawn_daemon, pool: asyncpg.Pool, claim_on_enqueue: bool):
+    async with started_api(spawn_daemon, pool, claim_on_enqueue=claim_on_enqueue) as api:
+        await _over_the_queued_limit(api)
+
+
+async def _over_the_queued_limit(api: Api) -> None:
     await set_account_limits(api.pool, "alice", LimitChange(change_queued=True, max_queued=2))
     busy = await create_conversation(api.a)
     first = await start_run(api.a, busy, "runs", SLOW)

@@ -1,4 +1,4 @@
-"""A claim inside the enqueue's own transaction (sql/015, dispatcher.Reservation): the
+"""A claim beside the enqueue, in its own statement (sql/015, sql/019, dispatcher.Reservation): the
 turn starts in the commit that wrote it when the fair claim picks it, the transaction keeps no lock
 of any other turn's, and the enqueue never fails for the claim.
 
@@ -8,16 +8,17 @@ its own connection, released together by a barrier, round after round.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from uuid import UUID
 
 import asyncpg
 
-from agentd.queue import Claim, claim_runs, claim_runs_beside_enqueue, finish_run
-from agentd.vocabulary import RunStatus
-from tests.integration.helpers import connections, race, raise_unexpected
+from agentd.queue import Claim, claim_runs, finish_run
+from agentd.vocabulary import Channel, RunStatus
+from tests.integration.helpers import DEFAULT_TIMEOUT_S, connections, race, raise_unexpected
 from tests.integration.test_claim_races import assert_no_violations
-from tests.support.factories import enqueue, new_conversation, new_tenant
+from tests.support.factories import enqueue, new_conversation, new_tenant, post_beside
 
 LEASE_S = 60.0
 ROUNDS = 200
@@ -31,10 +32,8 @@ async def _enqueue_and_claim(conn: asyncpg.Connection, account_id: UUID, convers
     """As service.Service.create_run does it: a deadlock's victim rolled back whole and enqueues
     again without a claim beside it. The third value says whether that happened."""
     try:
-        async with conn.transaction():
-            run = await enqueue(conn, account_id, conversation_id, content)
-            claims = await claim_runs_beside_enqueue(conn, run.run_id, worker_id=worker,
-                                                     lease_ttl_s=LEASE_S)
+        run, claims = await post_beside(conn, account_id, conversation_id, content, worker,
+                                        LEASE_S)
         return run.run_id, claims, False
     except asyncpg.DeadlockDetectedError:
         run = await enqueue(conn, account_id, conversation_id, content)
@@ -44,11 +43,10 @@ async def _enqueue_and_claim(conn: asyncpg.Connection, account_id: UUID, convers
 async def test_the_turn_starts_in_the_commit_that_wrote_it(dsn: str) -> None:
     async with connections(dsn, 2) as (conn, other):
         tenant = await new_tenant(conn)
-        async with conn.transaction():
-            run = await enqueue(conn, tenant.account_id, tenant.conversation_id, "now")
-            [claim] = await claim_runs_beside_enqueue(conn, run.run_id, worker_id="w",
-                                                      lease_ttl_s=LEASE_S)
-            assert claim.run_id == run.run_id
+        async with conn.transaction():  # as a retry's post does it: with the claim, in one
+            run, [claim] = await post_beside(conn, tenant.account_id, tenant.conversation_id,
+                                             "now", "w", LEASE_S)
+            assert claim.run_id == run.run_id and run.status == RunStatus.RUNNING
             # Nothing of it is visible before the commit: not queued, not running.
             assert await other.fetchval("SELECT count(*) FROM agent_run") == 0
         row = await other.fetchrow("SELECT status, claim_token, worker_id FROM agent_run "
@@ -73,10 +71,9 @@ async def test_a_claim_that_cannot_get_its_locks_leaves_the_enqueue_whole(dsn: s
             await holder.execute("SELECT 1 FROM account WHERE id = $1 FOR NO KEY UPDATE",
                                  tenant.account_id)
             await conn.execute("SET lock_timeout = '200ms'")
-            async with conn.transaction():
-                run = await enqueue(conn, tenant.account_id, tenant.conversation_id, "mine")
-                assert await claim_runs_beside_enqueue(conn, run.run_id, worker_id="w",
-                                                       lease_ttl_s=LEASE_S) == []
+            run, claims = await post_beside(conn, tenant.account_id, tenant.conversation_id,
+                                            "mine", "w", LEASE_S)
+            assert claims == [] and run.status == RunStatus.QUEUED
         assert await conn.fetchval("SELECT status FROM agent_run WHERE id = $1",
                                    run.run_id) == RunStatus.QUEUED
         assert await conn.fetchval("SELECT count(*) FROM run_event WHERE run_id = $1",
@@ -84,6 +81,26 @@ async def test_a_claim_that_cannot_get_its_locks_leaves_the_enqueue_whole(dsn: s
         [later] = await claim_runs(conn, worker_id="w", lease_ttl_s=LEASE_S)
         assert later.run_id == run.run_id
         await assert_no_violations(conn, "after the later claim")
+
+
+async def test_only_a_turn_left_queued_wakes_the_claim_loops(dsn: str) -> None:
+    """A turn started beside its enqueue needs no claim loop, so its post sends no dispatchers'
+    wake; one left queued (an older turn is next in line) sends it in the post's commit.
+    Notifications arrive in commit order, so a wake for the first post would come first."""
+    async with connections(dsn, 2) as (conn, listener):
+        heard: asyncio.Queue[str] = asyncio.Queue()
+        await listener.add_listener(str(Channel.RUN_ENQUEUED),
+                                    lambda *args: heard.put_nowait(args[3]))
+        tenant = await new_tenant(conn)
+        started, [claim] = await post_beside(conn, tenant.account_id, tenant.conversation_id,
+                                             "started", "w", LEASE_S)
+        assert claim.run_id == started.run_id
+        older, later = [await new_conversation(conn, tenant.account_id) for _ in range(2)]
+        await enqueue(conn, tenant.account_id, older, "next in line")
+        left, claims = await post_beside(conn, tenant.account_id, later, "left", "w", LEASE_S)
+        assert claims == [] and left.status == RunStatus.QUEUED
+        assert [await asyncio.wait_for(heard.get(), DEFAULT_TIMEOUT_S) for _ in range(2)] == [
+            str(older), str(later)]
 
 
 async def test_a_claim_beside_takes_only_its_own_turn_and_keeps_no_other_lock(dsn: str) -> None:
@@ -95,9 +112,9 @@ async def test_a_claim_beside_takes_only_its_own_turn_and_keeps_no_other_lock(ds
         first = await enqueue(conn, tenant.account_id, tenant.conversation_id, "first")
         mine = await new_conversation(conn, tenant.account_id)
         async with conn.transaction():
-            second = await enqueue(conn, tenant.account_id, mine, "second")
-            assert await claim_runs_beside_enqueue(conn, second.run_id, worker_id="w",
-                                                   lease_ttl_s=LEASE_S) == []
+            second, claims = await post_beside(conn, tenant.account_id, mine, "second", "w",
+                                               LEASE_S)
+            assert claims == []
             async with other.transaction():
                 await other.execute("SET LOCAL lock_timeout = '1s'")
                 await other.execute("SELECT 1 FROM conversation WHERE id = $1 FOR UPDATE",

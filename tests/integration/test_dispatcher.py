@@ -14,16 +14,16 @@ import asyncpg
 import pytest
 
 from agentd import dispatcher as dispatcher_module
-from agentd.dispatcher import Dispatcher
+from agentd.dispatcher import Dispatcher, Reservation
 from agentd.hub import Hub
 from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
-from agentd.queue import Claim, finish_run
+from agentd.queue import Claim, Db, EnqueuedRun, finish_run
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
 from tests.integration.helpers import DEFAULT_TIMEOUT_S
 from tests.support.daemon import poll_until
-from tests.support.factories import enqueue, new_tenant
+from tests.support.factories import Tenant, enqueue, new_tenant, post_beside
 from tests.support.journal import run_row
 
 
@@ -66,9 +66,8 @@ async def test_a_drain_begun_during_a_claim_beside_an_enqueue_runs_what_it_commi
     slot = await dispatcher.reserve()
     assert slot is not None
     async with pool.acquire() as conn:
-        async with conn.transaction():
-            queued = await enqueue(conn, tenant.account_id, tenant.conversation_id, "beside")
-            claims = await slot.claim(conn, queued.run_id)
+        async with conn.transaction():  # held open: the post's statement has run, not committed
+            queued, claims = await _post(conn, tenant, "beside", slot)
             stopping = asyncio.create_task(dispatcher.stop_claiming())
             await _drain_begun(dispatcher, "while the claim beside is open")
             assert await dispatcher.reserve() is None, "no claim beside once the drain began"
@@ -97,18 +96,14 @@ async def test_slots_for_claims_beside_enqueues_are_free_ones_one_at_a_time(
     first.settle([])  # nothing committed: the slot comes back
     again = await dispatcher.reserve()
     assert again is not None
-    async with pool.acquire() as conn, conn.transaction():
-        one = await enqueue(conn, tenant.account_id, tenant.conversation_id, "one")
-        claims = await again.claim(conn, one.run_id)
+    _, claims = await _post(pool, tenant, "one", again)
     again.settle(claims)
     assert len(claims) == 1 and len(dispatcher.in_flight) == 1
     # One slot of two is taken by the running turn: the other can still be reserved...
     last = await dispatcher.reserve()
     assert last is not None
     other = await new_tenant(pool)
-    async with pool.acquire() as conn, conn.transaction():
-        two = await enqueue(conn, other.account_id, other.conversation_id, "two")
-        claims = await last.claim(conn, two.run_id)
+    _, claims = await _post(pool, other, "two", last)
     last.settle(claims)
     assert len(dispatcher.in_flight) == 2
     # ...and with both running, none is free.
@@ -143,12 +138,8 @@ async def test_a_turn_claimed_beside_its_enqueue_is_announced_by_that_commit_alo
                                 hint=lambda channel, payload: hints.append((channel, payload)))
         slot = await dispatcher.reserve()
         assert slot is not None
-        async with pool.acquire() as conn:
-            async with conn.transaction():
-                queued = await enqueue(conn, tenant.account_id, tenant.conversation_id, "now",
-                                       wake_dispatchers=False)
-                claims = await slot.claim(conn, queued.run_id)
-            slot.settle(claims)
+        queued, claims = await _post(pool, tenant, "now", slot)
+        slot.settle(claims)
         assert [c.run_id for c in claims] == [queued.run_id]
         assert (Channel.RUN_EVENT, str(queued.run_id)) not in hints
         # The conversation's wake, then the first read a feed makes: run_started is there.
@@ -187,6 +178,13 @@ async def _drain_begun(dispatcher: Dispatcher, when: str) -> None:
         return dispatcher.draining
 
     await poll_until(begun, DEFAULT_TIMEOUT_S, interval=0.001, what=f"the drain to begin {when}")
+
+
+async def _post(db: Db, tenant: Tenant, content: str,
+                slot: Reservation) -> tuple[EnqueuedRun, list[Claim]]:
+    """A turn posted with the slot held, as the service posts it (queue.post_turn)."""
+    return await post_beside(db, tenant.account_id, tenant.conversation_id, content,
+                             slot.terms.worker_id, slot.terms.lease_ttl_s)
 
 
 def _dispatcher(pool: asyncpg.Pool, hub: Hub,

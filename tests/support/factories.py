@@ -13,7 +13,7 @@ import httpx
 from agentd import conversations
 from agentd.accounts import create_device_token, ensure_account
 from agentd.providers.demo import expected_answer
-from agentd.queue import EnqueuedRun, enqueue_run
+from agentd.queue import Claim, ClaimBeside, EnqueuedRun, NewRun, enqueue_run, post_turn
 from tests.support.daemon import Daemon
 from tests.support.sse import STREAM_TIMEOUT
 
@@ -46,6 +46,16 @@ async def enqueue(db: Db, account_id: UUID, conversation_id: UUID, content: str 
     request = kwargs.pop("request", {"content": content, "model": "demo"})
     return await enqueue_run(db, account_id=account_id, conversation_id=conversation_id,
                              content=content, request=request, **kwargs)
+
+
+async def post_beside(db: Db, account_id: UUID, conversation_id: UUID, content: str,
+                      worker_id: str, lease_ttl_s: float) -> tuple[EnqueuedRun, list[Claim]]:
+    """Post a demo turn as the daemon does with a free slot: enqueued and claimed beside its
+    enqueue in one statement (queue.post_turn); the claim, if the fair claim picked it."""
+    run, claim = await post_turn(
+        db, account_id=account_id, claim=ClaimBeside(worker_id, lease_ttl_s),
+        turn=NewRun(conversation_id, content, {"content": content, "model": "demo"}))
+    return run, [] if claim is None else [claim]
 
 
 @dataclass(frozen=True, slots=True)
