@@ -1,7 +1,8 @@
 -- A post of one turn in ONE statement: the enqueue, the claim beside it and, for a turn left
--- queued, the dispatchers' wake. Before, the daemon sent BEGIN, the enqueue, the claim and
--- COMMIT: four round trips, each a wake-up of the server's process and of the daemon's, on the
--- way to every turn's first token (docs/benchmarks.md, "Eleventh round").
+-- queued, the dispatchers' wake; for a turn started, the transcript its executor would read
+-- next. Before, the daemon sent BEGIN, the enqueue, the claim and COMMIT, then the executor
+-- its first read: five round trips, each a wake-up of the server's process and of the
+-- daemon's, on the way to every turn's first token (docs/benchmarks.md, "Eleventh round").
 --
 -- The enqueue moves from queries.sql into a function, unchanged, so that both the many-turn
 -- enqueue (queries.sql, enqueue_runs) and the one-statement post run the same statement; its
@@ -113,7 +114,9 @@ $$;
 -- enqueue (sql/015: kept only when the fair claim picks this very turn). A turn left queued
 -- (no slot, the claim picked another, lost a race, or the account is at its running limit)
 -- wakes the claim loops of every process in the same commit. The enqueue's answer comes with the
--- claim's columns, NULL when the turn was not claimed here.
+-- claim's columns and the transcript the turn's model reads first (what open_turn in queries.sql
+-- reads, one JSON object per message), NULL when the turn was not claimed here: the executor
+-- then starts without a read of its own.
 -- A post that writes no turn (no such conversation, a full queue, a key used already) changes
 -- nothing: the enqueue runs in a subtransaction, rolled back then, so the conversation's
 -- updated_at (the enqueue's lock on its row) does not move for a refused post.
@@ -125,7 +128,7 @@ RETURNS TABLE (n bigint, conversation boolean, slot integer, max_queued integer,
                id uuid, status text, user_message_id uuid, created_at timestamptz,
                hints bigint, claim_token uuid, fence bigint, worker_id text,
                lease_expires_at timestamptz, cancel_requested boolean,
-               started_at timestamptz, last_seq bigint)
+               started_at timestamptz, last_seq bigint, transcript jsonb)
 LANGUAGE plpgsql VOLATILE
 AS $$
 DECLARE
@@ -151,7 +154,7 @@ BEGIN
                             enqueued.max_queued, enqueued.id, enqueued.status,
                             enqueued.user_message_id, enqueued.created_at, 0::bigint,
                             NULL::uuid, NULL::bigint, NULL::text, NULL::timestamptz,
-                            NULL::boolean, NULL::timestamptz, NULL::bigint;
+                            NULL::boolean, NULL::timestamptz, NULL::bigint, NULL::jsonb;
         RETURN;
     END;
     IF worker IS NOT NULL THEN
@@ -163,7 +166,13 @@ BEGIN
                                 enqueued.user_message_id, enqueued.created_at, enqueued.hints,
                                 claimed.claim_token, claimed.fence, claimed.worker_id,
                                 claimed.lease_expires_at, claimed.cancel_requested,
-                                claimed.started_at, claimed.last_seq;
+                                claimed.started_at, claimed.last_seq,
+                                (SELECT jsonb_agg(jsonb_build_object(
+                                            'role', t.role, 'content', t.content,
+                                            'tool_calls', t.tool_calls,
+                                            'tool_call_id', t.tool_call_id) ORDER BY t.ordinality)
+                                 FROM turn_transcript(of_conversation, enqueued.user_message_id)
+                                     WITH ORDINALITY AS t);
             RETURN;
         END IF;
         PERFORM pg_notify('agentd_run_enqueued', of_conversation::text);
@@ -172,6 +181,6 @@ BEGIN
                         enqueued.id, enqueued.status, enqueued.user_message_id,
                         enqueued.created_at, enqueued.hints, NULL::uuid, NULL::bigint,
                         NULL::text, NULL::timestamptz, NULL::boolean, NULL::timestamptz,
-                        NULL::bigint;
+                        NULL::bigint, NULL::jsonb;
 END;
 $$;

@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -154,13 +154,21 @@ class TurnRunner:
         # heartbeat listens for stops of every run it holds).
         held = self._keeper.hold(claim)
         try:
+            transcript: Sequence[Mapping[str, Any] | asyncpg.Record] | None = claim.transcript
             try:
-                # The lease must still be live before any work starts (a claim granted
-                # moments ago can have expired since: docs/architecture.md, lease and fence).
-                # A read, not a renewal: the claim just granted a full lease, and a write here
-                # would put one more synchronous commit in front of every turn.
-                # One round trip with the transcript the model is about to read.
-                beat, transcript = await open_turn(self._pool, claim)
+                # A claim beside its post read the transcript in the post's own statement,
+                # moments ago: nothing to read (the lease is as fresh as a read would find it,
+                # every write is fenced anyway, and a stop committed since is a hint the
+                # keeper remembered for it: heartbeat.py). Any other claim may have been
+                # granted a while ago, so the lease must still be live before any work starts
+                # (docs/architecture.md, lease and fence). A read, not a renewal: the claim
+                # granted a full lease, and a write here would put one more synchronous commit
+                # in front of every turn. One round trip with the transcript.
+                if transcript is None:
+                    beat, rows = await open_turn(self._pool, claim)
+                    transcript = rows
+                    if beat.cancel_requested:
+                        held.cancel.set()
             except LeaseLost:
                 log.warning("lease gone before the turn started; standing down", extra=ctx)
                 return False
@@ -172,8 +180,6 @@ class TurnRunner:
                               journaled=told.rows if told is not None else None)
             turn = _Turn(claim, emitter, held, self._settings.max_run_s,
                          transcript=[_chat_message(r) for r in transcript])
-            if beat.cancel_requested:
-                held.cancel.set()
             try:
                 return await self._execute(turn, held.cancel, held.lost, ctx)
             except LeaseLost as exc:
@@ -458,7 +464,7 @@ def _finished_ok(task: asyncio.Task[None]) -> bool:
     return task.done() and not task.cancelled() and task.exception() is None
 
 
-def _chat_message(row: asyncpg.Record) -> dict[str, Any]:
+def _chat_message(row: Mapping[str, Any] | asyncpg.Record) -> dict[str, Any]:
     message: dict[str, Any] = {"role": row["role"], "content": row["content"]}
     if row["tool_calls"]:
         message["tool_calls"] = row["tool_calls"]

@@ -4,7 +4,8 @@ Each beat is ONE statement (queue.beat): every held run is renewed behind its ow
 and the process's worker row with it, so however many turns run, the leases cost one round trip
 per heartbeat_s, and no wait for a pooled connection can make a beat late. A run that comes back
 lost is told at once (its turn stops and writes nothing more); its cancel flag comes back with
-the beat, and a cancel hint for a held run triggers a beat at once, so stops land within a beat.
+the beat, and a cancel hint for a held run (or heard for it just before it was held) triggers a
+beat at once, so stops land within a beat.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ RETRY_CAP_S = 1.0
 # How long the retry of a locked run may wait for its row (a mid-append lock lasts milliseconds;
 # a transaction frozen with its process must not hold up the next beat).
 STRAGGLER_LOCK_TIMEOUT_MS = 500
+# How long a stop hint for a run this process does not hold is remembered: a turn claimed beside
+# its post is held moments after that post committed, and nothing reads its cancel flag in
+# between (its transcript came with the claim), so a stop committed meanwhile is only known
+# from its hint. Long enough for any such turn to be held, short enough to stay small.
+UNHELD_STOP_MEMORY_S = 10.0
 
 
 @dataclass(eq=False)
@@ -67,6 +73,10 @@ class LeaseKeeper:
         self._metrics = metrics
         self._report = report
         self._held: dict[UUID, HeldRun] = {}
+        # Stop hints heard for runs not held (yet), with when they were heard.
+        self._unheld_stops: dict[str, float] = {}
+        self._beat_due = False  # a run held after its stop hint was heard: beat at once
+        self._beat_now: asyncio.Future[None] | None = None  # wakes the wait for the next beat
         self._conn: asyncpg.Connection | None = None
         self._task: asyncio.Task[None] | None = None
         self._failures = 0
@@ -91,11 +101,16 @@ class LeaseKeeper:
         await self._disconnect()
 
     def hold(self, claim: Claim) -> HeldRun:
-        """Keep this run's lease from now on (the claim granted a full one)."""
+        """Keep this run's lease from now on (the claim granted a full one). A stop hint heard
+        for it before now makes the next beat come at once (the flag is read from the row)."""
         held = HeldRun(claim, claim.lease_expires_at)
         if claim.cancel_requested:
             held.cancel.set()
         self._held[claim.run_id] = held
+        if self._unheld_stops.pop(str(claim.run_id), None) is not None:
+            self._beat_due = True
+            if self._beat_now is not None and not self._beat_now.done():
+                self._beat_now.set_result(None)
         return held
 
     def release(self, run_id: UUID) -> None:
@@ -121,13 +136,28 @@ class LeaseKeeper:
 
     async def _until(self, due: float, cancels: Subscription) -> None:
         """Wait for the next beat: its time, or a stop hint for a run we hold (beat at once:
-        the flag is re-read from the row, never taken from the hint)."""
+        the flag is re-read from the row, never taken from the hint), or such a run held after
+        its stop hint was heard."""
         loop = asyncio.get_running_loop()
-        while (left := due - loop.time()) > 0:
-            hints = await cancels.wait(left)
-            if RECONNECTED in hints or any(
-                    hint in self._held_keys() for hint in hints):
-                return
+        self._beat_now = loop.create_future()
+        try:
+            while not self._beat_due and (left := due - loop.time()) > 0:
+                hints = await cancels.wait(left, until=self._beat_now)
+                held = self._held_keys()
+                self._remember_unheld(hints - held - {RECONNECTED}, loop.time())
+                if RECONNECTED in hints or hints & held:
+                    return
+        finally:
+            self._beat_due = False
+            self._beat_now.cancel()
+            self._beat_now = None
+
+    def _remember_unheld(self, hints: set[str], now: float) -> None:
+        for run_id, heard in list(self._unheld_stops.items()):
+            if now - heard > UNHELD_STOP_MEMORY_S:
+                del self._unheld_stops[run_id]
+        for hint in hints:
+            self._unheld_stops[hint] = now
 
     def _held_keys(self) -> set[str]:
         return {str(run_id) for run_id in self._held}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
@@ -85,6 +85,9 @@ class Claim:
     last_seq: int
     created_at: datetime | None = None  # when it was enqueued (database clock)
     started_at: datetime | None = None  # when this claim started it (database clock)
+    # What the model reads first (role, content, tool_calls, tool_call_id), when the claim read
+    # it too: a claim beside its post (post_turn). None: the executor reads it (open_turn).
+    transcript: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,7 +343,8 @@ async def post_turn(db: Db, *, account_id: UUID, turn: NewRun, claim: ClaimBesid
         request=turn.request, claim_token=row["claim_token"], fence=row["fence"],
         worker_id=row["worker_id"], lease_expires_at=row["lease_expires_at"],
         cancel_requested=row["cancel_requested"], last_seq=row["last_seq"],
-        created_at=row["created_at"], started_at=row["started_at"])
+        created_at=row["created_at"], started_at=row["started_at"],
+        transcript=tuple(row["transcript"]))
 
 
 async def find_run_by_idempotency_key(db: Db, account_id: UUID,

@@ -465,7 +465,10 @@ class Service:
             assert created.user_message_id is not None
             await convs.supersede_exchange(conn, conversation_id, retried,
                                            created.user_message_id)
-            return created
+            # A turn started beside the post came with the transcript its model reads, read
+            # before this mark hid the retried exchange: its executor reads it again.
+            return dataclasses.replace(created, started=tuple(
+                dataclasses.replace(claim, transcript=None) for claim in created.started))
 
     async def _replay_retry(self, conn: Conn, who: Principal,
                             conversation_id: UUID, key: str, ask: RunAsk,

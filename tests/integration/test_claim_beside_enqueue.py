@@ -14,8 +14,8 @@ from uuid import UUID
 
 import asyncpg
 
-from agentd.queue import Claim, claim_runs, finish_run
-from agentd.vocabulary import Channel, RunStatus
+from agentd.queue import Claim, claim_runs, finish_run, insert_message, open_turn
+from agentd.vocabulary import Channel, MessageRole, RunStatus
 from tests.integration.helpers import DEFAULT_TIMEOUT_S, connections, race, raise_unexpected
 from tests.integration.test_claim_races import assert_no_violations
 from tests.support.factories import enqueue, new_conversation, new_tenant, post_beside
@@ -59,6 +59,33 @@ async def test_the_turn_starts_in_the_commit_that_wrote_it(dsn: str) -> None:
             (1, "user_message"), (2, "run_queued"), (3, "run_started")]
         assert claim.last_seq == 3
         await assert_no_violations(other, "after the commit")
+
+
+async def test_a_turn_started_beside_its_post_carries_what_its_first_read_would_read(
+        dsn: str) -> None:
+    """The post's claim comes with the transcript (sql/019), and the executor starts without a
+    read of its own: it must be exactly what that read (open_turn) finds for the claim, earlier
+    turns and their tool steps included, the turn's own question last."""
+    calls = [{"id": "call-1", "type": "function",
+              "function": {"name": "clock", "arguments": "{}"}}]
+    async with connections(dsn, 1) as (conn,):
+        tenant = await new_tenant(conn)
+        _, [first] = await post_beside(conn, tenant.account_id, tenant.conversation_id,
+                                       "first question", "w", LEASE_S)
+        await insert_message(conn, first, role=MessageRole.ASSISTANT, content="",
+                             tool_calls=calls)
+        await insert_message(conn, first, role=MessageRole.TOOL, content="noon",
+                             tool_call_id="call-1")
+        await finish_run(conn, first, RunStatus.COMPLETED, seq=None, content="first answer")
+        _, [second] = await post_beside(conn, tenant.account_id, tenant.conversation_id,
+                                        "second question", "w", LEASE_S)
+        _, rows = await open_turn(conn, second)
+        read = [{key: row[key] for key in ("role", "content", "tool_calls", "tool_call_id")}
+                for row in rows]
+        assert second.transcript is not None and list(second.transcript) == read
+        assert [(m["role"], m["content"], m["tool_calls"]) for m in second.transcript] == [
+            ("user", "first question", None), ("assistant", "", calls), ("tool", "noon", None),
+            ("assistant", "first answer", None), ("user", "second question", None)]
 
 
 async def test_a_claim_that_cannot_get_its_locks_leaves_the_enqueue_whole(dsn: str) -> None:

@@ -30,7 +30,7 @@ from agentd.settings import Settings
 from tests.integration.helpers import DEFAULT_TIMEOUT_S, connections, race, wait_lease_expired
 from tests.integration.test_fencing import Staircase
 from tests.support.daemon import poll_until
-from tests.support.factories import enqueue, new_tenant
+from tests.support.factories import enqueue, new_tenant, post_beside
 from tests.support.journal import run_row
 
 WORKER = "beat-host:4242:abcdef"
@@ -202,6 +202,30 @@ async def test_the_keeper_tells_a_lost_run_and_a_stop_at_once(pool: asyncpg.Pool
         assert not stopping.lost.is_set()
         assert metrics.registry.get_sample_value("agentd_leases_lost_total") == 1
         assert len(kept) == 1  # the lost run is no longer beaten
+
+
+async def test_a_stop_heard_before_its_run_is_held_lands_once_it_is_held(
+        pool: asyncpg.Pool, dsn: str) -> None:
+    """A turn claimed beside its post starts without reading its cancel flag (its transcript
+    came with the claim), so a stop committed between the post's commit and the run being held
+    is known from its hint alone: the keeper remembers the hint and beats as soon as the run is
+    held, not a heartbeat later."""
+    settings = Settings(lease_ttl_s=90, heartbeat_s=30)  # any beat in the test is the hint's
+    tenant = await new_tenant(pool)
+    async with keeper(dsn, settings) as (kept, _):
+        _, [claim] = await post_beside(pool, tenant.account_id, tenant.conversation_id,
+                                       "stopped before it is held", WORKER, 90)
+        await stop_conversation(pool, account_id=tenant.account_id,
+                                conversation_id=tenant.conversation_id)
+
+        async def heard() -> bool:  # the keeper has taken the hint in (white box)
+            return str(claim.run_id) in kept._unheld_stops
+
+        await poll_until(heard, DEFAULT_TIMEOUT_S, interval=0.002, what="the stop hint")
+        beats = kept.beats
+        held = kept.hold(claim)
+        await asyncio.wait_for(held.cancel.wait(), DEFAULT_TIMEOUT_S)
+        assert kept.beats == beats + 1 and not held.lost.is_set()
 
 
 async def test_a_renewal_changes_no_indexed_column_so_it_can_write_no_index_entry(

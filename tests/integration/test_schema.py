@@ -187,6 +187,28 @@ async def test_every_named_statement_prepares_against_the_migrated_schema(dsn: s
         await conn.close()
 
 
+async def test_every_function_of_the_schema_keeps_its_plans(dsn: str) -> None:
+    """PostgreSQL plans a SQL-language function's query afresh at every call unless it can
+    inline it, which it could not for any of agentd's (sql/020: 0.3-0.4 ms a turn each): the
+    schema's functions are PL/pgSQL, whose plans are cached per session."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        languages = await conn.fetch(
+            """
+            SELECT p.proname, l.lanname
+            FROM pg_proc p
+            JOIN pg_namespace n ON n.oid = p.pronamespace
+            JOIN pg_language l ON l.oid = p.prolang
+            WHERE n.nspname = current_schema()
+            """)
+        assert {r["proname"] for r in languages} >= {
+            "turn_transcript", "answer_open_tool_calls", "journal_text", "post_turn"}
+        assert {r["proname"]: r["lanname"] for r in languages
+                if r["lanname"] != "plpgsql"} == {}
+    finally:
+        await conn.close()
+
+
 async def _check_values(conn: asyncpg.Connection, table: str, column: str) -> set[str]:
     """The literals of the one single-column CHECK constraint on table.column."""
     defs = await conn.fetch(
