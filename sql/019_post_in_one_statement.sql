@@ -149,15 +149,10 @@ BEGIN
         IF NOT refused THEN
             RAISE;
         END IF;
-        -- PL/pgSQL variables keep what they held when the block was rolled back.
-        RETURN QUERY SELECT enqueued.n, enqueued.conversation, enqueued.slot,
-                            enqueued.max_queued, enqueued.id, enqueued.status,
-                            enqueued.user_message_id, enqueued.created_at, 0::bigint,
-                            NULL::uuid, NULL::bigint, NULL::text, NULL::timestamptz,
-                            NULL::boolean, NULL::timestamptz, NULL::bigint, NULL::jsonb;
-        RETURN;
+        -- PL/pgSQL variables keep what they held when the block was rolled back: the answer
+        -- below says why nothing was written (and that no hint went out).
     END;
-    IF worker IS NOT NULL THEN
+    IF worker IS NOT NULL AND NOT refused THEN
         SELECT * INTO claimed
         FROM claim_runs_beside_enqueue(worker, lease_ttl_s, default_max_running, enqueued.id);
         IF claimed.id IS NOT NULL THEN
