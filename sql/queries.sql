@@ -15,13 +15,15 @@ SELECT * FROM enqueue_runs($1::uuid, $2::uuid[], $3::uuid, $4::text[], $5::text[
                            $7::text[], $8::int, true);
 
 -- post_turn --
--- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key, default_max_queued, worker_id, lease_ttl_s, default_max_running
--- A client's post: one turn enqueued in ONE statement (sql/019) that writes nothing at all
--- when it refuses the turn, and, with a worker_id (a free slot of the posting process), claimed
--- beside its enqueue: it starts in that commit only when the fair claim picks it (sql/015),
--- else it stays queued and the claim loops are woken; the enqueue never fails for the claim.
+-- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key, default_max_queued, worker_id, lease_ttl_s, default_max_running, model_guessed, guessed_model
+-- A client's post: one turn in ONE statement (sql/019, sql/021) that writes nothing at all when
+-- it refuses the turn or when the conversation's model is no longer the one the request was
+-- built for (model_guessed). With a worker_id (a free slot of the posting process) the turn
+-- starts in that commit when the fair claim can only pick it (written running at once into an
+-- empty line, else claimed beside its enqueue: sql/015), else it stays queued and the claim
+-- loops are woken; the enqueue never fails for the claim.
 SELECT * FROM post_turn($1::uuid, $2::uuid, $3::uuid, $4::text, $5::text, $6::text, $7::text,
-                        $8::int, $9::text, $10::float8, $11::int);
+                        $8::int, $9::text, $10::float8, $11::int, $12::boolean, $13::text);
 
 -- find_run_by_idempotency_key --
 -- params: account_id, idempotency_key

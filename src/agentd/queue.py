@@ -50,6 +50,11 @@ class ConversationNotFound(LookupError):
     pass
 
 
+class ModelChanged(Exception):
+    """The conversation's model is no longer the one the post's request was built for (nothing
+    was written): read the conversation and post again."""
+
+
 class QueueFull(Exception):
     """The account already has as many turns queued as it may (nothing was written)."""
 
@@ -315,15 +320,24 @@ class ClaimBeside:
     default_max_running: int = DEFAULT_MAX_RUNNING
 
 
+@dataclass(frozen=True, slots=True)
+class ModelGuess:
+    """The conversation's own model (None: it has none, default_model applies) that a post's
+    request was built on without reading the conversation; the post checks it."""
+
+    model: str | None
+
+
 async def post_turn(db: Db, *, account_id: UUID, turn: NewRun, claim: ClaimBeside | None,
                     device_id: UUID | None = None,
-                    default_max_queued: int = DEFAULT_MAX_QUEUED
-                    ) -> tuple[EnqueuedRun, Claim | None]:
-    """Enqueue one turn as a client's post does, in ONE statement (sql/019), and with `claim`
-    (a free slot of this process) claim it beside its enqueue: it starts in the commit that
-    wrote it when the fair claim picks it, else it is left queued and the claim loops are woken.
-    The claim holds only once committed: at once on the pool, else at the caller's commit.
-    Raises as enqueue_run does; unlike it, a post refused so writes nothing at all."""
+                    default_max_queued: int = DEFAULT_MAX_QUEUED,
+                    guess: ModelGuess | None = None) -> tuple[EnqueuedRun, Claim | None]:
+    """Post one turn as a client's post does, in ONE statement (sql/019, sql/021), and with
+    `claim` (a free slot of this process) start it in that commit when the fair claim can only
+    pick it: written running at once into an empty line, else claimed beside its enqueue; a turn
+    left queued wakes the claim loops. The claim holds only once committed: at once on the pool,
+    else at the caller's commit. Raises as enqueue_run does, and ModelChanged when `guess` is
+    not the conversation's model; unlike enqueue_run, a post refused so writes nothing at all."""
     digest = request_hash(turn.conversation_id, turn.content, turn.request)
     row = await fetch_one(db, *Q.post_turn.bind(
         account_id=account_id, conversation_id=turn.conversation_id, device_id=device_id,
@@ -331,7 +345,10 @@ async def post_turn(db: Db, *, account_id: UUID, turn: NewRun, claim: ClaimBesid
         idempotency_key=turn.idempotency_key, default_max_queued=default_max_queued,
         worker_id=claim.worker_id if claim else None,
         lease_ttl_s=claim.lease_ttl_s if claim else None,
-        default_max_running=claim.default_max_running if claim else None))
+        default_max_running=claim.default_max_running if claim else None,
+        model_guessed=guess is not None, guessed_model=guess.model if guess else None))
+    if row["model_changed"]:
+        raise ModelChanged(str(turn.conversation_id))
     outcome = await _outcome(db, account_id, row, turn, digest)
     if isinstance(outcome, Exception):
         raise outcome

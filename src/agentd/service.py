@@ -22,6 +22,7 @@ import asyncpg
 from agentd import approvals, queue
 from agentd import conversations as convs
 from agentd.accounts import Principal
+from agentd.conversation_models import ConversationModels
 from agentd.db import Conn
 from agentd.hub import Hub
 from agentd.providers import ModelRef, parse_model, validate_params
@@ -188,13 +189,20 @@ class Service:
         self.settings = settings
         self.tools = tools
         self.starter = starter
+        # What each conversation's model was when this process last read its row: a post that
+        # names no model is built on it and checked by its own statement (conversation_models).
+        self.models = ConversationModels()
+
+    def _seen(self, who: Principal, conversation: convs.Conversation) -> convs.Conversation:
+        self.models.seen(who.account_id, conversation.id, conversation.model)
+        return conversation
 
     # conversations -------------------------------------------------------------------------
 
     async def create_conversation(self, who: Principal,
                                   change: ConversationChange) -> convs.Conversation:
-        return await convs.create_conversation(self.pool, who.account_id, change.title or "",
-                                               _model_name(change.model))
+        return self._seen(who, await convs.create_conversation(
+            self.pool, who.account_id, change.title or "", _model_name(change.model)))
 
     async def list_conversations(self, who: Principal, limit: int = 100, *,
                                  archived: bool = False) -> list[convs.Conversation]:
@@ -210,13 +218,14 @@ class Service:
             archived=change.archived)
         if updated is None:
             raise not_found("conversation")
-        return updated
+        return self._seen(who, updated)
 
     async def delete_conversation(self, who: Principal, conversation_id: UUID) -> None:
         """Stop its turns as a stop does, then remove everything of it, in ONE transaction."""
         if not await queue.delete_conversation(self.pool, account_id=who.account_id,
                                                conversation_id=conversation_id):
             raise not_found("conversation")
+        self.models.forget(who.account_id, conversation_id)
 
     async def fork_conversation(self, who: Principal, conversation_id: UUID,
                                 message_id: UUID) -> tuple[convs.Conversation, int]:
@@ -232,7 +241,7 @@ class Service:
                                f"message {message_id} belongs to a turn that has not ended (or "
                                f"was handed back as a draft): fork from an earlier message, "
                                f"or once the turn has ended", message_id=str(message_id))
-        return convs.Conversation.from_record(row), row["copied"]
+        return self._seen(who, convs.Conversation.from_record(row)), row["copied"]
 
     async def search(self, who: Principal, query: str, limit: int = 50) -> list[asyncpg.Record]:
         """Messages (and titles) containing `query`, newest first, across the caller's account."""
@@ -249,6 +258,7 @@ class Service:
                                                limit=limit)
         if state is None:
             raise not_found("conversation")
+        self._seen(who, state.conversation)
         return state
 
     async def message_page(self, who: Principal, conversation_id: UUID, page: MessagePaging,
@@ -366,16 +376,44 @@ class Service:
                                "Idempotency-Key must be 1-200 printable ASCII characters")
         if ask.retry_of is not None:
             return await self._retry(who, conversation_id, ask, idempotency_key, slot)
+        req, guess = await self._request_for(who, conversation_id, ask, guessing=True)
+        try:
+            return await self._post(who, conversation_id, req, idempotency_key, slot, guess)
+        except queue.ModelChanged:
+            # Changed since this process saw it (by another process): nothing was written, and
+            # the conversation's row decides now.
+            self.models.forget(who.account_id, conversation_id)
+            req, guess = await self._request_for(who, conversation_id, ask, guessing=False)
+            return await self._post(who, conversation_id, req, idempotency_key, slot, guess)
+
+    async def _request_for(self, who: Principal, conversation_id: UUID, ask: RunAsk, *,
+                           guessing: bool) -> tuple[RunRequest, queue.ModelGuess | None]:
+        """The run's request as it will be stored. One that names no model runs on its
+        conversation's: with `guessing`, the one this process last saw the conversation with,
+        which the post's own statement checks (conversation_models.py); else read now. A guess
+        that the request would be refused on is not used: the row decides that."""
         assert ask.content is not None  # validate_run_request: only a retry may omit it
         if ask.model is not None:
-            req = self._request(ask, ask.model, ask.content, ask.params)
-        else:
-            conversation = await convs.get_conversation(self.pool, who.account_id,
-                                                        conversation_id)
-            if conversation is None:
-                raise not_found("conversation")
-            req = self._request(ask, self._conversation_model(conversation), ask.content,
-                                ask.params)
+            return self._request(ask, ask.model, ask.content, ask.params), None
+        guess = self.models.guess(who.account_id, conversation_id) if guessing else None
+        if guess is not None:
+            try:
+                req = self._request(ask, usable_model(guess.model or self.settings.default_model,
+                                                      self.settings), ask.content, ask.params)
+                if model_allowed(str(req.model), who.models):
+                    return req, guess
+            except ServiceError:
+                pass
+        conversation = await convs.get_conversation(self.pool, who.account_id, conversation_id)
+        if conversation is None:
+            raise not_found("conversation")
+        self._seen(who, conversation)
+        return self._request(ask, self._conversation_model(conversation), ask.content,
+                             ask.params), None
+
+    async def _post(self, who: Principal, conversation_id: UUID, req: RunRequest,
+                    idempotency_key: str | None, slot: ClaimSlot | None,
+                    guess: queue.ModelGuess | None) -> CreatedRun:
         if "tool" in req.params:
             await self._check_tool(req.params["tool"])
         if req.on_busy == "enqueue":
@@ -383,7 +421,7 @@ class Service:
             # locks the conversation row itself, checks the account, and lets the unique index
             # arbitrate the idempotency key.
             return await self._enqueue(self.pool, who, conversation_id, req, idempotency_key,
-                                       beside=slot)
+                                       beside=slot, guess=guess)
         async with self.pool.acquire() as conn, conn.transaction():
             if not await convs.lock_conversation(conn, who.account_id, conversation_id):
                 raise not_found("conversation")
@@ -410,7 +448,7 @@ class Service:
                                                         conversation_id=conversation_id)
                 drafts = stopped.drafts
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
-                                          beside=slot)
+                                          beside=slot, guess=guess)
         return dataclasses.replace(created, drafts=drafts)
 
     async def _check_tool(self, name: str) -> None:
@@ -494,12 +532,14 @@ class Service:
 
     async def _enqueue(self, db: queue.Db, who: Principal, conversation_id: UUID,
                        req: RunRequest, idempotency_key: str | None, *,
-                       beside: ClaimSlot | None = None) -> CreatedRun:
+                       beside: ClaimSlot | None = None,
+                       guess: queue.ModelGuess | None = None) -> CreatedRun:
         """Enqueue the turn in one statement that writes nothing if it refuses it
         (queue.post_turn). With `beside` (a slot of this process held for it), that statement
         claims it too when the fair claim picks it; the claim loops are woken only for a turn
         left queued: one started here needs none of them. What the claim started is `started`,
-        valid once `db`'s transaction has committed."""
+        valid once `db`'s transaction has committed. With `guess`, the request was built on
+        that model of the conversation's, which the statement checks (queue.ModelChanged)."""
         if not model_allowed(str(req.model), who.models):
             raise ServiceError(403, "model_not_allowed",
                                f"model {str(req.model)!r} is {NOT_ALLOWED} "
@@ -510,7 +550,7 @@ class Service:
             run, claim = await queue.post_turn(
                 db, account_id=who.account_id, turn=turn,
                 claim=beside.terms if beside is not None else None, device_id=who.device_id,
-                default_max_queued=self.settings.account_max_queued)
+                default_max_queued=self.settings.account_max_queued, guess=guess)
         except queue.IdempotencyConflict as exc:
             raise _idempotency_conflict(exc.run_id) from None
         except queue.QueueFull as exc:
@@ -629,7 +669,12 @@ class Service:
                                 conversation_id: UUID) -> convs.ConversationMeta | None:
         """With its lease and attached devices; None once the conversation is gone: its feeds
         end."""
-        return await convs.conversation_meta(self.pool, who.account_id, conversation_id)
+        meta = await convs.conversation_meta(self.pool, who.account_id, conversation_id)
+        if meta is None:
+            self.models.forget(who.account_id, conversation_id)
+        else:
+            self._seen(who, meta.conversation)
+        return meta
 
 
 def _model_name(model: ModelRef | None) -> str | None:

@@ -14,7 +14,7 @@ from uuid import UUID
 
 import asyncpg
 
-from agentd.queue import Claim, claim_runs, finish_run, insert_message, open_turn
+from agentd.queue import Claim, EnqueuedRun, claim_runs, finish_run, insert_message, open_turn
 from agentd.vocabulary import Channel, MessageRole, RunStatus
 from tests.integration.helpers import DEFAULT_TIMEOUT_S, connections, race, raise_unexpected
 from tests.integration.test_claim_races import assert_no_violations
@@ -59,6 +59,128 @@ async def test_the_turn_starts_in_the_commit_that_wrote_it(dsn: str) -> None:
             (1, "user_message"), (2, "run_queued"), (3, "run_started")]
         assert claim.last_seq == 3
         await assert_no_violations(other, "after the commit")
+
+
+async def _started_rows(db: asyncpg.Connection, run_id: UUID) -> dict[str, object]:
+    """What a started turn committed, without the values each turn mints for itself."""
+    run = await db.fetchrow(
+        "SELECT r.status, r.worker_id, r.slot IS NOT NULL AS has_slot,"
+        "       r.claim_token IS NOT NULL AS has_token,"
+        "       r.fence IS NOT NULL AS has_fence,"
+        "       r.lease_expires_at - r.started_at AS lease, r.last_heartbeat_at = r.started_at"
+        "       AS beat_at_start, r.created_at <= r.started_at AS created_first,"
+        "       m.status AS question, m.run_id = r.id AS question_of_run,"
+        "       l.run_id = r.id AND l.execution_id = r.claim_token AND l.fence = r.fence"
+        "       AND l.worker_id = r.worker_id AND l.acquired_at = r.started_at"
+        "       AND l.device_id IS NOT DISTINCT FROM r.origin_device_id AS leased,"
+        "       a.last_claimed_at = r.started_at AS served"
+        " FROM agent_run r JOIN message m ON m.id = r.user_message_id"
+        " LEFT JOIN conversation_lease l ON l.conversation_id = r.conversation_id"
+        " JOIN account a ON a.id = r.account_id WHERE r.id = $1", run_id)
+    journal = await db.fetch(
+        "SELECT seq, type, array(SELECT jsonb_object_keys(payload) ORDER BY 1) AS keys,"
+        "       payload->>'worker_id' AS worker, (payload->>'fence')::bigint AS fence"
+        " FROM run_event WHERE run_id = $1 ORDER BY seq", run_id)
+    fence = await db.fetchval("SELECT fence FROM agent_run WHERE id = $1", run_id)
+    return {**dict(run), "journal": [
+        (r["seq"], r["type"], r["keys"], r["worker"], r["fence"] == fence if r["fence"] else None)
+        for r in journal]}
+
+
+async def test_a_turn_posted_into_an_empty_line_is_written_once_as_the_claim_would_leave_it(
+        dsn: str) -> None:
+    """Nothing queued, its conversation idle, a running slot free: the fair claim could only pick
+    this turn, so the post writes it running at once (sql/021): one insert of the run and one of
+    its question, no update of either. What commits is what the enqueue and the claim beside it
+    commit when a queued turn elsewhere sends the post down that path (a turn of a conversation
+    that runs one already, which the fair claim passes over)."""
+    async with connections(dsn, 2) as (conn, other):
+        tenant = await new_tenant(conn)
+        run, [claim], writes = await _post_counting_writes(
+            conn, tenant.account_id, tenant.conversation_id, "straight in")
+        assert writes == {"agent_run": (1, 0), "message": (1, 0), "run_event": (3, 0)}
+        assert (run.status, claim.run_id, claim.last_seq) == (RunStatus.RUNNING, run.run_id, 3)
+        direct = await _started_rows(other, run.run_id)
+
+        # The other path: a queued turn, behind a running one in its own conversation.
+        busy = await new_conversation(conn, tenant.account_id)
+        _, [_] = await post_beside(conn, tenant.account_id, busy, "running", "w", LEASE_S)
+        await enqueue(conn, tenant.account_id, busy, "waits behind it")
+        await finish_run(conn, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1, content="ok")
+        later, [second], writes = await _post_counting_writes(
+            conn, tenant.account_id, tenant.conversation_id, "by the claim")
+        assert writes["agent_run"][1] > 0  # the claim rewrote the run the enqueue inserted
+        assert second.run_id == later.run_id and later.status == RunStatus.RUNNING
+        claimed = await _started_rows(other, later.run_id)
+        assert direct == claimed, (direct, claimed)
+        assert direct["journal"] == [
+            (1, "user_message", ["content", "message_id", "role"], None, None),
+            (2, "run_queued", ["conversation_id", "device", "device_id", "run_id"], None, None),
+            (3, "run_started", ["fence", "lease_expires_at", "worker_id"], "w", True)]
+        await assert_no_violations(other, "after both posts")
+
+
+# What this transaction has written to each table so far. PostgreSQL's view also holds counts of
+# earlier transactions of the session that it has not flushed yet, so callers take differences
+# within one transaction.
+_WRITES = ("SELECT relname, n_tup_ins, n_tup_upd FROM pg_stat_xact_user_tables"
+           " WHERE relname IN ('agent_run', 'message', 'run_event')")
+
+
+async def _writes(conn: asyncpg.Connection) -> dict[str, tuple[int, int]]:
+    return {r["relname"]: (r["n_tup_ins"], r["n_tup_upd"]) for r in await conn.fetch(_WRITES)}
+
+
+async def _post_counting_writes(conn: asyncpg.Connection, account_id: UUID,
+                                conversation_id: UUID, content: str
+                                ) -> tuple[EnqueuedRun, list[Claim], dict[str, tuple[int, int]]]:
+    """post_beside in a transaction of its own; also the rows it inserted and updated, by
+    table: (inserted, updated)."""
+    async with conn.transaction():
+        before = await _writes(conn)
+        run, claims = await post_beside(conn, account_id, conversation_id, content, "w",
+                                        LEASE_S)
+        after = await _writes(conn)
+    return run, claims, {table: (ins - before.get(table, (0, 0))[0],
+                                 upd - before.get(table, (0, 0))[1])
+                         for table, (ins, upd) in after.items()}
+
+
+async def test_a_post_into_an_empty_line_never_starts_ahead_of_a_turn_queued_meanwhile(
+        dsn: str) -> None:
+    """A post with a free slot races a post without one (queued: its process has no slot free)
+    into the same idle conversation, on sessions of their own, released together. Whichever
+    locks the conversation first is first in its line: the post with the slot may start at once
+    only if it came first, and is queued behind the other otherwise. Checking the line before
+    taking the conversation's lock would let it start ahead of a turn committed meanwhile."""
+    async with connections(dsn, 3) as (setup, with_slot, without):
+        tenant = await new_tenant(setup)
+        outcomes = {"started first": 0, "queued behind": 0}
+        for round_ in range(ROUNDS):
+            conv = await new_conversation(setup, tenant.account_id)
+            results = await race(
+                lambda conv=conv: _post_counting_writes(with_slot, tenant.account_id, conv,
+                                                        "slot"),
+                lambda conv=conv: enqueue(without, tenant.account_id, conv, "no slot"))
+            raise_unexpected(results, context=f"round {round_}")
+            (_, claims, writes), _ = results
+            rows = await setup.fetch("SELECT r.status, m.content FROM agent_run r"
+                                     " JOIN message m ON m.id = r.user_message_id"
+                                     " WHERE r.conversation_id = $1 ORDER BY r.created_at", conv)
+            order = [(r["content"], r["status"]) for r in rows]
+            if claims:
+                assert order == [("slot", RunStatus.RUNNING), ("no slot", RunStatus.QUEUED)], \
+                    f"round {round_}: {order}"
+                assert writes["agent_run"] == (1, 0), f"round {round_}: not as it was written"
+                outcomes["started first"] += 1
+            else:
+                assert order == [("no slot", RunStatus.QUEUED), ("slot", RunStatus.QUEUED)], \
+                    f"round {round_}: {order}"
+                outcomes["queued behind"] += 1
+            await assert_no_violations(setup, f"round {round_}")
+            # An empty line again for the next round.
+            await setup.execute("DELETE FROM agent_run WHERE conversation_id = $1", conv)
+        print(f"a post with a slot against one without: {outcomes}")
 
 
 async def test_a_turn_started_beside_its_post_carries_what_its_first_read_would_read(

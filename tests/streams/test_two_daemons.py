@@ -80,3 +80,36 @@ async def test_stream_on_daemon_b_follows_a_run_executing_on_daemon_a(spawn_daem
     assert final["status"] == "completed" and final["worker_id"] == a.worker_id
     stored = await assistant_message(pool, run_id)
     assert (stored["content"], stored["status"]) == (answer, "complete")
+
+
+async def test_a_post_runs_on_the_model_its_conversation_has_now_whatever_this_daemon_saw(
+        spawn_daemon, pool):
+    """A post that names no model is built on the model the daemon last saw its conversation
+    with, and checked by the post's own statement. Daemon A saw the conversation on `demo:echo`;
+    daemon B then moves it to `demo`. A's next post must run on `demo` (nothing is written on
+    the stale guess: one run, one question), and so must the one after it."""
+    env = {"AGENTD_DEMO_MODELS": "demo,echo"}
+    a = spawn_daemon(name="a", env=env)
+    b = spawn_daemon(name="b", env=env)
+    await a.wait_ready()
+    await b.wait_ready()
+    device = await new_device(pool, "a", "laptop")
+    async with device.client(a) as on_a, device.client(b) as on_b, asyncio.timeout(60):
+        created = await on_a.post("/v1/conversations", json={"title": "t", "model": "demo:echo"})
+        assert created.status_code == 201, created.text
+        conversation = created.json()["id"]
+        moved = await on_b.patch(f"/v1/conversations/{conversation}", json={"model": "demo"})
+        assert moved.status_code == 200, moved.text
+        runs = []
+        for prompt in ("after the change", "and after that"):
+            posted = await on_a.post(f"/v1/conversations/{conversation}/runs",
+                                     json={"content": prompt, "params": {"tokens": 2}})
+            assert posted.status_code == 202, posted.text
+            runs.append(await wait_terminal(on_a, posted.json()["run_id"], 30))
+    rows = await pool.fetch(
+        "SELECT r.request->>'model' AS model, m.content FROM agent_run r"
+        " JOIN message m ON m.id = r.user_message_id WHERE r.conversation_id = $1"
+        " ORDER BY r.created_at", UUID(conversation))
+    assert [(r["model"], r["content"]) for r in rows] == [
+        ("demo", "after the change"), ("demo", "and after that")]
+    assert [run["status"] for run in runs] == ["completed", "completed"]
