@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from uuid import UUID
 
@@ -76,9 +77,11 @@ def answer(n: int) -> str:
 
 
 async def write_long_conversation(pool: asyncpg.Pool, *, account_id: UUID, device_id: UUID,
-                                  conversation_id: UUID, turns: int,
-                                  first: int = 1) -> LongConversation:
-    """Append `turns` completed turns (numbered from `first`) to the conversation."""
+                                  conversation_id: UUID, turns: int, first: int = 1,
+                                  answer_of: Callable[[int], str] = answer,
+                                  ) -> LongConversation:
+    """Append `turns` completed turns (numbered from `first`) to the conversation, answer `n`
+    being `answer_of(n)`."""
     numbers = range(first, first + turns)
     run_ids = [uuid.uuid4() for _ in numbers]
     question_ids = [uuid.uuid4() for _ in numbers]
@@ -94,7 +97,7 @@ async def write_long_conversation(pool: asyncpg.Pool, *, account_id: UUID, devic
             ids += [question_ids[i], answer_ids[i]]
             runs += [run_ids[i], run_ids[i]]
             roles += ["user", "assistant"]
-            contents += [question(n), answer(n)]
+            contents += [question(n), answer_of(n)]
             at += [times[i], times[i] + dt.timedelta(seconds=2)]
         await conn.execute(_INSERT_MESSAGES, conversation_id, ids, runs, roles, contents, at)
         await conn.execute(_TOUCH, conversation_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 from textual.widgets import OptionList
@@ -21,13 +22,14 @@ from tests.tui.helpers import client_for, running_tui, screen_text, search_for, 
 TURNS = 1000
 
 
-async def _long(daemon: Daemon, pool: asyncpg.Pool, device: Device, turns: int = TURNS) -> str:
+async def _long(daemon: Daemon, pool: asyncpg.Pool, device: Device, turns: int = TURNS,
+                **written: Any) -> str:
     async with client_for(daemon, device) as client:
         me = await client.me()
         created = await client.create_conversation("long")
     await write_long_conversation(pool, account_id=uuid.UUID(me.account_id),
                                   device_id=uuid.UUID(device.device_id),
-                                  conversation_id=uuid.UUID(created.id), turns=turns)
+                                  conversation_id=uuid.UUID(created.id), turns=turns, **written)
     return created.id
 
 
@@ -119,3 +121,35 @@ async def test_a_streaming_answer_grows_in_its_own_view(daemon: Daemon, pool, de
         kept = [key for key, old in before.items() if transcript.views.get(key) is old]
         assert kept, "the turns already on screen were not re-created"
         assert len(transcript.views) <= WINDOW_TURNS
+
+
+async def test_short_turns_on_a_tall_terminal_keep_the_newest_in_view_and_fill_the_screen(
+        daemon: Daemon, pool, desk, agenttui_dirs: Path):
+    # One-line answers on a 100-line terminal: WINDOW_TURNS such turns are shorter than the
+    # screen and its margin. Trimming back to WINDOW_TURNS after each page mounted above (what
+    # filling the screen does) would unmount the newest turns, the ones on screen, and never
+    # fill it.
+    conversation_id = await _long(daemon, pool, desk, answer_of=lambda n: f"Short {n}.")
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation_id,
+                           size=(110, 100)) as (app, pilot):
+        newest = f"Short {TURNS}."
+        await wait_for(pilot, lambda: newest in screen_text(app), "the last answer on screen")
+        transcript = _transcript(app)
+        model = app.screen.model
+        assert model is not None
+        await wait_for(pilot, lambda: transcript.virtual_size.height
+                       >= 2 * transcript.size.height and not transcript.paging,
+                       "the screen and a margin above it filled")
+        assert transcript.following and newest in screen_text(app), "the newest stay in view"
+        assert len(transcript.views) > WINDOW_TURNS, "short turns keep more than the usual window"
+
+        # PageUp reads older pages; what stays mounted is bounded by what fills the screen.
+        loaded = len(model.order)
+        for _ in range(200):
+            await pilot.press("pageup")
+            await pilot.pause()
+            if len(model.order) > loaded:
+                break
+        assert len(model.order) > loaded, "PageUp never fetched an older page"
+        await wait_for(pilot, lambda: not transcript.paging, "paging to settle")
+        assert len(transcript.views) < len(model.order), "far-off turns are unmounted"

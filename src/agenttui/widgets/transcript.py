@@ -305,7 +305,12 @@ def tool_line(step: ToolStep) -> str:
     return f"⚙ {step.summary()}"
 
 
-WINDOW_TURNS = 40  # the most turns mounted at once: widget count stays bounded however long
+# The most turns mounted at once: widget count stays bounded however long the conversation.
+# Textual arranges every mounted widget of a scrolled container again on each scroll, so a
+# PageUp costs in proportion to this (40 turns: PageUp p50 76 ms, p99 109 ms; 24: 39 and 91
+# ms; docs/benchmarks.md, TUI). Fewer only while they still cover the screen and its margins:
+# short turns on a tall terminal keep more (see `_trim`).
+WINDOW_TURNS = 24
 PAGE_TURNS = 4  # turns mounted per step when the reader scrolls past what is mounted
 PAGE_TURNS_MARGIN = 1  # screens of mounted text kept above (below) the view before mounting more
 
@@ -430,12 +435,26 @@ class Transcript(VerticalScroll):
             await view.show(self.model.turns[key], self.model)
 
     async def _trim(self, *, top: bool) -> None:
-        """Unmount the turns farthest from the reader beyond WINDOW_TURNS (top or bottom)."""
+        """Unmount the turns farthest from the reader beyond WINDOW_TURNS (top or bottom),
+        but never so many that what stays mounted is shorter than the screen and a margin on
+        either side: otherwise short turns on a tall terminal would leave the window unable to
+        fill the screen, and filling it would walk page by page to the conversation's start."""
         extra = len(self.views) - WINDOW_TURNS
         if extra <= 0:
             return
         keys = list(self.views)
-        gone = keys[:extra] if top else keys[-extra:]
+        farthest = keys[:extra] if top else keys[::-1][:extra]
+        height = self.virtual_size.height  # turns mounted just now are not laid out: not in it
+        keep = (2 * PAGE_TURNS_MARGIN + 1) * self.size.height
+        gone = []
+        for key in farthest:
+            height -= self.views[key].outer_size.height
+            if height < keep:
+                break
+            gone.append(key)
+        if not gone:
+            return
+        extra = len(gone)
         views = [self.views.pop(key) for key in gone]
         if top:
             self.start += extra
