@@ -10,8 +10,9 @@ Runs are spaced by a random gap; in poll-only mode the gap also gets a random sh
 so arrivals fall at uniformly random points of the poll cycle (the cycle restarts after each
 claim, so a fixed-range gap would correlate with it).
 
-Three modes: `beside`, as shipped (an idle daemon claims the turn in the enqueue's own
-transaction: docs/architecture.md, "Claim beside the enqueue"); `notify`, with
+Three modes: `beside`, as shipped (an idle daemon starts the turn in the statement that posts
+it, written running at once into an empty line: docs/architecture.md, "Claim beside the
+enqueue"; the latency is then the gap between two clock readings of that statement); `notify`, with
 claim_on_enqueue off, so the claim loop is woken (by the local hint and the NOTIFY) and claims
 after the enqueue has committed, as a daemon does for a turn another daemon took in; and
 poll-only, also with claim_on_enqueue off.
