@@ -425,6 +425,10 @@ class Service:
         async with self.pool.acquire() as conn, conn.transaction():
             if not await convs.lock_conversation(conn, who.account_id, conversation_id):
                 raise not_found("conversation")
+            if guess is not None and idempotency_key is not None:
+                # The replay compares the first run's request with this one, before any
+                # statement checks the guess: a stale one would turn a repeat into a conflict.
+                await self._check_guess(conn, who, conversation_id, guess)
             if idempotency_key is not None:
                 replay = await self._replay(conn, who, conversation_id, idempotency_key, req)
                 if replay is not None:
@@ -450,6 +454,15 @@ class Service:
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
                                           beside=slot, guess=guess)
         return dataclasses.replace(created, drafts=drafts)
+
+    async def _check_guess(self, conn: Conn, who: Principal, conversation_id: UUID,
+                           guess: queue.ModelGuess) -> None:
+        """Raise ModelChanged unless the conversation, locked by the caller, still has the
+        model the request was built on."""
+        conversation = await convs.get_conversation(conn, who.account_id, conversation_id)
+        assert conversation is not None  # locked by the caller
+        if conversation.model != guess.model:
+            raise queue.ModelChanged()
 
     async def _check_tool(self, name: str) -> None:
         """A run may name only a registered tool (an MCP one is looked up on its server, which

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from uuid import UUID
 
+import pytest
+
 from agentd.providers.demo import expected_answer
 from tests.streams.helpers import get_run, post_run, wait_terminal
 from tests.support.factories import create_conversation, new_device
@@ -113,3 +115,70 @@ async def test_a_post_runs_on_the_model_its_conversation_has_now_whatever_this_d
     assert [(r["model"], r["content"]) for r in rows] == [
         ("demo", "after the change"), ("demo", "and after that")]
     assert [run["status"] for run in runs] == ["completed", "completed"]
+
+
+@pytest.mark.parametrize("on_busy", ["enqueue", "reject", "interrupt"])
+async def test_a_post_repeated_on_a_daemon_with_a_stale_model_is_a_replay(
+        spawn_daemon, pool, on_busy):
+    """A post repeated under its Idempotency-Key returns the first run wherever it lands.
+    Daemon A saw the conversation on `demo:echo`; B moves it to `demo` and takes the post; the
+    repeat lands on A, whose request, built on what it saw, differs from the stored one until
+    the conversation's row is read: a replay, not a 409 conflict, whatever `on_busy` says."""
+    env = {"AGENTD_DEMO_MODELS": "demo,echo"}
+    a = spawn_daemon(name="a", env=env)
+    b = spawn_daemon(name="b", env=env)
+    await a.wait_ready()
+    await b.wait_ready()
+    device = await new_device(pool, "a", "laptop")
+    body = {"content": "once", "params": {"tokens": 2}, "on_busy": on_busy}
+    key = {"Idempotency-Key": f"repeat-{on_busy}"}
+    async with device.client(a) as on_a, device.client(b) as on_b, asyncio.timeout(60):
+        created = await on_a.post("/v1/conversations", json={"title": "t", "model": "demo:echo"})
+        assert created.status_code == 201, created.text
+        conversation = created.json()["id"]
+        moved = await on_b.patch(f"/v1/conversations/{conversation}", json={"model": "demo"})
+        assert moved.status_code == 200, moved.text
+        runs = f"/v1/conversations/{conversation}/runs"
+        first = await on_b.post(runs, json=body, headers=key)
+        assert first.status_code == 202, first.text
+        again = await on_a.post(runs, json=body, headers=key)
+        assert again.status_code == 202, again.text
+        assert again.headers.get("Idempotent-Replayed") == "true"
+        assert again.json()["run_id"] == first.json()["run_id"]
+        await wait_terminal(on_a, first.json()["run_id"], 30)
+    rows = await pool.fetch("SELECT request->>'model' AS model FROM agent_run"
+                            " WHERE conversation_id = $1", UUID(conversation))
+    assert [r["model"] for r in rows] == ["demo"]
+
+
+async def test_an_interrupt_built_on_a_stale_model_stops_the_running_turn_once_and_runs_on_the_new(
+        spawn_daemon, pool):
+    """`on_busy: interrupt` stops the conversation and queues the post in one transaction. On a
+    stale guess the post's statement refuses after the stop: the whole transaction, stop
+    included, rolls back and is done again on the row's model — the running turn is stopped,
+    the new one runs on `demo`, nothing else is written."""
+    env = {"AGENTD_DEMO_MODELS": "demo,echo"}
+    a = spawn_daemon(name="a", env=env)
+    b = spawn_daemon(name="b", env=env)
+    await a.wait_ready()
+    await b.wait_ready()
+    device = await new_device(pool, "a", "laptop")
+    async with device.client(a) as on_a, device.client(b) as on_b, asyncio.timeout(90):
+        created = await on_a.post("/v1/conversations", json={"title": "t", "model": "demo:echo"})
+        assert created.status_code == 201, created.text
+        conversation = created.json()["id"]
+        runs = f"/v1/conversations/{conversation}/runs"
+        long = await on_b.post(runs, json={"content": "long", "params": {
+            "tokens": TOKENS, "delay_ms": DELAY_MS}})
+        assert long.status_code == 202, long.text
+        moved = await on_b.patch(f"/v1/conversations/{conversation}", json={"model": "demo"})
+        assert moved.status_code == 200, moved.text
+        posted = await on_a.post(runs, json={"content": "instead", "params": {"tokens": 2},
+                                             "on_busy": "interrupt"})
+        assert posted.status_code == 202, posted.text
+        stopped = await wait_terminal(on_a, long.json()["run_id"], 30)
+        after = await wait_terminal(on_a, posted.json()["run_id"], 30)
+    assert (stopped["status"], after["status"]) == ("cancelled", "completed")
+    rows = await pool.fetch("SELECT request->>'model' AS model FROM agent_run"
+                            " WHERE conversation_id = $1 ORDER BY created_at", UUID(conversation))
+    assert [r["model"] for r in rows] == ["demo:echo", "demo"]
