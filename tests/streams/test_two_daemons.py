@@ -6,8 +6,11 @@ with the full text. A client that drops A's stream resumes on B from its last se
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from uuid import UUID
 
+import httpx
 import pytest
 
 from agentd.providers.demo import expected_answer
@@ -84,24 +87,39 @@ async def test_stream_on_daemon_b_follows_a_run_executing_on_daemon_a(spawn_daem
     assert (stored["content"], stored["status"]) == (answer, "complete")
 
 
-async def test_a_post_runs_on_the_model_its_conversation_has_now_whatever_this_daemon_saw(
-        spawn_daemon, pool):
-    """A post that names no model is built on the model the daemon last saw its conversation
-    with, and checked by the post's own statement. Daemon A saw the conversation on `demo:echo`;
-    daemon B then moves it to `demo`. A's next post must run on `demo` (nothing is written on
-    the stale guess: one run, one question), and so must the one after it."""
+@contextlib.asynccontextmanager
+async def _moved_behind_a(spawn_daemon, pool,
+                          ) -> AsyncIterator[tuple[httpx.AsyncClient, httpx.AsyncClient, str]]:
+    """Daemons A and B and one device's client of each; a conversation that A saw on
+    `demo:echo` (it created it) and B then moved to `demo`, so A's guess of its model is stale."""
     env = {"AGENTD_DEMO_MODELS": "demo,echo"}
     a = spawn_daemon(name="a", env=env)
     b = spawn_daemon(name="b", env=env)
     await a.wait_ready()
     await b.wait_ready()
     device = await new_device(pool, "a", "laptop")
-    async with device.client(a) as on_a, device.client(b) as on_b, asyncio.timeout(60):
+    async with device.client(a) as on_a, device.client(b) as on_b, asyncio.timeout(90):
         created = await on_a.post("/v1/conversations", json={"title": "t", "model": "demo:echo"})
         assert created.status_code == 201, created.text
         conversation = created.json()["id"]
         moved = await on_b.patch(f"/v1/conversations/{conversation}", json={"model": "demo"})
         assert moved.status_code == 200, moved.text
+        yield on_a, on_b, conversation
+
+
+async def _models(pool, conversation: str) -> list[str]:
+    rows = await pool.fetch("SELECT request->>'model' AS model FROM agent_run"
+                            " WHERE conversation_id = $1 ORDER BY created_at", UUID(conversation))
+    return [r["model"] for r in rows]
+
+
+async def test_a_post_runs_on_the_model_its_conversation_has_now_whatever_this_daemon_saw(
+        spawn_daemon, pool):
+    """A post that names no model is built on the model the daemon last saw its conversation
+    with, and checked by the post's own statement. Daemon A saw the conversation on `demo:echo`;
+    daemon B then moves it to `demo`. A's next post must run on `demo` (nothing is written on
+    the stale guess: one run, one question), and so must the one after it."""
+    async with _moved_behind_a(spawn_daemon, pool) as (on_a, _on_b, conversation):
         runs = []
         for prompt in ("after the change", "and after that"):
             posted = await on_a.post(f"/v1/conversations/{conversation}/runs",
@@ -120,24 +138,13 @@ async def test_a_post_runs_on_the_model_its_conversation_has_now_whatever_this_d
 @pytest.mark.parametrize("on_busy", ["enqueue", "reject", "interrupt"])
 async def test_a_post_repeated_on_a_daemon_with_a_stale_model_is_a_replay(
         spawn_daemon, pool, on_busy):
-    """A post repeated under its Idempotency-Key returns the first run wherever it lands.
-    Daemon A saw the conversation on `demo:echo`; B moves it to `demo` and takes the post; the
-    repeat lands on A, whose request, built on what it saw, differs from the stored one until
-    the conversation's row is read: a replay, not a 409 conflict, whatever `on_busy` says."""
-    env = {"AGENTD_DEMO_MODELS": "demo,echo"}
-    a = spawn_daemon(name="a", env=env)
-    b = spawn_daemon(name="b", env=env)
-    await a.wait_ready()
-    await b.wait_ready()
-    device = await new_device(pool, "a", "laptop")
+    """A post repeated under its Idempotency-Key returns the first run wherever it lands. B
+    takes the post; the repeat lands on A, whose request, built on the model it saw, differs
+    from the stored one until the conversation's row is read: a replay, not a 409 conflict,
+    whatever `on_busy` says."""
     body = {"content": "once", "params": {"tokens": 2}, "on_busy": on_busy}
     key = {"Idempotency-Key": f"repeat-{on_busy}"}
-    async with device.client(a) as on_a, device.client(b) as on_b, asyncio.timeout(60):
-        created = await on_a.post("/v1/conversations", json={"title": "t", "model": "demo:echo"})
-        assert created.status_code == 201, created.text
-        conversation = created.json()["id"]
-        moved = await on_b.patch(f"/v1/conversations/{conversation}", json={"model": "demo"})
-        assert moved.status_code == 200, moved.text
+    async with _moved_behind_a(spawn_daemon, pool) as (on_a, on_b, conversation):
         runs = f"/v1/conversations/{conversation}/runs"
         first = await on_b.post(runs, json=body, headers=key)
         assert first.status_code == 202, first.text
@@ -146,9 +153,7 @@ async def test_a_post_repeated_on_a_daemon_with_a_stale_model_is_a_replay(
         assert again.headers.get("Idempotent-Replayed") == "true"
         assert again.json()["run_id"] == first.json()["run_id"]
         await wait_terminal(on_a, first.json()["run_id"], 30)
-    rows = await pool.fetch("SELECT request->>'model' AS model FROM agent_run"
-                            " WHERE conversation_id = $1", UUID(conversation))
-    assert [r["model"] for r in rows] == ["demo"]
+    assert await _models(pool, conversation) == ["demo"]
 
 
 async def test_an_interrupt_built_on_a_stale_model_stops_the_running_turn_once_and_runs_on_the_new(
@@ -157,28 +162,15 @@ async def test_an_interrupt_built_on_a_stale_model_stops_the_running_turn_once_a
     stale guess the post's statement refuses after the stop: the whole transaction, stop
     included, rolls back and is done again on the row's model — the running turn is stopped,
     the new one runs on `demo`, nothing else is written."""
-    env = {"AGENTD_DEMO_MODELS": "demo,echo"}
-    a = spawn_daemon(name="a", env=env)
-    b = spawn_daemon(name="b", env=env)
-    await a.wait_ready()
-    await b.wait_ready()
-    device = await new_device(pool, "a", "laptop")
-    async with device.client(a) as on_a, device.client(b) as on_b, asyncio.timeout(90):
-        created = await on_a.post("/v1/conversations", json={"title": "t", "model": "demo:echo"})
-        assert created.status_code == 201, created.text
-        conversation = created.json()["id"]
+    async with _moved_behind_a(spawn_daemon, pool) as (on_a, on_b, conversation):
         runs = f"/v1/conversations/{conversation}/runs"
         long = await on_b.post(runs, json={"content": "long", "params": {
             "tokens": TOKENS, "delay_ms": DELAY_MS}})
         assert long.status_code == 202, long.text
-        moved = await on_b.patch(f"/v1/conversations/{conversation}", json={"model": "demo"})
-        assert moved.status_code == 200, moved.text
         posted = await on_a.post(runs, json={"content": "instead", "params": {"tokens": 2},
                                              "on_busy": "interrupt"})
         assert posted.status_code == 202, posted.text
         stopped = await wait_terminal(on_a, long.json()["run_id"], 30)
         after = await wait_terminal(on_a, posted.json()["run_id"], 30)
     assert (stopped["status"], after["status"]) == ("cancelled", "completed")
-    rows = await pool.fetch("SELECT request->>'model' AS model FROM agent_run"
-                            " WHERE conversation_id = $1 ORDER BY created_at", UUID(conversation))
-    assert [r["model"] for r in rows] == ["demo:echo", "demo"]
+    assert await _models(pool, conversation) == ["demo", "demo"]
