@@ -39,3 +39,29 @@ async def test_a_2000_message_conversation_opens_on_its_last_answer(
     terminal.write_raw(PAGE_UP * 8)
     earlier = await terminal.wait_for_text(re.compile(r"End of answer (9[0-8]\d|99[0-5])\."))
     assert earlier != last_line(TURNS)
+
+
+async def test_short_turns_on_a_tall_terminal_fill_it_and_page_back(
+        daemon: Daemon, pool: asyncpg.Pool, desk: Device,
+        open_agenttui: OpenAgentTUI) -> None:
+    """One-line answers on a 100-line terminal: the screen fills with the newest turns, the
+    last at the bottom, and PageUp reaches earlier ones. (That the window then keeps them
+    mounted instead of trimming back to its usual size, which moved the view off the newest
+    with "↓ 8 newer turns", is asserted in tests/tui/test_long_conversation.py: here it would
+    take waiting for something not to happen.)"""
+    async with client_for(daemon, desk) as api:
+        me = await api.me()
+        created = await api.create_conversation("short")
+    await write_long_conversation(
+        pool, account_id=uuid.UUID(me.account_id), device_id=uuid.UUID(desk.device_id),
+        conversation_id=uuid.UUID(created.id), turns=TURNS, answer_of=lambda n: f"Short {n}.")
+
+    terminal = open_agenttui(daemon.url, desk, conversation=created.id, size=(110, 100))
+    # A 100-line screen holds well over a dozen such turns: the newest and one 12 before it.
+    await terminal.wait_for(
+        lambda screen: f"Short {TURNS}." in screen and f"Short {TURNS - 12}." in screen,
+        what="the screen full of the newest turns")
+
+    terminal.write_raw(PAGE_UP * 10)
+    earlier = await terminal.wait_for_text(re.compile(r"Short (9[0-7]\d)\."))
+    assert earlier != f"Short {TURNS}."
