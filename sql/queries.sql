@@ -760,7 +760,9 @@ DELETE FROM presence WHERE expires_at < clock_timestamp() - interval '1 minute';
 -- two `reject` requests cannot both see it idle, and a stop sweeps every turn committed before
 -- it. NO KEY UPDATE, not UPDATE: claims and finishes insert rows referencing the conversation
 -- (KEY SHARE locks) while holding run locks a stop waits for; FOR UPDATE would deadlock them.
-SELECT id FROM conversation WHERE id = $1::uuid AND account_id = $2::uuid FOR NO KEY UPDATE;
+-- Answers the model as locked: a turn built in this transaction runs on it, whatever changes it.
+SELECT id, model FROM conversation WHERE id = $1::uuid AND account_id = $2::uuid
+FOR NO KEY UPDATE;
 
 -- list_runs_of_conversation_since --
 -- params: conversation_id, after_created_at, after_id, open_run_ids

@@ -6,10 +6,9 @@ that row: the client attached to the conversation's feed before posting, and the
 conversation whenever it changes, here or in another process. So the service builds the request
 on the model it last saw and the post's own statement checks it (queue.post_turn, `ModelGuess`):
 a guess gone stale writes nothing and the service reads the conversation and posts again. Wrong
-guesses cost a round trip; they can never put a turn on the wrong model. A post whose repeat is
-compared with the first run before that statement runs (`on_busy` reject or interrupt, with an
-Idempotency-Key) reads the conversation's row under its lock first, so a stale guess cannot
-turn a replay into a conflict.
+guesses cost a round trip; they can never put a turn on the wrong model. A post that locks the
+conversation in a transaction of its own (`on_busy` reject or interrupt) checks the guess against
+the model its lock answers, before it compares a repeat with the first run or stops anything.
 
 Bounded: the least recently seen conversations are forgotten first.
 """

@@ -308,12 +308,20 @@ async def supersede_exchange(conn: Conn, conversation_id: UUID,
         conversation_id=conversation_id, message_id=message_id, superseded_by=superseded_by))
 
 
+@dataclass(frozen=True, slots=True)
+class LockedConversation:
+    """What a transaction that locked the conversation's row may rely on until it ends."""
+
+    model: str | None  # None: the daemon's default_model
+
+
 async def lock_conversation(conn: Conn, account_id: UUID,
-                            conversation_id: UUID) -> bool:
+                            conversation_id: UUID) -> LockedConversation | None:
     """Serialize with enqueues and stops of this conversation until the transaction ends;
-    False when the account has no such conversation."""
-    return await conn.fetchval(*Q.lock_conversation.bind(
-        conversation_id=conversation_id, account_id=account_id)) is not None
+    None when the account has no such conversation."""
+    row = await conn.fetchrow(*Q.lock_conversation.bind(
+        conversation_id=conversation_id, account_id=account_id))
+    return None if row is None else LockedConversation(row["model"])
 
 
 async def list_active_runs(db: Db, conversation_id: UUID) -> list[RunRow]:

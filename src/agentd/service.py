@@ -302,9 +302,10 @@ class Service:
             raise ServiceError(422, "invalid_params", str(exc)) from None
         return RunRequest(content, model, params, ask.on_busy, retry_of)
 
-    def _conversation_model(self, conversation: convs.Conversation) -> ModelRef:
-        """A run that names no model gets the conversation's, else default_model; usable now."""
-        return usable_model(conversation.model or self.settings.default_model, self.settings)
+    def _conversation_model(self, model: str | None) -> ModelRef:
+        """A run that names no model gets its conversation's `model`, else default_model;
+        usable now."""
+        return usable_model(model or self.settings.default_model, self.settings)
 
     async def create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                          idempotency_key: str | None) -> CreatedRun:
@@ -398,8 +399,8 @@ class Service:
         guess = self.models.guess(who.account_id, conversation_id) if guessing else None
         if guess is not None:
             try:
-                req = self._request(ask, usable_model(guess.model or self.settings.default_model,
-                                                      self.settings), ask.content, ask.params)
+                req = self._request(ask, self._conversation_model(guess.model), ask.content,
+                                    ask.params)
                 if model_allowed(str(req.model), who.models):
                     return req, guess
             except ServiceError:
@@ -408,7 +409,7 @@ class Service:
         if conversation is None:
             raise not_found("conversation")
         self._seen(who, conversation)
-        return self._request(ask, self._conversation_model(conversation), ask.content,
+        return self._request(ask, self._conversation_model(conversation.model), ask.content,
                              ask.params), None
 
     async def _post(self, who: Principal, conversation_id: UUID, req: RunRequest,
@@ -423,12 +424,13 @@ class Service:
             return await self._enqueue(self.pool, who, conversation_id, req, idempotency_key,
                                        beside=slot, guess=guess)
         async with self.pool.acquire() as conn, conn.transaction():
-            if not await convs.lock_conversation(conn, who.account_id, conversation_id):
+            locked = await convs.lock_conversation(conn, who.account_id, conversation_id)
+            if locked is None:
                 raise not_found("conversation")
-            if guess is not None and idempotency_key is not None:
-                # The replay compares the first run's request with this one, before any
-                # statement checks the guess: a stale one would turn a repeat into a conflict.
-                await self._check_guess(conn, who, conversation_id, guess)
+            if guess is not None and locked.model != guess.model:
+                # Checked here, before the replay compares requests and before a stop, not
+                # left to the post's statement: nothing is written yet.
+                raise queue.ModelChanged(str(conversation_id))
             if idempotency_key is not None:
                 replay = await self._replay(conn, who, conversation_id, idempotency_key, req)
                 if replay is not None:
@@ -452,17 +454,8 @@ class Service:
                                                         conversation_id=conversation_id)
                 drafts = stopped.drafts
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
-                                          beside=slot, guess=guess)
+                                          beside=slot)  # the guess held when locked: it stands
         return dataclasses.replace(created, drafts=drafts)
-
-    async def _check_guess(self, conn: Conn, who: Principal, conversation_id: UUID,
-                           guess: queue.ModelGuess) -> None:
-        """Raise ModelChanged unless the conversation, locked by the caller, still has the
-        model the request was built on."""
-        conversation = await convs.get_conversation(conn, who.account_id, conversation_id)
-        assert conversation is not None  # locked by the caller
-        if conversation.model != guess.model:
-            raise queue.ModelChanged()
 
     async def _check_tool(self, name: str) -> None:
         """A run may name only a registered tool (an MCP one is looked up on its server, which
@@ -484,7 +477,8 @@ class Service:
         """
         named = ask.retry_of if isinstance(ask.retry_of, UUID) else None  # None: "last"
         async with self.pool.acquire() as conn, conn.transaction():
-            if not await convs.lock_conversation(conn, who.account_id, conversation_id):
+            locked = await convs.lock_conversation(conn, who.account_id, conversation_id)
+            if locked is None:
                 raise not_found("conversation")
             if idempotency_key is not None:
                 replay = await self._replay_retry(conn, who, conversation_id, idempotency_key,
@@ -493,13 +487,8 @@ class Service:
                     return replay
             target = await convs.retry_target(conn, conversation_id, named)
             retried = _retry_target(target, named)
-            if ask.model is not None:
-                model = ask.model
-            else:
-                conversation = await convs.get_conversation(conn, who.account_id,
-                                                            conversation_id)
-                assert conversation is not None  # locked above
-                model = self._conversation_model(conversation)
+            model = ask.model if ask.model is not None else self._conversation_model(
+                locked.model)
             inherited = ask.params is None
             params = (target["request"] or {}).get("params") if inherited else ask.params
             try:

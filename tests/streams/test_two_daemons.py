@@ -158,10 +158,10 @@ async def test_a_post_repeated_on_a_daemon_with_a_stale_model_is_a_replay(
 
 async def test_an_interrupt_built_on_a_stale_model_stops_the_running_turn_once_and_runs_on_the_new(
         spawn_daemon, pool):
-    """`on_busy: interrupt` stops the conversation and queues the post in one transaction. On a
-    stale guess the post's statement refuses after the stop: the whole transaction, stop
-    included, rolls back and is done again on the row's model — the running turn is stopped,
-    the new one runs on `demo`, nothing else is written."""
+    """`on_busy: interrupt` stops the conversation and queues the post in one transaction. A
+    stale guess is refused when the conversation is locked, before the stop, and the post is
+    built again on the row's model: the running turn is stopped, the new one runs on `demo`,
+    nothing else is written."""
     async with _moved_behind_a(spawn_daemon, pool) as (on_a, on_b, conversation):
         runs = f"/v1/conversations/{conversation}/runs"
         long = await on_b.post(runs, json={"content": "long", "params": {
