@@ -26,7 +26,8 @@ SIZE = (100, 30)
 
 class OpenAgentTUI(Protocol):
     def __call__(self, url: str, device: Device, *args: str,
-                 size: tuple[int, int] = ..., **settings: Any) -> Terminal: ...
+                 size: tuple[int, int] = ..., record_screens: bool = ...,
+                 **settings: Any) -> Terminal: ...
 
 
 @pytest.fixture
@@ -36,11 +37,11 @@ def open_agenttui(tmp_path: Path) -> Iterator[OpenAgentTUI]:
     terminals: list[Terminal] = []
 
     def open_(url: str, device: Device, *args: str, size: tuple[int, int] = SIZE,
-              **settings: Any) -> Terminal:
+              record_screens: bool = False, **settings: Any) -> Terminal:
         home = tmp_path / f"agenttui-{len(terminals) + 1}-{device.name}"
         terminal = Terminal([*agenttui_command(), *args],
                             env=agenttui_env(home, url, device, **settings), cwd=tmp_path,
-                            size=size)
+                            size=size, record_screens=record_screens)
         terminals.append(terminal)
         return terminal
 

@@ -64,8 +64,12 @@ class Terminal:
     """One program on its own pty, `size` = (columns, rows)."""
 
     def __init__(self, argv: Sequence[str], *, env: Mapping[str, str],
-                 cwd: Path | str | None = None, size: tuple[int, int] = (100, 30)) -> None:
+                 cwd: Path | str | None = None, size: tuple[int, int] = (100, 30),
+                 record_screens: bool = False) -> None:
+        """`record_screens`: keep the screen as it stood after each read of the program's
+        output (`screens`), to check what a reader could have seen between two waits."""
         columns, rows = size
+        self._screens: list[str] | None = [] if record_screens else None
         self.argv = list(argv)
         self.screen = pyte.Screen(columns, rows)
         self._stream = pyte.ByteStream(self.screen)
@@ -138,6 +142,13 @@ class Terminal:
         return "\n".join(line.rstrip() for line in self.screen.display)
 
     @property
+    def screens(self) -> list[str]:
+        """Every screen recorded so far, oldest first (record_screens)."""
+        with self._changed:
+            assert self._screens is not None, "opened without record_screens"
+            return list(self._screens)
+
+    @property
     def output(self) -> bytes:
         """Every byte the program wrote to its terminal so far."""
         with self._changed:
@@ -198,6 +209,8 @@ class Terminal:
                     return
                 self._output += data
                 self._stream.feed(data)
+                if self._screens is not None:
+                    self._screens.append(self._text())
                 self._changed.notify_all()
 
     # -- the program ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 from tests.support.daemon import Daemon
 from tests.support.factories import Device
 from tests.support.long_conversation import last_line, write_long_conversation
+from tests.terminal.agenttui import composer_empty
 from tests.terminal.conftest import OpenAgentTUI
 from tests.tui.helpers import client_for
 
@@ -45,10 +46,11 @@ async def test_short_turns_on_a_tall_terminal_fill_it_and_page_back(
         daemon: Daemon, pool: asyncpg.Pool, desk: Device,
         open_agenttui: OpenAgentTUI) -> None:
     """One-line answers on a 100-line terminal: the screen fills with the newest turns, the
-    last at the bottom, and PageUp reaches earlier ones. (That the window then keeps them
-    mounted instead of trimming back to its usual size, which moved the view off the newest
-    with "↓ 8 newer turns", is asserted in tests/tui/test_long_conversation.py: here it would
-    take waiting for something not to happen.)"""
+    last at the bottom and staying there while it fills, a turn asked then shows below them,
+    and PageUp reaches earlier ones. (That the window then keeps them mounted instead of
+    trimming back to its usual size, which moved the view off the newest with "↓ 8 newer
+    turns", is asserted in tests/tui/test_long_conversation.py: here it would take waiting
+    for something not to happen.)"""
     async with client_for(daemon, desk) as api:
         me = await api.me()
         created = await api.create_conversation("short")
@@ -56,11 +58,26 @@ async def test_short_turns_on_a_tall_terminal_fill_it_and_page_back(
         pool, account_id=uuid.UUID(me.account_id), device_id=uuid.UUID(desk.device_id),
         conversation_id=uuid.UUID(created.id), turns=TURNS, answer_of=lambda n: f"Short {n}.")
 
-    terminal = open_agenttui(daemon.url, desk, conversation=created.id, size=(110, 100))
+    terminal = open_agenttui(daemon.url, desk, conversation=created.id, size=(110, 100),
+                             record_screens=True)
     # A 100-line screen holds well over a dozen such turns: the newest and one 12 before it.
     await terminal.wait_for(
         lambda screen: f"Short {TURNS}." in screen and f"Short {TURNS - 12}." in screen,
         what="the screen full of the newest turns")
+    # Filling the screen mounts a few pages of older turns above the newest. Once the newest
+    # was on the screen, it never left it on the way: no frame pushed it out of view with a
+    # blank band above (what Textual drew while the turns were shorter than the screen).
+    newest = f"Short {TURNS}."
+    screens = terminal.screens
+    shown = next(n for n, screen in enumerate(screens) if newest in screen)
+    left = [screen for screen in screens[shown:] if newest not in screen]
+    assert not left, f"the newest turn left the screen while it filled:\n{left[0]}"
+    # And the view still follows the newest: a turn asked now shows at the bottom.
+    await terminal.type("one more short question")
+    terminal.press("enter")
+    await terminal.wait_for(
+        lambda screen: composer_empty(screen) and "one more short question" in screen,
+        what="the new question in the transcript")
 
     terminal.write_raw(PAGE_UP * 10)
     earlier = await terminal.wait_for_text(re.compile(r"Short (9[0-7]\d)\."))

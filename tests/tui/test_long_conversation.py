@@ -153,3 +153,21 @@ async def test_short_turns_on_a_tall_terminal_keep_the_newest_in_view_and_fill_t
         assert len(model.order) > loaded, "PageUp never fetched an older page"
         await wait_for(pilot, lambda: not transcript.paging, "paging to settle")
         assert len(transcript.views) < len(model.order), "far-off turns are unmounted"
+
+
+async def test_the_newest_turns_show_even_when_filling_the_screen_fails(
+        daemon: Daemon, pool, desk, agenttui_dirs: Path, monkeypatch) -> None:
+    # The turns stay hidden while older ones are mounted above them to fill the screen
+    # (Transcript._veil); a fill that breaks off must still show what is mounted.
+    def breaks(self: Transcript, view: Any, before: int) -> None:
+        raise RuntimeError("the page mounted above could not be put in place")
+
+    monkeypatch.setattr(Transcript, "_keep_in_place", breaks)
+    conversation_id = await _long(daemon, pool, desk, answer_of=lambda n: f"Short {n}.")
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation_id,
+                           size=(110, 100)) as (app, pilot):
+        await wait_for(pilot, lambda: f"Short {TURNS}." in screen_text(app),
+                       "the newest turn on screen")
+        transcript = _transcript(app)
+        assert not transcript.has_class("-veiled")
+        assert transcript.virtual_size.height < 2 * transcript.size.height  # it broke off

@@ -329,6 +329,7 @@ class Transcript(VerticalScroll):
     Transcript { height: 1fr; padding: 0 0 0 1; }
     Transcript > .empty { color: $text-muted; padding: 1 2; }
     Transcript > .more { color: $text-muted; text-style: italic; height: 1; }
+    Transcript.-veiled > * { visibility: hidden; }
     """
 
     def __init__(self, *, lock: asyncio.Lock | None = None, **kwargs: Any) -> None:
@@ -358,6 +359,7 @@ class Transcript(VerticalScroll):
         self._show_edges()
 
     async def reset(self, message: str = "") -> None:
+        self.remove_class("-veiled")  # a fill under way for the turns going now ends here
         await self._unmount_all()
         self.keys, self.model = [], None
         self.set_empty(message)
@@ -404,6 +406,7 @@ class Transcript(VerticalScroll):
             await self._unmount_all()
             self.keys = list(keys)
             self.start = self.end = len(keys)
+            self._veil(keys[-PAGE_TURNS:])
             await self._mount(max(0, len(keys) - PAGE_TURNS), len(keys))
             self.call_after_refresh(self._fill)
             return
@@ -462,17 +465,44 @@ class Transcript(VerticalScroll):
             self.end -= extra
         await self.remove_children(views)
 
-    def _fill(self) -> None:
-        """Mount older turns until the screen (plus a margin) is full."""
-        if self.start > 0 and self.virtual_size.height < 2 * self.size.height:
-            self.run_worker(self.page_older(scroll=False), group="transcript-page",
-                            exit_on_error=False)
+    def _veil(self, keys: list[str]) -> None:
+        """Hide the turns `keys`, about to be mounted, until _fill has filled the screen, when
+        they may not fill it themselves. While the newest turns are shorter than the screen,
+        Textual (8.2) keeps an anchored view at the bottom with a negative scroll offset, and
+        as pages mount above, frames can be drawn with a stale one: the newest turns pushed out
+        of view, a blank band above (https://github.com/Textualize/textual/issues/6652). Filling
+        takes a few pages on a tall terminal with short turns; the reader sees the full screen
+        at once instead of those frames. Hidden by visibility, so the turns are still laid out
+        and measured. Turns sure to fill the screen are not hidden: showing them a refresh
+        later cost a conversation's opening about 90 ms (bench/tui.py)."""
+        height = self.size.height  # 0: not laid out yet, so unknown
+        if self.model is None or not height or _rows_at_least(
+                [self.model.turns[key] for key in keys], self.size.width) < height:
+            self.add_class("-veiled")
 
-    async def page_older(self, *, scroll: bool = True) -> None:
+    def _fill(self) -> None:
+        """Mount older turns until the screen (plus a margin) is full, then show them."""
+        if self.start > 0 and self.virtual_size.height < 2 * self.size.height:
+            self.run_worker(self._fill_more(), group="transcript-page", exit_on_error=False)
+        else:
+            self.remove_class("-veiled")
+
+    async def _fill_more(self) -> None:
+        mounted = False
+        try:
+            mounted = await self.page_older()
+        finally:
+            if mounted or (self.paging and self.start > 0):  # or another page is mounting
+                self.call_after_refresh(self._fill)  # laid out by then: filled enough?
+            else:
+                # Nothing more to mount, or mounting failed: show what is mounted.
+                self.remove_class("-veiled")
+
+    async def page_older(self) -> bool:
         """Mount the turns above the mounted ones (fetching a page first if the model has
-        none), keeping what the reader sees in place."""
+        none), keeping what the reader sees in place; whether any were mounted."""
         if self.paging:
-            return
+            return False
         self.paging = True
         try:
             model = self.model
@@ -480,7 +510,7 @@ class Transcript(VerticalScroll):
                 await self.fetch_older()
             async with self.render_lock:
                 if self.start == 0 or not self.views:
-                    return
+                    return False
                 first = next(iter(self.views.values()))
                 before = first.virtual_region.y
                 await self._mount(max(0, self.start - PAGE_TURNS), self.start)
@@ -489,10 +519,9 @@ class Transcript(VerticalScroll):
             self._keep_in_place(first, before)
             if self.remounted is not None:
                 self.remounted()
+            return True
         finally:
             self.paging = False
-        if not scroll:
-            self.call_after_refresh(self._fill)
 
     async def page_newer(self) -> None:
         """Mount the turns below the mounted ones (unmounting far-off ones above)."""
@@ -527,6 +556,7 @@ class Transcript(VerticalScroll):
         if not self.following:
             await self._unmount_all()
             self.start = self.end = len(self.keys)
+            self._veil(self.keys[-PAGE_TURNS:])
             await self._mount(max(0, len(self.keys) - PAGE_TURNS), len(self.keys))
             self._show_edges()
             self.call_after_refresh(self._fill)
@@ -577,6 +607,19 @@ class Transcript(VerticalScroll):
         self.newer.update(f"↓ {below} newer turn{'s' if below != 1 else ''} · Ctrl+End "
                           f"jumps to the newest")
         self.newer.display = bool(self.views) and below > 0
+
+
+def _rows_at_least(turns: list[Turn], width: int) -> int:
+    """About the fewest rows these turns can take at `width` columns: their text's lines,
+    wrapped, and each turn's own head, foot and gap. Markdown drawn from it may take fewer
+    (a code fence's marks), never many fewer."""
+    columns = max(1, width - 6)  # the transcript's border and padding, the text's indent
+    rows = 0
+    for turn in turns:
+        rows += 3
+        for line in (turn.question + "\n" + turn.text).splitlines():
+            rows += max(1, -(-len(line) // columns))
+    return rows
 
 
 def _index(keys: list[str], key: str) -> int | None:
