@@ -466,22 +466,26 @@ class Transcript(VerticalScroll):
         await self.remove_children(views)
 
     def _veil(self, keys: list[str]) -> None:
-        """Hide the turns `keys`, about to be mounted, until _fill has filled the screen, when
-        they may not fill it themselves. While the newest turns are shorter than the screen,
+        """Hide the turns `keys`, about to be mounted, until _fill has covered the screen, when
+        they may not cover it themselves. While the newest turns are shorter than the screen,
         Textual (8.2) keeps an anchored view at the bottom with a negative scroll offset, and
         as pages mount above, frames can be drawn with a stale one: the newest turns pushed out
         of view, a blank band above (https://github.com/Textualize/textual/issues/6652). Filling
-        takes a few pages on a tall terminal with short turns; the reader sees the full screen
-        at once instead of those frames. Hidden by visibility, so the turns are still laid out
-        and measured. Turns sure to fill the screen are not hidden: showing them a refresh
-        later cost a conversation's opening about 90 ms (bench/tui.py)."""
+        takes a few pages on a tall terminal with short turns; the reader sees a full screen
+        at once instead of those frames (turns that cover the screen have offsets of 0 or more,
+        so the margin above it fills in sight). Hidden by visibility, so the turns are still
+        laid out and measured. Turns sure to cover the screen are not hidden: showing them a
+        refresh later cost a conversation's opening about 90 ms (bench/tui.py)."""
         height = self.size.height  # 0: not laid out yet, so unknown
         if self.model is None or not height or _rows_at_least(
                 [self.model.turns[key] for key in keys], self.size.width) < height:
             self.add_class("-veiled")
 
     def _fill(self) -> None:
-        """Mount older turns until the screen (plus a margin) is full, then show them."""
+        """Mount older turns until the screen (plus a margin) is full; show them once they
+        cover the screen (the margin above fills in sight: no frame then leaves the newest)."""
+        if self.virtual_size.height > self.size.height:  # equal while shorter than the screen
+            self.remove_class("-veiled")
         if self.start > 0 and self.virtual_size.height < 2 * self.size.height:
             self.run_worker(self._fill_more(), group="transcript-page", exit_on_error=False)
         else:
@@ -546,7 +550,12 @@ class Transcript(VerticalScroll):
     def _keep_in_place(self, view: Widget, before: int) -> None:
         def restore() -> None:
             shift = view.virtual_region.y - before
-            if shift:
+            # At the bottom, the view is where it was: the anchor kept turns mounted above a
+            # reader who follows the newest out of view (the screen's margin filling on open).
+            # Scrolling then would release the anchor (Textual 8.2's scroll_to always does),
+            # and with the view already at the bottom nothing takes it back: the next turn
+            # would mount out of sight.
+            if shift and self.scroll_y < self.max_scroll_y:
                 self.scroll_to(y=self.scroll_y + shift, animate=False, immediate=True)
 
         self.call_after_refresh(restore)
