@@ -403,12 +403,8 @@ class Transcript(VerticalScroll):
         at = _index(keys, mounted[0]) if mounted else None
         if at is None or keys[at: at + len(mounted)] != mounted:
             # First sync, or removed/reordered (a fresh snapshot disagreed): the newest turns.
-            await self._unmount_all()
             self.keys = list(keys)
-            self.start = self.end = len(keys)
-            self._veil(keys[-PAGE_TURNS:])
-            await self._mount(max(0, len(keys) - PAGE_TURNS), len(keys))
-            self.call_after_refresh(self._fill)
+            await self._mount_newest()
             return
         self.keys = list(keys)
         self.start, self.end = at, at + len(mounted)
@@ -465,6 +461,15 @@ class Transcript(VerticalScroll):
             self.end -= extra
         await self.remove_children(views)
 
+    async def _mount_newest(self) -> None:
+        """Start over from the newest page of `keys`, then fill the screen above it."""
+        await self._unmount_all()
+        self.start = self.end = len(self.keys)
+        newest = self.keys[-PAGE_TURNS:]
+        self._veil(newest)
+        await self._mount(len(self.keys) - len(newest), len(self.keys))
+        self.call_after_refresh(self._fill)
+
     def _veil(self, keys: list[str]) -> None:
         """Hide the turns `keys`, about to be mounted, until _fill has covered the screen, when
         they may not cover it themselves. While the newest turns are shorter than the screen,
@@ -484,12 +489,12 @@ class Transcript(VerticalScroll):
     def _fill(self) -> None:
         """Mount older turns until the screen (plus a margin) is full; show them once they
         cover the screen (the margin above fills in sight: no frame then leaves the newest)."""
-        if self.virtual_size.height > self.size.height:  # equal while shorter than the screen
+        height = self.virtual_size.height  # the screen's own while shorter than it
+        more = self.start > 0 and height < 2 * self.size.height
+        if height > self.size.height or not more:
             self.remove_class("-veiled")
-        if self.start > 0 and self.virtual_size.height < 2 * self.size.height:
+        if more:
             self.run_worker(self._fill_more(), group="transcript-page", exit_on_error=False)
-        else:
-            self.remove_class("-veiled")
 
     async def _fill_more(self) -> None:
         mounted = False
@@ -563,12 +568,8 @@ class Transcript(VerticalScroll):
     async def show_newest(self) -> None:
         """Back to the newest turns (after a jump or a long scroll up); runs under `lock`."""
         if not self.following:
-            await self._unmount_all()
-            self.start = self.end = len(self.keys)
-            self._veil(self.keys[-PAGE_TURNS:])
-            await self._mount(max(0, len(self.keys) - PAGE_TURNS), len(self.keys))
+            await self._mount_newest()
             self._show_edges()
-            self.call_after_refresh(self._fill)
         self.anchor()
 
     async def reveal(self, key: str) -> TurnView | None:
