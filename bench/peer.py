@@ -32,7 +32,8 @@ bloat or dirty pages.
 An agentd run is not a pgqueuer job: enqueue writes the user message, the run row and two
 journal events and sends two NOTIFYs; the claim updates the run, the message and upserts the
 conversation lease; the finish writes the run, the `complete` event and releases the lease, with
-three NOTIFYs. The figures show what those guarantees cost, not two equal workloads.
+two NOTIFYs (the claim loops hear of an ending from their own process only: notifier.py). The
+figures show what those guarantees cost, not two equal workloads.
 """
 
 from __future__ import annotations
@@ -379,7 +380,9 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
     size = args.consumers + args.enqueuers
     pool = await dbmod.create_pool(database.dsn, min_size=size, max_size=size + 1,
                                    application_name="agentd-bench-peer")
-    notifier = Notifier(pool)
+    # Each consumer claims again as soon as its turns have ended, as a daemon's claim loop
+    # does when its own turn ends: an ending's wake goes to nobody else (notifier.py).
+    notifier = Notifier(pool, claims_here=lambda: True)
     notifier.start()
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool))
@@ -494,7 +497,9 @@ async def agentd_drain(dbs: Databases, args: argparse.Namespace, batch: int) -> 
     pool = await dbmod.create_pool(database.dsn, min_size=args.consumers,
                                    max_size=args.consumers + 1,
                                    application_name="agentd-bench-peer")
-    notifier = Notifier(pool)
+    # Each consumer claims again as soon as its turns have ended, as a daemon's claim loop
+    # does when its own turn ends: an ending's wake goes to nobody else (notifier.py).
+    notifier = Notifier(pool, claims_here=lambda: True)
     notifier.start()
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool))
@@ -545,7 +550,9 @@ async def agentd_latency(dbs: Databases, args: argparse.Namespace) -> dict[str, 
     settings = Settings()
     pool = await dbmod.create_pool(database.dsn, min_size=2, max_size=4,
                                    application_name="agentd-bench-peer")
-    notifier = Notifier(pool)
+    # Each consumer claims again as soon as its turns have ended, as a daemon's claim loop
+    # does when its own turn ends: an ending's wake goes to nobody else (notifier.py).
+    notifier = Notifier(pool, claims_here=lambda: True)
     notifier.start()
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     hub = Hub(database.dsn, channels=[Channel.RUN_ENQUEUED])

@@ -860,28 +860,39 @@ SELECT id, text, run_id, created_at FROM (
 ORDER BY id;
 
 -- notify_batch --
--- params: channels, payloads
+-- params: channels, payloads, fleet_wakes
 -- Wake hints, many per statement (signals are hints, rows are truth: docs/architecture.md
 -- rule 6): for rows already committed, in a transaction of their own, or for rows the caller's
 -- open transaction wrote, which the hints then commit with (rule 1). A NOTIFY gives even a
 -- transaction of its own an xid, so it writes a commit record (40 bytes of WAL) like any write.
--- A dispatchers' wake (agentd_run_enqueued, payload a conversation) goes out only while that
--- conversation's account has a turn queued, as this statement sees it: only such a turn can
--- have become claimable, and every process's claim loop would otherwise claim nothing. Sent
--- after the commit that caused it (a turn's ending), no turn is missed: one queued before this
--- snapshot is seen here, one queued after it sends its own wake, which the claim loops hear
--- after that ending committed. The check is a function (account_has_queued_turn, sql/018),
--- whose plan is cached: written out here, it made this statement cost 0.4 ms to plan at
--- every call. Returns the places (1-based) of the hints sent.
+-- A dispatchers' wake (agentd_run_enqueued, payload a conversation) comes from a turn's ending
+-- and is decided here: only while that conversation's account has a turn queued, as this
+-- statement sees it, can the ending have made one claimable; every claim loop would otherwise
+-- claim nothing. Sent after the commit that caused it, no turn is missed: one queued before
+-- this snapshot is seen here, one queued after it sends its own wake, which the claim loops
+-- hear after that ending committed. With fleet_wakes false such a wake is decided but not
+-- sent: the caller's own claim loop takes the turn (notifier.py says when). The check is a
+-- function (account_has_queued_turn, sql/018), whose plan is cached: written out here, it
+-- made this statement cost 0.4 ms to plan at every call; OFFSET 0 keeps the subquery whole,
+-- so the check runs once per hint, not once for each use of `send`. Returns the places
+-- (1-based) of the hints sent, or, for wakes with fleet_wakes false, decided.
 SELECT coalesce(array_agg(t.n ORDER BY t.n) FILTER (WHERE t.send), '{}') AS sent,
-       count(CASE WHEN t.send THEN pg_notify(t.channel, t.payload) END) AS hints
+       count(CASE WHEN t.send AND ($3::boolean OR t.channel <> 'agentd_run_enqueued')
+                  THEN pg_notify(t.channel, t.payload) END) AS hints
 FROM (
     SELECT h.n, h.channel, h.payload,
            CASE WHEN h.channel = 'agentd_run_enqueued'
                 THEN account_has_queued_turn(h.payload::uuid)
                 ELSE true END AS send
     FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS h (channel, payload, n)
+    OFFSET 0
 ) t;
+
+-- wake_claim_loops --
+-- params: reason
+-- Every claim loop of the fleet claims once more: a process that stops claiming (its drain)
+-- hands on the wakes of its own endings it will no longer act on (notifier.py).
+SELECT pg_notify('agentd_run_enqueued', $1::text);
 
 -- create_pairing --
 -- params: code_hash, account_id, device_name, created_by, ttl_s

@@ -34,6 +34,7 @@ from agentd.queue import (
     SeqConflict,
     claim_runs,
     finish_run,
+    wake_claim_loops,
 )
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunErrorCode, RunStatus
@@ -78,6 +79,12 @@ class Dispatcher:
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._claim_forever(), name="agentd-dispatcher")
 
+    def claims(self) -> bool:
+        """Whether the claim loop will claim now: started, not draining, and not holding back
+        for load (an ending's wake then goes to it alone: notifier.py)."""
+        return (self._loop_task is not None and not self._loop_task.done()
+                and not self._draining and self._load.overload() is None)
+
     async def reserve(self) -> Reservation | None:
         """A free slot for a claim inside the caller's enqueue transaction, or None: claiming
         beside enqueues is off, the drain has begun, no slot is free, the process is
@@ -105,6 +112,12 @@ class Dispatcher:
         # A claim beside an enqueue already sent commits or not within its short transaction;
         # its runs then join the drain like any other.
         await self._beside_settled.wait()
+        # Wakes of this process's endings went to this loop alone while it claimed
+        # (notifier.py); one it had not acted on yet would wait for another loop's tick.
+        try:
+            await wake_claim_loops(self._pool, "drain")
+        except _DB_ERRORS as exc:
+            log.warning("could not wake the other claim loops", extra={"error": str(exc)})
 
     async def drain(self, budget_s: float) -> tuple[int, int]:
         """Phase 2: let in-flight turns finish within the budget, then cancel the rest.

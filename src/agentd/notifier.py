@@ -6,10 +6,18 @@ time. Hints are hints, rows are truth (docs/architecture.md): sending them just 
 from one statement per batch, loses nothing a poll would not recover, and frees the hot commits to
 flush together.
 
-A dispatchers' wake (run_enqueued) goes out only while its account has a turn queued, which the
-sending statement checks after the commit that caused it (queue.notify_batch): a turn's ending
-would otherwise wake every claim loop of the fleet to claim nothing. This process's own claim
-loop is woken once that statement says the wake went out.
+A dispatchers' wake (run_enqueued) from a turn's ending is decided by the sending statement after
+the commit that caused it (queue.notify_batch): only while the ending's account has a turn
+queued, or every claim loop would claim nothing. While this process's claim loop will claim
+(`claims_here`: not draining, not holding back under overload), the wake goes to that loop alone
+and no NOTIFY is sent. An ending frees at most one queued turn, the one its conversation or its
+account's running limit held back (several only when that limit was lowered below what was
+running), and the process that ran it has just got that turn's slot back: its own claim, made
+after the ending committed, takes the turn. Any other queued turn was claimable before, and its
+enqueue woke every loop then. Waking the fleet for it made every other process run a claim that
+found nothing (docs/benchmarks.md, "Fifteenth look"). A process that will not claim sends the
+wake to the fleet, and its own loop hears it once the statement says it went out; a drain tells
+the fleet once its loop is parked (dispatcher.py).
 """
 
 from __future__ import annotations
@@ -42,9 +50,14 @@ class Notifier:
     `local` (the process's hub), this process's own subscribers are woken at once (its claim
     loop once the statement has decided that its wake goes out)."""
 
-    def __init__(self, pool: asyncpg.Pool, local: LocalHub | None = None) -> None:
+    def __init__(self, pool: asyncpg.Pool, local: LocalHub | None = None, *,
+                 claims_here: Callable[[], bool] | None = None) -> None:
+        """`claims_here`: whether this process's claim loop will claim now; while it will, the
+        dispatchers' wakes of endings go to that loop alone (through `local`). None: a process
+        without a claim loop of its own, whose wakes go to the fleet."""
         self._pool = pool
         self._local = local
+        self._claims_here = claims_here
         self._pending: dict[tuple[Channel, str], None] = {}  # ordered, de-duplicated
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -87,13 +100,15 @@ class Notifier:
         if not self._pending:
             return
         batch, self._pending = list(self._pending), {}
-        # The claim loop's wakes, whose NOTIFY may come back before the statement's answer:
-        # their echoes are awaited first, then dropped or forgotten (hub.expect_echo).
-        echoes = {hint: self._local.expect_echo(*hint) for hint in batch
-                  if hint[0] is Channel.RUN_ENQUEUED} if self._local is not None else {}
+        fleet = self._claims_here is None or not self._claims_here()
+        wakes = [hint for hint in batch if hint[0] is Channel.RUN_ENQUEUED]
+        # The fleet's wakes, whose NOTIFY may come back before the statement's answer: their
+        # echoes are awaited first, then dropped or forgotten (hub.expect_echo).
+        echoes = {hint: self._local.expect_echo(*hint) for hint in wakes} \
+            if self._local is not None and fleet else {}
         failed = False
         try:
-            sent = set(await notify_batch(self._pool, batch))
+            sent = set(await notify_batch(self._pool, batch, fleet_wakes=fleet))
         except asyncio.CancelledError:
             for forget in echoes.values():  # whatever went out, no echo is awaited any more
                 forget()
@@ -107,6 +122,7 @@ class Notifier:
         for hint, forget in echoes.items():
             if hint not in sent:
                 forget()  # no NOTIFY of ours will come: another process's must get through
-            if hint in sent or failed:
-                assert self._local is not None  # echoes are only awaited through it
-                self._local.hint_locally(*hint, echo=False)
+        if self._local is not None:
+            for hint in wakes:
+                if hint in sent or failed:
+                    self._local.hint_locally(*hint, echo=False)

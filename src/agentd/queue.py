@@ -396,14 +396,22 @@ async def _send_hints(db: Db, hint: Hint | None, hints: Sequence[tuple[Channel, 
         await notify_batch(db, hints)
 
 
-async def notify_batch(db: Db, hints: Sequence[tuple[Channel, str]]
-                       ) -> list[tuple[Channel, str]]:
+async def notify_batch(db: Db, hints: Sequence[tuple[Channel, str]], *,
+                       fleet_wakes: bool = True) -> list[tuple[Channel, str]]:
     """Send wake hints in one statement: for rows already committed, or, inside the transaction
-    that wrote them, to commit with them. Returns those sent: a dispatchers' wake (RUN_ENQUEUED)
-    goes out only while its conversation's account has a turn queued."""
+    that wrote them, to commit with them. A dispatchers' wake (RUN_ENQUEUED, from a turn's
+    ending) is decided there: only while its conversation's account has a turn queued. Returns
+    the hints sent; with `fleet_wakes` false, dispatchers' wakes are decided (and returned)
+    but not sent, for the caller's own claim loop alone."""
     sent = await db.fetchval(*Q.notify_batch.bind(channels=[str(c) for c, _ in hints],
-                                                  payloads=[p for _, p in hints]))
+                                                  payloads=[p for _, p in hints],
+                                                  fleet_wakes=fleet_wakes))
     return [hints[n - 1] for n in sent]
+
+
+async def wake_claim_loops(db: Db, reason: str) -> None:
+    """Wake every claim loop of the fleet (`reason` is the payload, for the log of a listener)."""
+    await db.execute(*Q.wake_claim_loops.bind(reason=reason))
 
 
 async def notify_conversation(db: Db, payload: str) -> None:

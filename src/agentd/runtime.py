@@ -194,7 +194,9 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     keeper = LeaseKeeper(settings.direct_dsn(database.dsn), hub, settings, metrics,
                          report=lambda: _worker_report(runtime))
     runtime.keeper = keeper
-    notifier = Notifier(pool, local=hub)
+    # An ending's wake goes to this process's own claim loop alone while it claims.
+    notifier = Notifier(pool, local=hub, claims_here=lambda: runtime.dispatcher is not None
+                        and runtime.dispatcher.claims())
     notifier.start()
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     appends: Appends = Batcher(

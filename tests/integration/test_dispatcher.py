@@ -21,7 +21,7 @@ from agentd.metrics import Metrics
 from agentd.queue import Claim, Db, EnqueuedRun, finish_run
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunStatus
-from tests.integration.helpers import DEFAULT_TIMEOUT_S
+from tests.integration.helpers import DEFAULT_TIMEOUT_S, listening
 from tests.support.daemon import poll_until
 from tests.support.factories import Tenant, enqueue, new_tenant, post_beside
 from tests.support.journal import run_row
@@ -40,7 +40,8 @@ async def test_a_drain_begun_during_a_claim_runs_what_that_claim_committed(
         return claims
 
     monkeypatch.setattr(dispatcher_module, "claim_runs", claim_then_stall)
-    started, run_turn = _recording_turns(pool)
+    in_flight = asyncio.Event()
+    started, run_turn = _recording_turns(pool, until=in_flight)
     tenant = await new_tenant(pool)
     queued = await enqueue(pool, tenant.account_id, tenant.conversation_id, "in flight")
     dispatcher = _dispatcher(pool, hub, run_turn)
@@ -52,6 +53,7 @@ async def test_a_drain_begun_during_a_claim_runs_what_that_claim_committed(
     assert not stopping.done(), "the drain waits for the claim in flight"
     go_on.set()
     await asyncio.wait_for(stopping, DEFAULT_TIMEOUT_S)
+    in_flight.set()
     assert await dispatcher.drain(DEFAULT_TIMEOUT_S) == (1, 0)
 
     assert [c.run_id for c in started] == [queued.run_id]
@@ -60,7 +62,8 @@ async def test_a_drain_begun_during_a_claim_runs_what_that_claim_committed(
 
 async def test_a_drain_begun_during_a_claim_beside_an_enqueue_runs_what_it_committed(
         pool: asyncpg.Pool, hub: Hub) -> None:
-    started, run_turn = _recording_turns(pool)
+    in_flight = asyncio.Event()
+    started, run_turn = _recording_turns(pool, until=in_flight)
     tenant = await new_tenant(pool)
     dispatcher = _dispatcher(pool, hub, run_turn)
     slot = await dispatcher.reserve()
@@ -74,6 +77,7 @@ async def test_a_drain_begun_during_a_claim_beside_an_enqueue_runs_what_it_commi
         assert not stopping.done(), "the drain waits for the claim beside to settle"
         slot.settle(claims)
     await asyncio.wait_for(stopping, DEFAULT_TIMEOUT_S)
+    in_flight.set()
     assert await dispatcher.drain(DEFAULT_TIMEOUT_S) == (1, 0)
     assert [c.run_id for c in started] == [queued.run_id]
     assert (await run_row(pool, queued.run_id))["status"] == RunStatus.COMPLETED
@@ -160,13 +164,32 @@ async def _true(value: bool) -> bool:
     return value
 
 
-def _recording_turns(pool: asyncpg.Pool) -> tuple[list[Claim],
-                                                  Callable[[Claim], Awaitable[bool]]]:
-    """A turn runner that records each claim it is given and ends its run at once."""
+async def test_a_drain_wakes_the_other_claim_loops(pool: asyncpg.Pool, hub: Hub,
+                                                   dsn: str) -> None:
+    """While a process claims, the wakes of its own endings go to its loop alone (notifier.py);
+    once it stops claiming, one NOTIFY tells every other loop to look for what it left."""
+    _started, run_turn = _recording_turns(pool)
+    dispatcher = _dispatcher(pool, hub, run_turn)
+    assert not dispatcher.claims(), "not started"
+    dispatcher.start()
+    assert dispatcher.claims()
+    async with listening(dsn, str(Channel.RUN_ENQUEUED)) as fleet:
+        await dispatcher.stop_claiming()
+        assert not dispatcher.claims()
+        assert await fleet.next() == "drain"
+    assert await dispatcher.drain(DEFAULT_TIMEOUT_S) == (0, 0)
+
+
+def _recording_turns(pool: asyncpg.Pool, until: asyncio.Event | None = None,
+                     ) -> tuple[list[Claim], Callable[[Claim], Awaitable[bool]]]:
+    """A turn runner that records each claim it is given and ends its run at once, or once
+    `until` is set (so a drain begun meanwhile finds the turn in flight)."""
     started: list[Claim] = []
 
     async def run_turn(claim: Claim) -> bool:
         started.append(claim)
+        if until is not None:
+            await until.wait()
         await finish_run(pool, claim, RunStatus.COMPLETED, seq=None)
         return True
 

@@ -13,6 +13,7 @@ import pytest
 from agentd import hub as hubmod
 from agentd.hub import Hub, Subscription
 from agentd.notifier import Notifier
+from agentd.queue import notify_batch
 from agentd.vocabulary import Channel
 from tests.integration.helpers import DEFAULT_TIMEOUT_S, listening
 from tests.support.daemon import poll_until
@@ -155,6 +156,66 @@ async def test_a_dispatchers_wake_goes_out_only_while_its_account_has_a_turn_que
         await poll_until(lambda: _true(hub.echoes == echoes + 1), DEFAULT_TIMEOUT_S,
                          interval=0.005, what="its echo to come back and be dropped")
         assert loop.drain() == set(), "woken twice for one ending"
+
+
+async def test_while_this_process_claims_an_endings_wake_goes_to_its_own_claim_loop_alone(
+        pool: asyncpg.Pool, hub: Hub, dsn: str) -> None:
+    """The process that ran the ending has that turn's slot back and claims after the ending
+    committed: its own claim loop takes whatever the ending freed, and no other process is
+    woken to claim nothing. Once it no longer claims (a drain, overload), the fleet is."""
+    tenant = await new_tenant(pool)
+    ended = str(tenant.conversation_id)
+    claiming = True
+    async with hub.subscribe(Channel.RUN_ENQUEUED) as loop, \
+            listening(dsn, str(Channel.RUN_ENQUEUED)) as fleet:
+        notifier = Notifier(pool, local=hub, claims_here=lambda: claiming)
+        notifier.notify(Channel.RUN_ENQUEUED, ended)
+        await notifier.close()
+        assert loop.drain() == set(), "nothing queued: nobody is woken"
+
+        other = await new_conversation(pool, tenant.account_id)
+        await enqueue(pool, tenant.account_id, other)  # queued in another conversation
+        assert await fleet.next() == str(other)  # the enqueue's own wake
+        assert await heard(loop) == {str(other)}
+        notifier = Notifier(pool, local=hub, claims_here=lambda: claiming)
+        notifier.notify(Channel.RUN_ENQUEUED, ended)
+        await notifier.close()
+        assert loop.drain() == {ended}, "this process's claim loop is woken"
+        await notify_from_elsewhere(pool, Channel.RUN_ENQUEUED, "after")
+        assert await fleet.next() == "after", "no NOTIFY went to the fleet"
+        assert await heard(loop) == {"after"}
+
+        claiming = False
+        echoes = hub.echoes
+        notifier = Notifier(pool, local=hub, claims_here=lambda: claiming)
+        notifier.notify(Channel.RUN_ENQUEUED, ended)
+        await notifier.close()
+        assert loop.drain() == {ended}
+        assert await fleet.next() == ended, "a process that will not claim wakes the fleet"
+        await poll_until(lambda: _true(hub.echoes == echoes + 1), DEFAULT_TIMEOUT_S,
+                         interval=0.005, what="its echo to come back and be dropped")
+        assert loop.drain() == set(), "woken twice for one ending"
+
+
+async def test_the_wake_check_runs_once_per_hint(pool: asyncpg.Pool) -> None:
+    """The statement's subquery is kept whole: the account check runs once for each wake, not
+    once for each place the statement uses its answer (it ran twice per wake before)."""
+    tenant = await new_tenant(pool)
+    conversations = [tenant.conversation_id, *[
+        await new_conversation(pool, tenant.account_id) for _ in range(2)]]
+    await enqueue(pool, tenant.account_id, conversations[0])
+    hints = [(Channel.RUN_ENQUEUED, str(c)) for c in conversations]
+    async with pool.acquire() as conn:
+        transaction = conn.transaction()
+        await transaction.start()
+        try:
+            await conn.execute("SET LOCAL track_functions = 'pl'")
+            assert await notify_batch(conn, hints) == hints
+            calls = await conn.fetchval(
+                "SELECT pg_stat_get_xact_function_calls('account_has_queued_turn'::regproc)")
+        finally:
+            await transaction.rollback()  # nothing is sent
+    assert calls == len(hints), f"{calls} checks for {len(hints)} wakes"
 
 
 async def _true(value: bool) -> bool:
