@@ -545,15 +545,20 @@ FROM found;
 -- params: name, change_running, max_running, change_queued, max_queued, change_models, models
 -- An operator's limits for one account (created when missing). Each changes only when asked
 -- ($2, $4, $6); NULL restores the fleet's default. Running turns are never touched: the next
--- claim and the next enqueue read the new limits (every daemon of the fleet alike).
-INSERT INTO account AS acc (name, max_running, max_queued, models)
-VALUES ($1::text, CASE WHEN $2::bool THEN $3::int END, CASE WHEN $4::bool THEN $5::int END,
-        CASE WHEN $6::bool THEN $7::text[] END)
-ON CONFLICT (name) DO UPDATE
-SET max_running = CASE WHEN $2::bool THEN EXCLUDED.max_running ELSE acc.max_running END,
-    max_queued = CASE WHEN $4::bool THEN EXCLUDED.max_queued ELSE acc.max_queued END,
-    models = CASE WHEN $6::bool THEN EXCLUDED.models ELSE acc.models END
-RETURNING id;
+-- claim and the next enqueue read the new limits (every daemon of the fleet alike). Every claim
+-- loop is woken in the same commit: a raised running limit makes queued turns claimable that no
+-- enqueue or ending announces.
+WITH changed AS (
+    INSERT INTO account AS acc (name, max_running, max_queued, models)
+    VALUES ($1::text, CASE WHEN $2::bool THEN $3::int END, CASE WHEN $4::bool THEN $5::int END,
+            CASE WHEN $6::bool THEN $7::text[] END)
+    ON CONFLICT (name) DO UPDATE
+    SET max_running = CASE WHEN $2::bool THEN EXCLUDED.max_running ELSE acc.max_running END,
+        max_queued = CASE WHEN $4::bool THEN EXCLUDED.max_queued ELSE acc.max_queued END,
+        models = CASE WHEN $6::bool THEN EXCLUDED.models ELSE acc.models END
+    RETURNING id
+)
+SELECT changed.id, pg_notify('agentd_run_enqueued', 'limits') AS woken FROM changed;
 
 -- list_account_limits --
 -- params: name

@@ -235,7 +235,8 @@ def _model_patterns(text: str, providers: set[str]) -> tuple[str, ...] | None:
 
 
 async def set_account_limits(db: Db, name: str, change: LimitChange) -> AccountLimits:
-    """Change an account's limits (creating the account if missing); returns them as now set."""
+    """Change an account's limits (creating the account if missing); returns them as now set.
+    Every claim loop of the fleet is woken (a raised running limit frees queued turns)."""
     await db.fetchval(*Q.set_account_limits.bind(
         name=name, change_running=change.change_running, max_running=change.max_running,
         change_queued=change.change_queued, max_queued=change.max_queued,

@@ -7,16 +7,16 @@ from one statement per batch, loses nothing a poll would not recover, and frees 
 flush together.
 
 A dispatchers' wake (run_enqueued) from a turn's ending is decided by the sending statement after
-the commit that caused it (queue.notify_batch): only while the ending's account has a turn
-queued, or every claim loop would claim nothing. While this process's claim loop will claim
-(`claims_here`: not draining, not holding back under overload), the wake goes to that loop alone
-and no NOTIFY is sent. An ending frees at most one queued turn, the one its conversation or its
-account's running limit held back (several only when that limit was lowered below what was
-running), and the process that ran it has just got that turn's slot back: its own claim, made
-after the ending committed, takes the turn. Any other queued turn was claimable before, and its
-enqueue woke every loop then. Waking the fleet for it made every other process run a claim that
-found nothing (docs/benchmarks.md, "Fifteenth look"). A process that will not claim sends the
-wake to the fleet, and its own loop hears it once the statement says it went out; a drain tells
+the commit that caused it (queue.notify_batch): only while the ending's account has a turn queued,
+or every claim loop would claim nothing. While this process's claim loop will claim (`claims_here`:
+not draining, not holding back under overload), the wake goes to that loop alone and no NOTIFY is
+sent. An ending frees at most one queued turn, the one its conversation or its account's running
+limit held back (several only after that limit was lowered), and the process that ran it has just
+got that turn's slot back: its own claim, made after the ending committed, can take the turn. Any
+other queued turn was claimable before (its enqueue woke every loop then), or was freed by a raised
+limit (whose statement wakes every loop). Waking the fleet for it made every other process run a
+claim that found nothing (docs/benchmarks.md, "Fifteenth look"). A process that will not claim sends
+the wake to the fleet, and its own loop hears it once the statement says it went out; a drain tells
 the fleet once its loop is parked (dispatcher.py).
 """
 

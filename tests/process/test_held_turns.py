@@ -1,16 +1,20 @@
 """A queued turn held back starts as soon as what held it ends, without waiting for the claim
-loop's poll: held by its conversation's running turn, by its account's running limit (also when
-two turns end together) or by the daemon's slots. The ending's wake goes to the daemon's own
-claim loop alone (notifier.py), which has just got that turn's slot back. The daemon's poll is
-an hour away throughout, so a turn that waited for it would never start within the test.
+loop's poll: held by its conversation's running turn or by its account's running limit (also
+when two turns end close together), the ending's wake to the daemon's own idle claim loop starts
+it (notifier.py), and so does raising the limit (its statement wakes every claim loop); held by
+the daemon's slots, the slot coming back does. The daemon's poll is an hour away throughout, so
+a turn that waited for it would never start within the test.
 """
 
 from __future__ import annotations
 
 from uuid import UUID
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from agentd.accounts import LimitChange, set_account_limits
 from tests.process.helpers import wait_status
+from tests.support.daemon import poll_until
 from tests.support.factories import create_conversation, new_device
 
 LONG = {"tokens": 10, "delay_ms": 100}  # about a second: the held turn is posted meanwhile
@@ -22,6 +26,26 @@ async def post_turn(client, conversation: str, params: dict[str, int]) -> dict:
                                  json={"content": "go", "params": params})
     assert response.status_code == 202, response.text
     return response.json()
+
+
+async def claims_made(daemon) -> float:
+    """Claim statements the daemon has made (beside posts and in its loop)."""
+    scraped = await daemon.request("GET", "/metrics")
+    family = next(f for f in text_string_to_metric_families(scraped.text)
+                  if f.name == "agentd_claim_batch_size")
+    return next(s.value for s in family.samples if s.name.endswith("_count"))
+
+
+async def _at_least(daemon, count: float) -> bool:
+    return await claims_made(daemon) >= count
+
+
+async def running_turn(pool, client, conversation: str, params: dict[str, int]) -> dict:
+    """Post a turn and wait until it runs (its 202 may say queued: a claim woken by a limit
+    change can hold the account's slot while the post looks)."""
+    created = await post_turn(client, conversation, params)
+    await wait_status(pool, UUID(created["run_id"]), "running", timeout=30)
+    return created
 
 
 async def held_then_started(pool, client, holders: list[dict], conversation: str) -> None:
@@ -36,32 +60,44 @@ async def held_then_started(pool, client, holders: list[dict], conversation: str
 
 
 async def test_a_held_turn_starts_when_what_held_it_ends(spawn_daemon, pool):
-    daemon = spawn_daemon(tick_s=3600, max_runs=2)
+    # Three slots: until the last case a slot stays free, so the held turn is started by the
+    # ending's wake to the idle claim loop, not by a slot coming back to a loop waiting for one.
+    daemon = spawn_daemon(tick_s=3600, max_runs=3)
     await daemon.wait_ready()
     device = await new_device(pool, "held", "laptop")
     async with device.client(daemon) as client:
-        one, two, three = [await create_conversation(client) for _ in range(3)]
+        one, two, three, four = [await create_conversation(client) for _ in range(4)]
 
         # Its conversation's turn runs.
-        first = await post_turn(client, one, LONG)
-        assert first["status"] == "running"
+        first = await running_turn(pool, client, one, LONG)
         await held_then_started(pool, client, [first], one)
 
         # Its account is at its running limit (here 1), with turns of other conversations.
         await set_account_limits(pool, "held", LimitChange(change_running=True, max_running=1))
-        first = await post_turn(client, one, LONG)
-        assert first["status"] == "running"
+        first = await running_turn(pool, client, one, LONG)
         await held_then_started(pool, client, [first], two)
 
-        # The same at a limit of 2, the two running turns ending together (most often in one
-        # terminal write): after both, nothing runs.
+        # Its account's limit is raised while the turn holding it still runs.
+        first = await running_turn(pool, client, one, {"tokens": 30, "delay_ms": 100})
+        claims = await claims_made(daemon)
+        held = await post_turn(client, two, SHORT)
+        assert held["status"] == "queued"
+        # Raised only once the claims the post made are over (the one beside it, and the
+        # loop's, woken by it): a claim still to come would take the turn by itself.
+        await poll_until(lambda: _at_least(daemon, claims + 2), 30,
+                         what="the post's two claims to find nothing")
         await set_account_limits(pool, "held", LimitChange(change_running=True, max_running=2))
-        first, second = [await post_turn(client, c, LONG) for c in (one, two)]
-        assert (first["status"], second["status"]) == ("running", "running")
+        row = await wait_status(pool, UUID(held["run_id"]), "completed", timeout=30)
+        ended = await wait_status(pool, UUID(first["run_id"]), "completed", timeout=30)
+        assert row["started_at"] < ended["finished_at"], "it waited for the turn to end"
+
+        # At that limit of 2, the two running turns ending close together: after both,
+        # nothing runs.
+        first, second = [await running_turn(pool, client, c, LONG) for c in (one, two)]
         await held_then_started(pool, client, [first, second], three)
 
-        # The daemon's slots are all taken (max_runs 2), the account far below its limit.
+        # The daemon's slots are all taken (max_runs 3), the account far below its limit:
+        # the slot that comes back starts it.
         await set_account_limits(pool, "held", LimitChange(change_running=True, max_running=None))
-        first, second = [await post_turn(client, c, LONG) for c in (one, two)]
-        assert (first["status"], second["status"]) == ("running", "running")
-        await held_then_started(pool, client, [first, second], three)
+        holders = [await running_turn(pool, client, c, LONG) for c in (one, two, three)]
+        await held_then_started(pool, client, holders, four)
