@@ -8,8 +8,12 @@ a turn that waited for it would never start within the test.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from uuid import UUID
 
+import asyncpg
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentd.accounts import LimitChange, set_account_limits
@@ -59,18 +63,42 @@ async def held_then_started(pool, client, holders: list[dict], conversation: str
     assert row["error"] is None
 
 
-async def test_a_held_turn_starts_when_what_held_it_ends(spawn_daemon, pool):
+@contextlib.asynccontextmanager
+async def fleet_view(dsn: str) -> AsyncIterator[Callable[[], Awaitable[list[str]]]]:
+    """Another process's view of the claim loops' channel: the payloads heard so far, read up
+    to a marker sent now (NOTIFYs arrive in commit order)."""
+    heard: asyncio.Queue[str] = asyncio.Queue()
+    listener = await asyncpg.connect(dsn)
+    await listener.add_listener("agentd_run_enqueued", lambda *args: heard.put_nowait(args[3]))
+
+    async def so_far() -> list[str]:
+        await listener.execute("SELECT pg_notify('agentd_run_enqueued', 'marker')")
+        payloads = []
+        async with asyncio.timeout(15):
+            while (payload := await heard.get()) != "marker":
+                payloads.append(payload)
+        return payloads
+
+    try:
+        yield so_far
+    finally:
+        await listener.close()
+
+
+async def test_a_held_turn_starts_when_what_held_it_ends(spawn_daemon, pool, dsn):
     # Three slots: until the last case a slot stays free, so the held turn is started by the
     # ending's wake to the idle claim loop, not by a slot coming back to a loop waiting for one.
     daemon = spawn_daemon(tick_s=3600, max_runs=3)
     await daemon.wait_ready()
     device = await new_device(pool, "held", "laptop")
-    async with device.client(daemon) as client:
+    async with device.client(daemon) as client, fleet_view(dsn) as heard_so_far:
         one, two, three, four = [await create_conversation(client) for _ in range(4)]
 
-        # Its conversation's turn runs.
+        # Its conversation's turn runs. The fleet hears the held turn's enqueue, not the
+        # ending that freed it: that went to the daemon's own claim loop alone.
         first = await running_turn(pool, client, one, LONG)
         await held_then_started(pool, client, [first], one)
+        assert await heard_so_far() == [one]
 
         # Its account is at its running limit (here 1), with turns of other conversations.
         await set_account_limits(pool, "held", LimitChange(change_running=True, max_running=1))
