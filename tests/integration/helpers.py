@@ -16,6 +16,7 @@ from uuid import UUID
 import asyncpg
 
 from agentd import db as dbmod
+from agentd.queue import Claim, claim_runs
 from tests.support.daemon import poll_until
 
 Executor = asyncpg.Pool | asyncpg.Connection
@@ -43,6 +44,16 @@ async def race(*actions: Callable[[], Awaitable[Any]]) -> list[Any]:
         return await action()
 
     return await asyncio.gather(*(run(a) for a in actions), return_exceptions=True)
+
+
+async def claim_after_round_trips(conn: asyncpg.Connection, trips: int,
+                                  **claim: Any) -> list[Claim]:
+    """claim_runs, set off `trips` round trips late: a race against a rival of several round
+    trips then lands the claim before, inside and after the rival's transaction, instead of
+    the same way every time on a given machine."""
+    for _ in range(trips):
+        await conn.fetchval("SELECT 1")
+    return await claim_runs(conn, **claim)
 
 
 def raise_unexpected(results: list[Any], *allowed: type[BaseException], context: str = "") -> None:

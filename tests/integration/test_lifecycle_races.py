@@ -29,7 +29,12 @@ from agentd.tools import ToolContext
 from agentd.tools.notes import StaleFence, append_note
 from agentd.tools.store import DatabaseToolStore
 from agentd.vocabulary import EventType, MessageRole, MessageStatus, RunStatus
-from tests.integration.helpers import connections, race, raise_unexpected
+from tests.integration.helpers import (
+    claim_after_round_trips,
+    connections,
+    race,
+    raise_unexpected,
+)
 from tests.support.factories import enqueue, new_conversation, new_tenant
 from tests.support.journal import assert_journal_sound, read_journal, run_row
 
@@ -63,7 +68,10 @@ async def test_cancelling_one_queued_turn_racing_its_claim_ends_it_exactly_one_w
                 lambda conv=conv, target=target: stop_conversation(
                     canceller, account_id=tenant.account_id, conversation_id=conv,
                     run_ids=[target]),
-                lambda: claim_runs(claimer, worker_id="claimer", lease_ttl_s=LONG_S, limit=2))
+                # The stop takes several round trips, the claim one: set off 0-3 round trips
+                # late, the claim lands before, inside and after the stop's transaction.
+                lambda trips=iteration % 4: claim_after_round_trips(
+                    claimer, trips, worker_id="claimer", lease_ttl_s=LONG_S, limit=2))
             raise_unexpected([stopped, claimed], context=context)
             assert isinstance(stopped, StopResult)
             claims: list[Claim] = list(claimed)

@@ -3,8 +3,6 @@ running turn is flagged and woken, and nothing that was queued starts after the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncpg
 
 from agentd.queue import (
@@ -16,7 +14,14 @@ from agentd.queue import (
     stop_conversation,
 )
 from agentd.vocabulary import Channel, EventType, MessageStatus, RunStatus
-from tests.integration.helpers import connections, count_rows, listening, race, raise_unexpected
+from tests.integration.helpers import (
+    claim_after_round_trips,
+    connections,
+    count_rows,
+    listening,
+    race,
+    raise_unexpected,
+)
 from tests.support.factories import enqueue, new_conversation, new_tenant
 from tests.support.journal import assert_journal_sound, read_journal, run_row
 
@@ -114,13 +119,6 @@ def assert_stopped(rows: list[asyncpg.Record], context: str) -> None:
         assert row["status"] != RunStatus.QUEUED, f"{context}: a turn outlived the stop queued"
         if row["status"] == RunStatus.RUNNING:
             assert row["cancel_requested"], f"{context}: a turn started after the stop"
-
-
-async def claim_after_round_trips(conn: asyncpg.Connection, trips: int,
-                                  **claim: Any) -> list[Claim]:
-    for _ in range(trips):
-        await conn.fetchval("SELECT 1")
-    return await claim_runs(conn, **claim)
 
 
 async def test_stop_racing_claims_never_lets_a_queued_turn_start_after_the_stop(
