@@ -32,8 +32,9 @@ bloat or dirty pages.
 An agentd run is not a pgqueuer job: enqueue writes the user message, the run row and two
 journal events and sends two NOTIFYs; the claim updates the run, the message and upserts the
 conversation lease; the finish writes the run, the `complete` event and releases the lease, with
-two NOTIFYs (the claim loops hear of an ending from their own process only: notifier.py). The
-figures show what those guarantees cost, not two equal workloads.
+two NOTIFYs (an ending's wake goes to its own process's claim loop only: notifier.py; here every
+consumer claims again once its turns have ended, which is what that loop does). The figures show
+what those guarantees cost, not two equal workloads.
 """
 
 from __future__ import annotations
@@ -107,6 +108,20 @@ UNBOUNDED_QUEUED = UNBOUNDED_ACCOUNT["account_max_queued"]
 PEER_DURABILITY = "durable"  # `pgq install`'s default: logged tables, like agentd's
 TARGET_RATIO_BATCH1 = 1.0  # agentd's no-op runs/s over pgqueuer's jobs/s, batch 1
 TARGET_RATIO_BEST = 0.5  # the same at each one's best batch
+
+
+class _ConsumersClaimAgain:
+    """The consumers as the notifier sees a claim loop: each claims again as soon as its turns
+    have ended, so an ending's wake, owed to them alone, is acted on without being heard."""
+
+    def claims(self) -> bool:
+        return True
+
+    def owe_wake(self, committed_by: float) -> None:
+        pass
+
+
+CONSUMERS = _ConsumersClaimAgain()
 
 
 # -- the peer, set up at run time ------------------------------------------------------------
@@ -382,7 +397,7 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
                                    application_name="agentd-bench-peer")
     # Each consumer claims again as soon as its turns have ended, as a daemon's claim loop
     # does when its own turn ends: an ending's wake goes to nobody else (notifier.py).
-    notifier = Notifier(pool, claims_here=lambda: True)
+    notifier = Notifier(pool, claim_loop=lambda: CONSUMERS)
     notifier.start()
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool))
@@ -499,7 +514,7 @@ async def agentd_drain(dbs: Databases, args: argparse.Namespace, batch: int) -> 
                                    application_name="agentd-bench-peer")
     # Each consumer claims again as soon as its turns have ended, as a daemon's claim loop
     # does when its own turn ends: an ending's wake goes to nobody else (notifier.py).
-    notifier = Notifier(pool, claims_here=lambda: True)
+    notifier = Notifier(pool, claim_loop=lambda: CONSUMERS)
     notifier.start()
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool))
@@ -552,7 +567,7 @@ async def agentd_latency(dbs: Databases, args: argparse.Namespace) -> dict[str, 
                                    application_name="agentd-bench-peer")
     # Each consumer claims again as soon as its turns have ended, as a daemon's claim loop
     # does when its own turn ends: an ending's wake goes to nobody else (notifier.py).
-    notifier = Notifier(pool, claims_here=lambda: True)
+    notifier = Notifier(pool, claim_loop=lambda: CONSUMERS)
     notifier.start()
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     hub = Hub(database.dsn, channels=[Channel.RUN_ENQUEUED])

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import asyncpg
@@ -70,6 +72,13 @@ class Dispatcher:
         self._beside: Reservation | None = None  # a claim under way in an enqueue's transaction
         self._beside_settled = asyncio.Event()
         self._beside_settled.set()
+        # An ending's wake came to this loop alone (notifier.py) and no claim sent after the
+        # ending committed has acted on it: if the loop cannot claim when it comes to (no
+        # slot, overload, a failed claim), it hands the wake on to the fleet, whose loops would
+        # otherwise wait for a tick.
+        self._owed = False
+        self._claim_sent = -math.inf  # when the latest claim statement was sent (monotonic)
+        self._claim_owes = False  # that claim acts for an owed wake (handed on if it fails)
 
     @property
     def draining(self) -> bool:
@@ -84,6 +93,24 @@ class Dispatcher:
         for load (an ending's wake then goes to it alone: notifier.py)."""
         return (self._loop_task is not None and not self._loop_task.done()
                 and not self._draining and self._load.overload() is None)
+
+    def owe_wake(self, committed_by: float) -> None:
+        """The wake of endings committed by `committed_by` (time.monotonic()) came to this loop
+        alone (notifier.py): claim after them, or hand the wake on. A claim sent after they
+        committed sees what they freed: if one is in flight, it acts for the wake."""
+        if committed_by <= self._claim_sent:
+            self._claim_owes = self._claim_owes or self._claiming.locked()
+        else:
+            self._owed = True
+
+    async def _hand_on(self, why: str) -> None:
+        """Wake every claim loop of the fleet for the ending wake this loop cannot act on now:
+        what the ending freed may start on a process that has a free slot."""
+        self._owed = False
+        try:
+            await wake_claim_loops(self._pool, why)
+        except _DB_ERRORS as exc:
+            log.warning("could not wake the other claim loops", extra={"error": str(exc)})
 
     async def reserve(self) -> Reservation | None:
         """A free slot for a claim inside the caller's enqueue transaction, or None: claiming
@@ -138,7 +165,13 @@ class Dispatcher:
     async def _claim_forever(self) -> None:
         async with self._hub.subscribe(Channel.RUN_ENQUEUED) as wake:
             while True:
+                if self._owed and self._slots.locked():
+                    # The slot the ending gave back went elsewhere (a post claimed beside
+                    # its enqueue took it): the turn it freed must not wait for this one.
+                    await self._hand_on("no free slot")
                 await self._slots.acquire()
+                if self._owed and self._load.overload() is not None:
+                    await self._hand_on("overloaded")
                 try:
                     await self._load.admitted()
                 except asyncio.CancelledError:
@@ -152,11 +185,17 @@ class Dispatcher:
                 while held < self._settings.claim_batch and not self._slots.locked():
                     await self._slots.acquire()  # free: returns at once
                     held += 1
+                # This claim, sent after every ending owed so far committed, acts for them.
+                self._claim_owes, self._owed = self._owed, False
+                self._claim_sent = time.monotonic()
                 try:
                     claims = await self._claim(held)
                 except _DB_ERRORS as exc:
                     self._release(held)
+                    self._claim_sent = -math.inf  # it saw nothing: a wake owed later is owed
                     log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
+                    if self._claim_owes:
+                        await self._hand_on("claim failed")
                     await wake.wait(self._settings.tick_s)
                     continue
                 self._metrics.claim_batch.observe(len(claims))

@@ -8,16 +8,18 @@ flush together.
 
 A dispatchers' wake (run_enqueued) from a turn's ending is decided by the sending statement after
 the commit that caused it (queue.notify_batch): only while the ending's account has a turn queued,
-or every claim loop would claim nothing. While this process's claim loop will claim (`claims_here`:
+or every claim loop would claim nothing. While this process's claim loop will claim (`claim_loop`:
 not draining, not holding back under overload), the wake goes to that loop alone and no NOTIFY is
 sent. An ending frees at most one queued turn, the one its conversation or its account's running
 limit held back (several only after that limit was lowered), and the process that ran it has just
-got that turn's slot back: its own claim, made after the ending committed, can take the turn. Any
+given that turn's slot back: its own claim, made after the ending committed, can take the turn. Any
 other queued turn was claimable before (its enqueue woke every loop then), or was freed by a raised
 limit (whose statement wakes every loop). Waking the fleet for it made every other process run a
-claim that found nothing (docs/benchmarks.md, "Fifteenth look"). A process that will not claim sends
-the wake to the fleet, and its own loop hears it once the statement says it went out; a drain tells
-the fleet once its loop is parked (dispatcher.py).
+claim that found nothing (docs/benchmarks.md, "Fifteenth look"). The loop is told that it owes the
+wake (`ClaimLoop.owe_wake`): if it cannot act on it when it comes to claim (a post took the slot
+meanwhile, overload began, the claim failed), it hands the wake on to the fleet (dispatcher.py).
+A process that will not claim sends the wake to the fleet, and its own loop hears it once the
+statement says it went out; a drain tells the fleet once its loop is parked.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -45,20 +48,35 @@ class LocalHub(Protocol):
     def expect_echo(self, channel: Channel, payload: str) -> Callable[[], None]: ...
 
 
+class ClaimLoop(Protocol):
+    """What the notifier needs of the process's claim loop (dispatcher.Dispatcher)."""
+
+    def claims(self) -> bool:
+        """Whether it will claim now (an ending's wake may then go to it alone)."""
+        ...
+
+    def owe_wake(self, committed_by: float) -> None:
+        """The wake of endings committed by `committed_by` (time.monotonic()) went to it
+        alone: it claims after them, or hands the wake on to the fleet."""
+        ...
+
+
 class Notifier:
     """Collects (channel, payload) hints and sends each batch in one statement, in order; with
     `local` (the process's hub), this process's own subscribers are woken at once (its claim
     loop once the statement has decided that its wake goes out)."""
 
     def __init__(self, pool: asyncpg.Pool, local: LocalHub | None = None, *,
-                 claims_here: Callable[[], bool] | None = None) -> None:
-        """`claims_here`: whether this process's claim loop will claim now; while it will, the
-        dispatchers' wakes of endings go to that loop alone (through `local`). None: a process
-        without a claim loop of its own, whose wakes go to the fleet."""
+                 claim_loop: Callable[[], ClaimLoop | None] | None = None) -> None:
+        """`claim_loop`: this process's claim loop (None while it has none yet); while it
+        claims, the dispatchers' wakes of endings go to it alone (its owe_wake, and its hub
+        subscription through `local`). None: a process without a claim loop of its own, whose
+        wakes go to the fleet."""
         self._pool = pool
         self._local = local
-        self._claims_here = claims_here
+        self._claim_loop = claim_loop
         self._pending: dict[tuple[Channel, str], None] = {}  # ordered, de-duplicated
+        self._wakes_by: float | None = None  # when the newest pending dispatchers' wake came
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -84,6 +102,8 @@ class Notifier:
                                      echo=(channel, payload) not in self._pending,
                                      rows_at_hand=rows_at_hand)
         self._pending[(channel, payload)] = None
+        if channel is Channel.RUN_ENQUEUED:
+            self._wakes_by = time.monotonic()  # its rows committed before this call
         self._wake.set()
 
     def notify_rows_at_hand(self, channel: Channel, payload: str) -> None:
@@ -100,7 +120,9 @@ class Notifier:
         if not self._pending:
             return
         batch, self._pending = list(self._pending), {}
-        fleet = self._claims_here is None or not self._claims_here()
+        committed_by, self._wakes_by = self._wakes_by, None
+        loop = self._claim_loop() if self._claim_loop is not None else None
+        fleet = loop is None or not loop.claims()
         wakes = [hint for hint in batch if hint[0] is Channel.RUN_ENQUEUED]
         # The fleet's wakes, whose NOTIFY may come back before the statement's answer: their
         # echoes are awaited first, then dropped or forgotten (hub.expect_echo).
@@ -122,7 +144,9 @@ class Notifier:
         for hint, forget in echoes.items():
             if hint not in sent:
                 forget()  # no NOTIFY of ours will come: another process's must get through
+        owed = [hint for hint in wakes if hint in sent or failed]
+        if owed and committed_by is not None and loop is not None and not fleet:
+            loop.owe_wake(committed_by)  # before the hint that wakes it: read together
         if self._local is not None:
-            for hint in wakes:
-                if hint in sent or failed:
-                    self._local.hint_locally(*hint, echo=False)
+            for hint in owed:
+                self._local.hint_locally(*hint, echo=False)

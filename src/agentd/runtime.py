@@ -195,8 +195,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                          report=lambda: _worker_report(runtime))
     runtime.keeper = keeper
     # An ending's wake goes to this process's own claim loop alone while it claims.
-    notifier = Notifier(pool, local=hub, claims_here=lambda: runtime.dispatcher is not None
-                        and runtime.dispatcher.claims())
+    notifier = Notifier(pool, local=hub, claim_loop=lambda: runtime.dispatcher)
     notifier.start()
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     appends: Appends = Batcher(

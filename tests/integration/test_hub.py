@@ -158,39 +158,57 @@ async def test_a_dispatchers_wake_goes_out_only_while_its_account_has_a_turn_que
         assert loop.drain() == set(), "woken twice for one ending"
 
 
+class ClaimLoopStub:
+    """A claim loop as the notifier sees it: whether it claims, and the wakes owed to it."""
+
+    def __init__(self) -> None:
+        self.claiming = True
+        self.owed = 0
+
+    def claims(self) -> bool:
+        return self.claiming
+
+    def owe_wake(self, committed_by: float) -> None:
+        self.owed += 1
+
+
 async def test_while_this_process_claims_an_endings_wake_goes_to_its_own_claim_loop_alone(
         pool: asyncpg.Pool, hub: Hub, dsn: str) -> None:
     """The process that ran the ending has that turn's slot back and claims after the ending
-    committed: its own claim loop takes whatever the ending freed, and no other process is
-    woken to claim nothing. Once it no longer claims (a drain, overload), the fleet is."""
+    committed: its own claim loop takes whatever the ending freed (it is told it owes the
+    wake: dispatcher.py hands it on if it cannot claim), and no other process is woken to
+    claim nothing. Once it no longer claims (a drain, overload), the fleet is."""
     tenant = await new_tenant(pool)
     ended = str(tenant.conversation_id)
-    claiming = True
+    stub = ClaimLoopStub()
     async with hub.subscribe(Channel.RUN_ENQUEUED) as loop, \
             listening(dsn, str(Channel.RUN_ENQUEUED)) as fleet:
-        notifier = Notifier(pool, local=hub, claims_here=lambda: claiming)
+        notifier = Notifier(pool, local=hub, claim_loop=lambda: stub)
         notifier.notify(Channel.RUN_ENQUEUED, ended)
         await notifier.close()
         assert loop.drain() == set(), "nothing queued: nobody is woken"
+        assert stub.owed == 0
 
         other = await new_conversation(pool, tenant.account_id)
         await enqueue(pool, tenant.account_id, other)  # queued in another conversation
         assert await fleet.next() == str(other)  # the enqueue's own wake
         assert await heard(loop) == {str(other)}
-        notifier = Notifier(pool, local=hub, claims_here=lambda: claiming)
+        notifier = Notifier(pool, local=hub, claim_loop=lambda: stub)
         notifier.notify(Channel.RUN_ENQUEUED, ended)
         await notifier.close()
         assert loop.drain() == {ended}, "this process's claim loop is woken"
+        assert stub.owed == 1, "and told that it owes the wake"
         await notify_from_elsewhere(pool, Channel.RUN_ENQUEUED, "after")
         assert await fleet.next() == "after", "no NOTIFY went to the fleet"
         assert await heard(loop) == {"after"}
 
-        claiming = False
+        stub.claiming = False
         echoes = hub.echoes
-        notifier = Notifier(pool, local=hub, claims_here=lambda: claiming)
+        notifier = Notifier(pool, local=hub, claim_loop=lambda: stub)
         notifier.notify(Channel.RUN_ENQUEUED, ended)
         await notifier.close()
         assert loop.drain() == {ended}
+        assert stub.owed == 1, "a wake the fleet heard is owed by nobody"
         assert await fleet.next() == ended, "a process that will not claim wakes the fleet"
         await poll_until(lambda: _true(hub.echoes == echoes + 1), DEFAULT_TIMEOUT_S,
                          interval=0.005, what="its echo to come back and be dropped")

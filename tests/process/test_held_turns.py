@@ -22,6 +22,7 @@ from tests.support.daemon import poll_until
 from tests.support.factories import create_conversation, new_device
 
 LONG = {"tokens": 10, "delay_ms": 100}  # about a second: the held turn is posted meanwhile
+LONGER = {"tokens": 30, "delay_ms": 100}  # still running well after a LONG turn ended
 SHORT = {"tokens": 2, "delay_ms": 0}
 
 
@@ -125,7 +126,13 @@ async def test_a_held_turn_starts_when_what_held_it_ends(spawn_daemon, pool, dsn
         await held_then_started(pool, client, [first, second], three)
 
         # The daemon's slots are all taken (max_runs 3), the account far below its limit:
-        # the slot that comes back starts it.
+        # the slot that comes back starts it. The other two run on a while after it.
         await set_account_limits(pool, "held", LimitChange(change_running=True, max_running=None))
-        holders = [await running_turn(pool, client, c, LONG) for c in (one, two, three)]
+        holders = [await running_turn(pool, client, one, LONG),
+                   *[await running_turn(pool, client, c, LONGER) for c in (two, three)]]
         await held_then_started(pool, client, holders, four)
+        # The claim the returning slot woke was sent after the ending committed, so it acted
+        # for the ending's wake: nothing was handed on to the fleet (dispatcher.py), though
+        # the daemon was full again right after it.
+        heard = await heard_so_far()
+        assert not {"no free slot", "overloaded", "claim failed"} & set(heard), heard
