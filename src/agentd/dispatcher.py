@@ -79,6 +79,8 @@ class Dispatcher:
         self._owed = False
         self._claim_sent = -math.inf  # when the latest claim statement was sent (monotonic)
         self._claim_owes = False  # that claim acts for an owed wake (handed on if it fails)
+        self._waiting_for: str | None = None  # what the loop is parked on: a slot, the load
+        self._handing_on: set[asyncio.Task[None]] = set()
 
     @property
     def draining(self) -> bool:
@@ -94,19 +96,32 @@ class Dispatcher:
         return (self._loop_task is not None and not self._loop_task.done()
                 and not self._draining and self._load.overload() is None)
 
+    @property
+    def waiting_for(self) -> str | None:
+        """What the claim loop is parked on: "no free slot", "overloaded", or None."""
+        return self._waiting_for
+
     def owe_wake(self, committed_by: float) -> None:
         """The wake of endings committed by `committed_by` (time.monotonic()) came to this loop
         alone (notifier.py): claim after them, or hand the wake on. A claim sent after they
-        committed sees what they freed: if one is in flight, it acts for the wake."""
+        committed sees what they freed: if one is in flight, it acts for the wake. A loop
+        parked on a slot or on the load hands it on at once; any other will claim next."""
         if committed_by <= self._claim_sent:
             self._claim_owes = self._claim_owes or self._claiming.locked()
+        elif self._waiting_for is not None:
+            self._hand_on_soon(self._waiting_for)
         else:
             self._owed = True
 
-    async def _hand_on(self, why: str) -> None:
+    def _hand_on_soon(self, why: str) -> None:
         """Wake every claim loop of the fleet for the ending wake this loop cannot act on now:
         what the ending freed may start on a process that has a free slot."""
         self._owed = False
+        task = asyncio.get_running_loop().create_task(self._hand_on(why))
+        self._handing_on.add(task)
+        task.add_done_callback(self._handing_on.discard)
+
+    async def _hand_on(self, why: str) -> None:
         try:
             await wake_claim_loops(self._pool, why)
         except _DB_ERRORS as exc:
@@ -141,10 +156,8 @@ class Dispatcher:
         await self._beside_settled.wait()
         # Wakes of this process's endings went to this loop alone while it claimed
         # (notifier.py); one it had not acted on yet would wait for another loop's tick.
-        try:
-            await wake_claim_loops(self._pool, "drain")
-        except _DB_ERRORS as exc:
-            log.warning("could not wake the other claim loops", extra={"error": str(exc)})
+        await self._hand_on("drain")
+        await asyncio.gather(*self._handing_on, return_exceptions=True)
 
     async def drain(self, budget_s: float) -> tuple[int, int]:
         """Phase 2: let in-flight turns finish within the budget, then cancel the rest.
@@ -165,15 +178,13 @@ class Dispatcher:
     async def _claim_forever(self) -> None:
         async with self._hub.subscribe(Channel.RUN_ENQUEUED) as wake:
             while True:
-                if self._owed and self._slots.locked():
-                    # The slot the ending gave back went elsewhere (a post claimed beside
-                    # its enqueue took it): the turn it freed must not wait for this one.
-                    await self._hand_on("no free slot")
-                await self._slots.acquire()
-                if self._owed and self._load.overload() is not None:
-                    await self._hand_on("overloaded")
+                # Parked on a slot (a post's claim beside its enqueue may have taken the one an
+                # ending gave back) or on the load, the loop hands owed wakes on: what the
+                # ending freed must not wait for this process.
+                await self._park("no free slot", self._slots.locked(), self._slots.acquire())
                 try:
-                    await self._load.admitted()
+                    await self._park("overloaded", self._load.overload() is not None,
+                                     self._load.admitted())
                 except asyncio.CancelledError:
                     self._slots.release()
                     raise
@@ -195,13 +206,25 @@ class Dispatcher:
                     self._claim_sent = -math.inf  # it saw nothing: a wake owed later is owed
                     log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
                     if self._claim_owes:
-                        await self._hand_on("claim failed")
+                        self._hand_on_soon("claim failed")
                     await wake.wait(self._settings.tick_s)
                     continue
                 self._metrics.claim_batch.observe(len(claims))
                 self._release(held - len(claims))
                 if not claims:
                     await wake.wait(self._settings.tick_s)
+
+    async def _park(self, why: str, parks: bool, waiting: Awaitable[object]) -> None:
+        """Await `waiting` (which returns at once unless `parks`), handing on owed wakes while
+        parked."""
+        if parks:
+            self._waiting_for = why
+            if self._owed:
+                self._hand_on_soon(why)
+        try:
+            await waiting
+        finally:
+            self._waiting_for = None
 
     async def _claim(self, held: int) -> list[Claim]:
         """Claim up to `held` runs and give each its task; nothing once the drain has begun."""

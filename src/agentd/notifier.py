@@ -16,8 +16,9 @@ given that turn's slot back: its own claim, made after the ending committed, can
 other queued turn was claimable before (its enqueue woke every loop then), or was freed by a raised
 limit (whose statement wakes every loop). Waking the fleet for it made every other process run a
 claim that found nothing (docs/benchmarks.md, "Fifteenth look"). The loop is told that it owes the
-wake (`ClaimLoop.owe_wake`): if it cannot act on it when it comes to claim (a post took the slot
-meanwhile, overload began, the claim failed), it hands the wake on to the fleet (dispatcher.py).
+wake (`ClaimLoop.owe_wake`): if it cannot act on it (a post took the slot meanwhile, overload
+began, its claim failed), it hands the wake on to the fleet, at once if it is parked on a slot or
+on the load when the wake comes (dispatcher.py).
 A process that will not claim sends the wake to the fleet, and its own loop hears it once the
 statement says it went out; a drain tells the fleet once its loop is parked.
 """
