@@ -117,7 +117,7 @@ class _ConsumersClaimAgain:
     def claims(self) -> bool:
         return True
 
-    def owe_wake(self, committed_by: float) -> None:
+    def owe_wake(self, committed_by: float, wakes: int) -> None:
         pass
 
 

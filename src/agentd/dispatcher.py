@@ -48,6 +48,64 @@ _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutErr
 DRAIN_FAILURE = failure(RunErrorCode.SHUTDOWN)
 
 
+class OwedWakes:
+    """The wakes of endings that came to this process's claim loop alone (notifier.py): each
+    is acted for by a claim sent after its ending committed, or handed on to the fleet.
+
+    A claim acts for as many owed wakes as it took turns, or for all of them when it took
+    fewer turns than it had slots for (it found everything claimable). An ending frees at most
+    one turn, so a claim with one slot acting for two endings leaves one owed. Times are
+    time.monotonic() of this process."""
+
+    def __init__(self) -> None:
+        self.owed = 0  # acted for by no claim yet: the loop's next claim, or a hand-on
+        self._sent = -math.inf  # when the latest claim was sent
+        self._in_flight = False
+        self._acting = 0  # owed wakes the claim in flight acts for
+        self._spare = 0.0  # turns the latest finished claim took beyond the wakes it acted for
+
+    def arrive(self, committed_by: float, wakes: int) -> int:
+        """Wakes of endings committed by `committed_by`; returns how many are owed now."""
+        if committed_by > self._sent:
+            self.owed += wakes  # no claim was sent after them
+        elif self._in_flight:
+            self._acting += wakes
+        else:
+            self.owed += self._spend(wakes)
+        return self.owed
+
+    def claim_sent(self) -> None:
+        """A claim is sent now: it acts for every wake owed so far."""
+        self._acting, self.owed = self.owed, 0
+        self._sent = time.monotonic()
+        self._in_flight = True
+        self._spare = 0.0
+
+    def claim_done(self, took: int, slots: int) -> None:
+        self._in_flight = False
+        self._spare = math.inf if took < slots else float(took)
+        acting, self._acting = self._acting, 0
+        self.owed += self._spend(acting)
+
+    def claim_failed(self) -> int:
+        """The claim saw nothing: returns the wakes it was acting for (to hand on). It took no
+        turns, so wakes it would have covered that arrive later are owed."""
+        self._in_flight = False
+        acting, self._acting = self._acting, 0
+        return acting
+
+    def take(self) -> int:
+        """All owed wakes, to hand on."""
+        owed, self.owed = self.owed, 0
+        return owed
+
+    def _spend(self, wakes: int) -> int:
+        """Acts for `wakes` out of the latest claim's spare turns; returns those left owed."""
+        acted = min(float(wakes), self._spare)
+        self._spare -= acted
+        return wakes - int(acted)
+
+
 class Dispatcher:
     def __init__(self, pool: asyncpg.Pool, hub: Hub, settings: Settings, worker_id: str,
                  run_turn: RunTurn, load: LoadMonitor, metrics: Metrics,
@@ -76,9 +134,7 @@ class Dispatcher:
         # ending committed has acted on it: if the loop cannot claim when it comes to (no
         # slot, overload, a failed claim), it hands the wake on to the fleet, whose loops would
         # otherwise wait for a tick.
-        self._owed = False
-        self._claim_sent = -math.inf  # when the latest claim statement was sent (monotonic)
-        self._claim_owes = False  # that claim acts for an owed wake (handed on if it fails)
+        self._owed = OwedWakes()
         self._waiting_for: str | None = None  # what the loop is parked on: a slot, the load
         self._handing_on: set[asyncio.Task[None]] = set()
 
@@ -101,22 +157,18 @@ class Dispatcher:
         """What the claim loop is parked on: "no free slot", "overloaded", or None."""
         return self._waiting_for
 
-    def owe_wake(self, committed_by: float) -> None:
-        """The wake of endings committed by `committed_by` (time.monotonic()) came to this loop
-        alone (notifier.py): claim after them, or hand the wake on. A claim sent after they
-        committed sees what they freed: if one is in flight, it acts for the wake. A loop
-        parked on a slot or on the load hands it on at once; any other will claim next."""
-        if committed_by <= self._claim_sent:
-            self._claim_owes = self._claim_owes or self._claiming.locked()
-        elif self._waiting_for is not None:
+    def owe_wake(self, committed_by: float, wakes: int) -> None:
+        """The wakes of `wakes` endings committed by `committed_by` (time.monotonic()) came to
+        this loop alone (notifier.py): a claim sent after them acts for them (OwedWakes), or
+        the loop hands them on. A loop parked on a slot or on the load hands them on at once;
+        any other will claim next."""
+        if self._owed.arrive(committed_by, wakes) and self._waiting_for is not None:
             self._hand_on_soon(self._waiting_for)
-        else:
-            self._owed = True
 
     def _hand_on_soon(self, why: str) -> None:
-        """Wake every claim loop of the fleet for the ending wake this loop cannot act on now:
-        what the ending freed may start on a process that has a free slot."""
-        self._owed = False
+        """Wake every claim loop of the fleet for the ending wakes this loop cannot act on now:
+        what the endings freed may start on a process that has a free slot."""
+        self._owed.take()
         task = asyncio.get_running_loop().create_task(self._hand_on(why))
         self._handing_on.add(task)
         task.add_done_callback(self._handing_on.discard)
@@ -196,19 +248,18 @@ class Dispatcher:
                 while held < self._settings.claim_batch and not self._slots.locked():
                     await self._slots.acquire()  # free: returns at once
                     held += 1
-                # This claim, sent after every ending owed so far committed, acts for them.
-                self._claim_owes, self._owed = self._owed, False
-                self._claim_sent = time.monotonic()
+                self._owed.claim_sent()  # sent after every ending owed so far committed
                 try:
                     claims = await self._claim(held)
                 except _DB_ERRORS as exc:
                     self._release(held)
-                    self._claim_sent = -math.inf  # it saw nothing: a wake owed later is owed
                     log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
-                    if self._claim_owes:
+                    if self._owed.claim_failed():
                         self._hand_on_soon("claim failed")
                     await wake.wait(self._settings.tick_s)
                     continue
+                # Wakes it could not act for (it took a turn per slot) stay owed.
+                self._owed.claim_done(len(claims), held)
                 self._metrics.claim_batch.observe(len(claims))
                 self._release(held - len(claims))
                 if not claims:
@@ -219,7 +270,7 @@ class Dispatcher:
         parked."""
         if parks:
             self._waiting_for = why
-            if self._owed:
+            if self._owed.owed:
                 self._hand_on_soon(why)
         try:
             await waiting

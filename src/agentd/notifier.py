@@ -56,9 +56,9 @@ class ClaimLoop(Protocol):
         """Whether it will claim now (an ending's wake may then go to it alone)."""
         ...
 
-    def owe_wake(self, committed_by: float) -> None:
-        """The wake of endings committed by `committed_by` (time.monotonic()) went to it
-        alone: it claims after them, or hands the wake on to the fleet."""
+    def owe_wake(self, committed_by: float, wakes: int) -> None:
+        """The wakes of `wakes` endings committed by `committed_by` (time.monotonic()) went
+        to it alone: it claims after them, or hands them on to the fleet."""
         ...
 
 
@@ -147,7 +147,7 @@ class Notifier:
                 forget()  # no NOTIFY of ours will come: another process's must get through
         owed = [hint for hint in wakes if hint in sent or failed]
         if owed and committed_by is not None and loop is not None and not fleet:
-            loop.owe_wake(committed_by)  # before the hint that wakes it: read together
+            loop.owe_wake(committed_by, len(owed))  # before the hint that wakes it
         if self._local is not None:
             for hint in owed:
                 self._local.hint_locally(*hint, echo=False)

@@ -168,7 +168,7 @@ class ClaimLoopStub:
     def claims(self) -> bool:
         return self.claiming
 
-    def owe_wake(self, committed_by: float) -> None:
+    def owe_wake(self, committed_by: float, wakes: int) -> None:
         self.owed += 1
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -63,10 +62,10 @@ class Process:
     def claims(self) -> bool:
         return self.dispatcher.claims()
 
-    def owe_wake(self, committed_by: float) -> None:
+    def owe_wake(self, committed_by: float, wakes: int) -> None:
         """The dispatcher's, counted."""
-        self.wakes_owed += 1
-        self.dispatcher.owe_wake(committed_by)
+        self.wakes_owed += wakes
+        self.dispatcher.owe_wake(committed_by, wakes)
 
     async def _run_turn(self, claim: Claim) -> bool:
         await self._end(claim.run_id).wait()
@@ -186,14 +185,11 @@ async def _heard_after(fleet: Listener, what: str) -> str:
         raise AssertionError(f"no claim loop of the fleet was woken {what}") from None
 
 
-async def _settled(claims_made: dict[str, Any]) -> None:
-    """Until the claim loops have answered every wake so far (none in flight, none sent for
-    0.2 s)."""
-    seen, since = claims_made["calls"], time.monotonic()
-    while claims_made["in_flight"] or time.monotonic() - since < 0.2:
-        await asyncio.sleep(0.01)
-        if claims_made["calls"] != seen or claims_made["in_flight"]:
-            seen, since = claims_made["calls"], time.monotonic()
+async def _claims_answered(claims_made: dict[str, Any], calls: int) -> None:
+    """Until the claim loops have sent `calls` claims in all and none is in flight."""
+    await poll_until(lambda: _true(claims_made["calls"] >= calls
+                                   and not claims_made["in_flight"]),
+                     DEFAULT_TIMEOUT_S, interval=0.002, what=f"{calls} claims answered")
 
 
 async def _parked_on(process: Process, what: str) -> None:
@@ -227,19 +223,20 @@ class Scene:
 
 @contextlib.asynccontextmanager
 async def q_behind_t1(pool: asyncpg.Pool, dsn: str, claims_made: dict[str, Any],
-                      held_wakes: HeldWakes | None = None, *,
-                      with_p2: bool = False) -> AsyncIterator[Scene]:
-    p1 = Process("p1", pool, dsn, max_runs=2)
+                      held_wakes: HeldWakes | None = None, *, with_p2: bool = False,
+                      p1_slots: int = 2) -> AsyncIterator[Scene]:
+    p1 = Process("p1", pool, dsn, max_runs=p1_slots)
     p2 = Process("p2", pool, dsn, max_runs=4) if with_p2 else None
     processes = [p for p in (p1, p2) if p is not None]
-    tenant, *others = [await new_tenant(pool) for _ in range(3)]
+    tenant, *others = [await new_tenant(pool) for _ in range(4)]
     for process in processes:
         await process.start()
     try:
-        await _settled(claims_made)  # each loop's first claim found nothing
+        await _claims_answered(claims_made, len(processes))  # each loop's first: nothing
         t1 = await p1.post(tenant, "t1")
         q = await enqueue(pool, tenant.account_id, tenant.conversation_id, "q")
-        await _settled(claims_made)  # the loops, woken by q, found nothing and hold no slot
+        # Each loop, woken by q's enqueue, claims once, finds nothing and holds no slot.
+        await _claims_answered(claims_made, 2 * len(processes))
         yield Scene(p1, p2, t1, q, others)
     finally:
         claims_made["fail"] = False
@@ -365,3 +362,29 @@ async def test_a_wake_that_comes_after_a_failed_claim_is_still_owed(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_claim_with_one_slot_acts_for_one_of_two_endings(
+        pool: asyncpg.Pool, dsn: str, claims_made: dict[str, Any],
+        held_wakes: HeldWakes) -> None:
+    """P1 (three slots) runs T1 and T2 (two accounts), each with a turn queued behind it.
+    Both end; two posts take two of the three slots free then. P1's claim, with the last slot,
+    can start one of the two freed turns: the other ending's wake is still owed, and handed
+    on, and P2 starts that turn."""
+    async with q_behind_t1(pool, dsn, claims_made, held_wakes, with_p2=True,
+                           p1_slots=3) as scene:
+        p1, (second, poster, other_poster) = scene.p1, scene.others
+        t2 = await p1.post(second, "t2")
+        calls = claims_made["calls"]
+        q2 = await enqueue(pool, second.account_id, second.conversation_id, "q2")
+        await _claims_answered(claims_made, calls + 2)  # each loop, woken by q2, found nothing
+        async with listening(dsn, str(Channel.RUN_ENQUEUED)) as fleet:
+            held_wakes.armed = True
+            await p1.end(scene.t1.run_id)
+            await p1.end(t2.run_id)
+            await p1.post(poster, "y1")
+            await p1.post(other_poster, "y2")  # one slot left
+            held_wakes.release.set()
+            assert await _heard_after(fleet, "for the second freed turn") == "no free slot"
+        started_by = {await _started_by(pool, run.run_id) for run in (scene.q, q2)}
+        assert started_by == {"vm:p1", "vm:p2"}
