@@ -62,7 +62,8 @@ class OwedWakes:
         self._sent = -math.inf  # when the latest claim was sent
         self._in_flight = False
         self._acting = 0  # owed wakes the claim in flight acts for
-        self._spare = 0.0  # turns the latest finished claim took beyond the wakes it acted for
+        self._spare = 0.0  # the latest finished claim's turns no wake was charged to (inf: it
+        # found everything claimable)
 
     def arrive(self, committed_by: float, wakes: int) -> int:
         """Wakes of endings committed by `committed_by`; returns how many are owed now."""
@@ -75,7 +76,8 @@ class OwedWakes:
         return self.owed
 
     def claim_sent(self) -> None:
-        """A claim is sent now: it acts for every wake owed so far."""
+        """A claim is sent now: it acts for the wakes owed so far, as far as the turns it
+        takes go (claim_done)."""
         self._acting, self.owed = self.owed, 0
         self._sent = time.monotonic()
         self._in_flight = True
@@ -130,10 +132,10 @@ class Dispatcher:
         self._beside: Reservation | None = None  # a claim under way in an enqueue's transaction
         self._beside_settled = asyncio.Event()
         self._beside_settled.set()
-        # An ending's wake came to this loop alone (notifier.py) and no claim sent after the
-        # ending committed has acted on it: if the loop cannot claim when it comes to (no
-        # slot, overload, a failed claim), it hands the wake on to the fleet, whose loops would
-        # otherwise wait for a tick.
+        # Endings' wakes that came to this loop alone (notifier.py): each is acted for by a
+        # claim sent after its ending committed, or handed on to the fleet, whose loops would
+        # otherwise wait for a tick: at once when the loop is parked (no slot, overload), else
+        # when it cannot claim or its claim fails.
         self._owed = OwedWakes()
         self._waiting_for: str | None = None  # what the loop is parked on: a slot, the load
         self._handing_on: set[asyncio.Task[None]] = set()
@@ -161,7 +163,7 @@ class Dispatcher:
         """The wakes of `wakes` endings committed by `committed_by` (time.monotonic()) came to
         this loop alone (notifier.py): a claim sent after them acts for them (OwedWakes), or
         the loop hands them on. A loop parked on a slot or on the load hands them on at once;
-        any other will claim next."""
+        any other claims next, or hands them on if it then finds no slot."""
         if self._owed.arrive(committed_by, wakes) and self._waiting_for is not None:
             self._hand_on_soon(self._waiting_for)
 
