@@ -153,15 +153,11 @@ async def test_a_turn_claimed_beside_its_enqueue_is_announced_by_that_commit_alo
                                        "ORDER BY seq", queued.run_id)
         assert [(r["seq"], r["type"]) for r in journal][:3] == [
             (1, "user_message"), (2, "run_queued"), (3, "run_started")]
-        await poll_until(lambda: _true(bool(started)), DEFAULT_TIMEOUT_S, interval=0.002,
+        await poll_until(lambda: bool(started), DEFAULT_TIMEOUT_S, interval=0.002,
                          what="the turn to start")
         await dispatcher.drain(DEFAULT_TIMEOUT_S)
     finally:
         await listener.close()
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def test_a_drain_wakes_the_other_claim_loops(pool: asyncpg.Pool, hub: Hub,

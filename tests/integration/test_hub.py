@@ -38,7 +38,7 @@ async def test_a_local_hint_wakes_at_once_and_its_own_notify_is_dropped_when_it_
         notifier.start()
         try:
             assert await fleet.next() == "run-1"  # the fleet hears it by NOTIFY
-            await poll_until(lambda: _true(hub.echoes == 1), DEFAULT_TIMEOUT_S,
+            await poll_until(lambda: hub.echoes == 1, DEFAULT_TIMEOUT_S,
                              interval=0.005, what="the echo to come back and be dropped")
             assert sub.drain() == set(), "woken twice for one commit"
             # Another process's notification with the same channel and payload is news.
@@ -61,7 +61,7 @@ async def test_hints_in_one_batch_wait_for_one_echo_and_each_wakes_the_subscribe
         assert sub.drain() == {"c"}
         notifier.start()
         try:
-            await poll_until(lambda: _true(hub.echoes == 1), DEFAULT_TIMEOUT_S,
+            await poll_until(lambda: hub.echoes == 1, DEFAULT_TIMEOUT_S,
                              interval=0.005, what="the batch's one echo")
             await notify_from_elsewhere(pool, Channel.CONVERSATION, "c")
             assert await heard(sub) == {"c"}, "a second awaited echo swallowed real news"
@@ -78,7 +78,7 @@ async def test_an_echo_awaited_before_its_statement_is_dropped_even_when_it_come
         hub.expect_echo(Channel.CONVERSATION, "c")
         async with pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_notify($1, 'c')", str(Channel.CONVERSATION))
-        await poll_until(lambda: _true(hub.echoes == 1), DEFAULT_TIMEOUT_S, interval=0.005,
+        await poll_until(lambda: hub.echoes == 1, DEFAULT_TIMEOUT_S, interval=0.005,
                          what="the committed NOTIFY to come back and be dropped")
         assert sub.drain() == set(), "the echo woke the subscriber"
         hub.hint_locally(Channel.CONVERSATION, "c", echo=False)  # the sender's own wake
@@ -105,7 +105,7 @@ async def test_an_echo_that_never_comes_stops_being_awaited(
         assert sub.drain() == {"c"}
         loop = asyncio.get_running_loop()
         expired_at = loop.time() + 0.05
-        await poll_until(lambda: _true(loop.time() > expired_at), DEFAULT_TIMEOUT_S,
+        await poll_until(lambda: loop.time() > expired_at, DEFAULT_TIMEOUT_S,
                          interval=0.01, what="the echo window to pass")
         await notify_from_elsewhere(pool, Channel.RUN_ENQUEUED, "c")
         assert await heard(sub) == {"c"}
@@ -153,7 +153,7 @@ async def test_a_dispatchers_wake_goes_out_only_while_its_account_has_a_turn_que
         await notifier.close()
         assert loop.drain() == {ended}, "this process's claim loop is woken"
         assert await fleet.next() == ended, "and the fleet's"
-        await poll_until(lambda: _true(hub.echoes == echoes + 1), DEFAULT_TIMEOUT_S,
+        await poll_until(lambda: hub.echoes == echoes + 1, DEFAULT_TIMEOUT_S,
                          interval=0.005, what="its echo to come back and be dropped")
         assert loop.drain() == set(), "woken twice for one ending"
 
@@ -210,7 +210,7 @@ async def test_while_this_process_claims_an_endings_wake_goes_to_its_own_claim_l
         assert loop.drain() == {ended}
         assert stub.owed == 1, "a wake the fleet heard is owed by nobody"
         assert await fleet.next() == ended, "a process that will not claim wakes the fleet"
-        await poll_until(lambda: _true(hub.echoes == echoes + 1), DEFAULT_TIMEOUT_S,
+        await poll_until(lambda: hub.echoes == echoes + 1, DEFAULT_TIMEOUT_S,
                          interval=0.005, what="its echo to come back and be dropped")
         assert loop.drain() == set(), "woken twice for one ending"
 
@@ -234,7 +234,3 @@ async def test_the_wake_check_runs_once_per_hint(pool: asyncpg.Pool) -> None:
         finally:
             await transaction.rollback()  # nothing is sent
     assert calls == len(hints), f"{calls} checks for {len(hints)} wakes"
-
-
-async def _true(value: bool) -> bool:
-    return value

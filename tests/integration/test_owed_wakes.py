@@ -187,8 +187,8 @@ async def _heard_after(fleet: Listener, what: str) -> str:
 
 async def _claims_answered(claims_made: dict[str, Any], calls: int) -> None:
     """Until the claim loops have sent `calls` claims in all and none is in flight."""
-    await poll_until(lambda: _true(claims_made["calls"] >= calls
-                                   and not claims_made["in_flight"]),
+    await poll_until(lambda: claims_made["calls"] >= calls
+                                   and not claims_made["in_flight"],
                      DEFAULT_TIMEOUT_S, interval=0.002, what=f"{calls} claims answered")
 
 
@@ -329,10 +329,10 @@ async def test_a_claim_in_flight_that_fails_hands_on_the_wake_it_acted_for(
         await p1.end(scene.t1.run_id)
         await held_wakes.wait_decided()
         _wake_loop_of(p1)
-        await poll_until(lambda: _true(claims_made["in_flight"] == 1), DEFAULT_TIMEOUT_S,
+        await poll_until(lambda: claims_made["in_flight"] == 1, DEFAULT_TIMEOUT_S,
                          interval=0.002, what="p1's claim in flight")
         held_wakes.release.set()  # the wake arrives while the claim is out
-        await poll_until(lambda: _true(p1.wakes_owed == 1), DEFAULT_TIMEOUT_S,
+        await poll_until(lambda: p1.wakes_owed == 1, DEFAULT_TIMEOUT_S,
                          interval=0.002, what="the wake to have arrived")
         stall.set()
         assert await _heard_after(fleet, "for the turn t1 freed") == "claim failed"
@@ -352,16 +352,12 @@ async def test_a_wake_that_comes_after_a_failed_claim_is_still_owed(
         await held_wakes.wait_decided()
         calls = claims_made["calls"]
         _wake_loop_of(p1)
-        await poll_until(lambda: _true(claims_made["calls"] > calls
-                                       and not claims_made["in_flight"]),
+        await poll_until(lambda: claims_made["calls"] > calls
+                                       and not claims_made["in_flight"],
                          DEFAULT_TIMEOUT_S, interval=0.002, what="p1's claim to fail")
         assert fleet.drain() == [], "a failed claim that owed nothing hands nothing on"
         held_wakes.release.set()
         assert await _heard_after(fleet, "for the turn t1 freed") == "claim failed"
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def test_a_claim_with_one_slot_acts_for_one_of_two_endings(

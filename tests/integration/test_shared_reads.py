@@ -114,15 +114,11 @@ async def test_tails_of_one_run_woken_together_cause_one_read_per_wake_and_get_e
 
         await finish_run(pool, claim, RunStatus.COMPLETED, seq=emitter.next_seq,
                          content="".join(pieces), hint=notifier.notify)
-        await poll_until(lambda: _true(all(ended)), DEFAULT_TIMEOUT_S, interval=0.002,
+        await poll_until(lambda: all(ended), DEFAULT_TIMEOUT_S, interval=0.002,
                          what="every tail to end at complete")
         assert all("".join(g) == "".join(pieces) for g in got)
     finally:
         await _cancel(tasks)
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
@@ -137,7 +133,7 @@ async def test_a_read_already_sent_is_not_joined_by_a_later_asker(pool: asyncpg.
     claim = await start_run(pool)
     reads = SharedReads(pool)
     first = asyncio.create_task(reads.events(claim.run_id, claim.last_seq, 500))
-    await poll_until(lambda: _true(reads.issued == 1), DEFAULT_TIMEOUT_S, interval=0.002,
+    await poll_until(lambda: reads.issued == 1, DEFAULT_TIMEOUT_S, interval=0.002,
                      what="the first query sent")
     emitter = Emitter(pool, claim, flush_interval_s=3600)
     await emitter.delta("after the first read was sent")
@@ -201,19 +197,19 @@ async def test_tails_of_a_run_this_process_writes_are_handed_its_rows_and_read_n
         tasks = [asyncio.create_task(tail(i)) for i in range(3)]
         try:
             await emitter.delta("first ")
-            await poll_until(lambda: _true(all(len(g) == 1 for g in got)), DEFAULT_TIMEOUT_S,
+            await poll_until(lambda: all(len(g) == 1 for g in got), DEFAULT_TIMEOUT_S,
                              interval=0.002, what="every tail to get the first delta")
             issued = reads.issued
             for n in range(WAKES):
                 await emitter.delta(f"piece {n} ")
                 await emitter.flush()
-                await poll_until(lambda n=n: _true(all(len(g) == n + 2 for g in got)),
+                await poll_until(lambda n=n: all(len(g) == n + 2 for g in got),
                                  DEFAULT_TIMEOUT_S, interval=0.002, what=f"every tail at {n}")
             assert reads.issued == issued, "the writer's own rows were read back"
             assert reads.served_held >= 3 * WAKES
             # Another writer's row (a finalizer ending the run) announces itself by NOTIFY only.
             stopped = await reap_now(pool, claim)
-            await poll_until(lambda: _true(all(g[-1].type == EventType.COMPLETE for g in got)),
+            await poll_until(lambda: all(g[-1].type == EventType.COMPLETE for g in got),
                              DEFAULT_TIMEOUT_S, interval=0.002, what="every tail at complete")
             assert reads.issued > issued and stopped
             journal = await read_events(pool, claim.run_id, after_seq=claim.last_seq)
@@ -254,21 +250,21 @@ async def test_a_feed_hands_out_a_delta_while_its_conversation_re_read_is_under_
         task = asyncio.create_task(feed())
         try:
             # The first pass hands out the turn so far; its run_started asks for a re-read.
-            await poll_until(lambda: _true(calls == 1 and bool(events(EventType.RUN_STARTED))),
+            await poll_until(lambda: calls == 1 and bool(events(EventType.RUN_STARTED)),
                              DEFAULT_TIMEOUT_S, interval=0.002, what="the feed's first re-read")
             await emitter.delta("first ")
-            await poll_until(lambda: _true(bool(events(EventType.CONTENT_DELTA))),
+            await poll_until(lambda: bool(events(EventType.CONTENT_DELTA)),
                              DEFAULT_TIMEOUT_S, interval=0.002,
                              what="the delta, while the re-read is under way")
             assert calls == 1 and not [i for i in items if i.kind == "lease"]
             # The turn ends while that re-read is still out: its ending needs a later one.
             await finish_run(pool, claim, RunStatus.COMPLETED, seq=emitter.next_seq,
                              content="first ", hint=notifier.notify)
-            await poll_until(lambda: _true(bool(events(EventType.COMPLETE))), DEFAULT_TIMEOUT_S,
+            await poll_until(lambda: bool(events(EventType.COMPLETE)), DEFAULT_TIMEOUT_S,
                              interval=0.002, what="the ending, while the re-read is under way")
             assert calls == 1
             gate.set()
-            await poll_until(lambda: _true(len([i for i in items if i.kind == "lease"]) == 2),
+            await poll_until(lambda: len([i for i in items if i.kind == "lease"]) == 2,
                              DEFAULT_TIMEOUT_S, interval=0.002, what="both re-reads' leases")
             assert [i.data for i in items if i.kind == "lease"] == [{"re_read": 1}, {"re_read": 2}]
             assert calls == 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import signal
 import socket
@@ -35,9 +36,12 @@ LOG_TAIL_CHARS = 20_000
 _DAEMONS_ATTR = "_agentd_daemons"
 
 
-async def poll_until(predicate: Callable[[], Awaitable[T]], timeout: float,  # noqa: ASYNC109
+async def poll_until(predicate: Callable[[], Awaitable[T] | T],
+                     timeout: float,  # noqa: ASYNC109
                      interval: float = 0.02, *, what: str | None = None) -> T:
-    """Await `predicate` until it returns something truthy and return that; fail at the deadline.
+    """Call `predicate` (awaiting what it returns, if awaitable: a query, or a plain check of
+    state in this process) until it returns something truthy and return that; fail at the
+    deadline.
 
     The predicate is always evaluated at least once, and once more after the deadline passed,
     so a slow poll never fails a state that was reached.
@@ -45,7 +49,9 @@ async def poll_until(predicate: Callable[[], Awaitable[T]], timeout: float,  # n
     deadline = time.monotonic() + timeout
     while True:
         expired = time.monotonic() >= deadline
-        value = await predicate()
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
         if value:
             return value
         if expired:
