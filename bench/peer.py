@@ -124,6 +124,15 @@ class _ConsumersClaimAgain:
 CONSUMERS = _ConsumersClaimAgain()
 
 
+def consumers_machinery(pool: asyncpg.Pool) -> tuple[Notifier, Finishes]:
+    """The daemon's machinery the consumers share: hints sent after commit, batched (an
+    ending's wake goes to the consumers alone, as to a daemon's own claim loop: notifier.py),
+    and the terminal writes of turns ending together in one statement (group_commit.py)."""
+    notifier = Notifier(pool, claim_loop=lambda: CONSUMERS)
+    notifier.start()
+    return notifier, Batcher(pool, lambda items: finish_runs(pool, items))
+
+
 # -- the peer, set up at run time ------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -395,11 +404,7 @@ async def agentd_throughput(dbs: Databases, args: argparse.Namespace,
     size = args.consumers + args.enqueuers
     pool = await dbmod.create_pool(database.dsn, min_size=size, max_size=size + 1,
                                    application_name="agentd-bench-peer")
-    # Each consumer claims again as soon as its turns have ended, as a daemon's claim loop
-    # does when its own turn ends: an ending's wake goes to nobody else (notifier.py).
-    notifier = Notifier(pool, claim_loop=lambda: CONSUMERS)
-    notifier.start()
-    finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
+    notifier, finishes = consumers_machinery(pool)
     analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool))
     hub = Hub(database.dsn, channels=[Channel.RUN_ENQUEUED])
     try:
@@ -512,11 +517,7 @@ async def agentd_drain(dbs: Databases, args: argparse.Namespace, batch: int) -> 
     pool = await dbmod.create_pool(database.dsn, min_size=args.consumers,
                                    max_size=args.consumers + 1,
                                    application_name="agentd-bench-peer")
-    # Each consumer claims again as soon as its turns have ended, as a daemon's claim loop
-    # does when its own turn ends: an ending's wake goes to nobody else (notifier.py).
-    notifier = Notifier(pool, claim_loop=lambda: CONSUMERS)
-    notifier.start()
-    finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
+    notifier, finishes = consumers_machinery(pool)
     analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool))
     jobs = args.drain_jobs
     try:
@@ -565,11 +566,7 @@ async def agentd_latency(dbs: Databases, args: argparse.Namespace) -> dict[str, 
     settings = Settings()
     pool = await dbmod.create_pool(database.dsn, min_size=2, max_size=4,
                                    application_name="agentd-bench-peer")
-    # Each consumer claims again as soon as its turns have ended, as a daemon's claim loop
-    # does when its own turn ends: an ending's wake goes to nobody else (notifier.py).
-    notifier = Notifier(pool, claim_loop=lambda: CONSUMERS)
-    notifier.start()
-    finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
+    notifier, finishes = consumers_machinery(pool)
     hub = Hub(database.dsn, channels=[Channel.RUN_ENQUEUED])
     total = args.latency_warmup + args.latency_jobs
     loop = asyncio.get_running_loop()

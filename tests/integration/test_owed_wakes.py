@@ -36,7 +36,7 @@ from agentd.vocabulary import Channel, RunStatus
 from tests.integration.helpers import DEFAULT_TIMEOUT_S, Listener, listening
 from tests.support.daemon import poll_until
 from tests.support.factories import Tenant, enqueue, new_tenant, post_beside
-from tests.support.journal import run_row
+from tests.support.journal import wait_status
 
 NO_TICK = {"tick_s": 3600.0}  # a loop claims only when woken
 
@@ -160,21 +160,11 @@ def held_wakes(monkeypatch: pytest.MonkeyPatch) -> HeldWakes:
     return held
 
 
-async def _status(pool: asyncpg.Pool, run_id: UUID) -> tuple[str, str | None]:
-    row = await run_row(pool, run_id)
-    return row["status"], row["worker_id"]
-
-
 async def _started_by(pool: asyncpg.Pool, run_id: UUID) -> str:
-    async def started() -> bool:
-        return (await _status(pool, run_id))[0] != RunStatus.QUEUED
-
-    await poll_until(started, DEFAULT_TIMEOUT_S, interval=0.005,
-                     what=f"run {run_id} to start (no loop ticks: only a wake can start it)")
-    status, worker = await _status(pool, run_id)
-    assert status == RunStatus.RUNNING
-    assert worker is not None
-    return worker
+    """The worker that started the run (no loop ticks: only a wake can start it)."""
+    row = await wait_status(pool, run_id, RunStatus.RUNNING, timeout=DEFAULT_TIMEOUT_S)
+    assert row["worker_id"] is not None
+    return str(row["worker_id"])
 
 
 async def _heard_after(fleet: Listener, what: str) -> str:

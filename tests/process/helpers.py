@@ -12,23 +12,12 @@ import asyncpg
 
 from agentd.vocabulary import RunStatus
 from tests.support.daemon import poll_until
-from tests.support.journal import run_row
+from tests.support.journal import wait_status
 
 Db = asyncpg.Pool | asyncpg.Connection
 TERMINAL = tuple(str(s) for s in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED))
 STARTED = (str(RunStatus.RUNNING), *TERMINAL)
-
-
-async def wait_status(db: Db, run_id: UUID, statuses: tuple[str, ...] | str, *,
-                      timeout: float) -> asyncpg.Record:  # noqa: ASYNC109
-    """Poll until the run's status is one of `statuses`; returns the row."""
-    wanted = (statuses,) if isinstance(statuses, str) else statuses
-
-    async def reached() -> asyncpg.Record | None:
-        row = await run_row(db, run_id)
-        return row if row["status"] in wanted else None
-
-    return await poll_until(reached, timeout, what=f"run {run_id} to be {'/'.join(wanted)}")
+__all__ = ["STARTED", "TERMINAL", "wait_status"]  # wait_status lives in tests/support/journal.py
 
 
 async def wait_streaming(db: Db, run_id: UUID, *, timeout: float,  # noqa: ASYNC109

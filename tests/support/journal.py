@@ -11,6 +11,7 @@ from uuid import UUID
 import asyncpg
 
 from agentd.vocabulary import EventType
+from tests.support.daemon import poll_until
 
 Db = asyncpg.Pool | asyncpg.Connection
 
@@ -63,6 +64,18 @@ async def run_row(db: Db, run_id: UUID | str) -> asyncpg.Record:
     row = await db.fetchrow("SELECT * FROM agent_run WHERE id = $1", as_uuid(run_id))
     assert row is not None, f"run {run_id} does not exist"
     return row
+
+
+async def wait_status(db: Db, run_id: UUID, statuses: tuple[str, ...] | str, *,
+                      timeout: float) -> asyncpg.Record:  # noqa: ASYNC109
+    """Poll until the run's status is one of `statuses`; returns the row."""
+    wanted = (statuses,) if isinstance(statuses, str) else statuses
+
+    async def reached() -> asyncpg.Record | None:
+        row = await run_row(db, run_id)
+        return row if row["status"] in wanted else None
+
+    return await poll_until(reached, timeout, what=f"run {run_id} to be {'/'.join(wanted)}")
 
 
 async def assistant_messages(db: Db, run_id: UUID | str) -> list[asyncpg.Record]:
