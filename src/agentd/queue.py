@@ -55,6 +55,22 @@ class ModelChanged(Exception):
     was written): read the conversation and post again."""
 
 
+# PostgreSQL fails an update with this internal error (SQLSTATE XX000, no code of its own) when
+# the row's lock list still counts an update another transaction has just undone as in progress
+# beside this one. The posts no longer undo such writes (sql/022), but any transaction that
+# fails after updating a row others key-share-lock can still cause it. The failed statement
+# wrote nothing.
+_MULTIXACT_RACE = "new multixact has more than one updating member"
+
+
+def lost_race(exc: BaseException) -> bool:
+    """Whether a statement failed only for racing other transactions (a deadlock's victim, or
+    the internal error above): it rolled back whole, and running it once more is safe."""
+    if isinstance(exc, asyncpg.DeadlockDetectedError):
+        return True
+    return isinstance(exc, asyncpg.InternalServerError) and str(exc).startswith(_MULTIXACT_RACE)
+
+
 class QueueFull(Exception):
     """The account already has as many turns queued as it may (nothing was written)."""
 
@@ -251,10 +267,10 @@ async def enqueue_runs(db: Db, *, account_id: UUID, runs: Sequence[NewRun],
     """Enqueue several turns of one account in one statement (each a run, its message, journal
     seq 1-2 and a wake: a run is a row, docs/architecture.md); one outcome per turn, in order:
     the run, or the QueueFull / ConversationNotFound / IdempotencyConflict that refused it
-    (no turn written for it; its conversation's updated_at may move). The turns are created in
-    the order asked. Each conversation's row is locked by updating it, in no fixed order: two
-    calls naming several of the same conversations can deadlock (one rolls back whole).
-    Every process's claim loop is woken: post_turn is the enqueue that claims beside itself."""
+    (nothing written for it). The turns are created in the order asked. The conversations'
+    rows are locked first, in id order, and only those a turn was written into move in the
+    list (updated_at). Every process's claim loop is woken: post_turn is the enqueue that
+    claims beside itself."""
     digests = [request_hash(r.conversation_id, r.content, r.request) for r in runs]
     rows = await db.fetch(*Q.enqueue_runs.bind(
         account_id=account_id, conversation_ids=[r.conversation_id for r in runs],

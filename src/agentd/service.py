@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fnmatch
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from agentd.vocabulary import (
     MessageStatus,
     RunStatus,
 )
+
+log = logging.getLogger("agentd.service")
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
 LAST = "last"  # retry_of: the conversation's latest turn
@@ -342,10 +345,11 @@ class Service:
 
     async def _create_run_once(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                                idempotency_key: str | None) -> CreatedRun:
-        """With a claim beside the enqueue when a slot is free. Should PostgreSQL pick this
-        transaction as a deadlock's victim (none is known to remain: docs/architecture.md), it
-        rolled back whole and nothing was written, so it runs once more, without a claim beside
-        it."""
+        """With a claim beside the enqueue when a slot is free. Should the post lose a race
+        with other transactions (a deadlock's victim, none known to remain:
+        docs/architecture.md; or PostgreSQL's internal multixact error: queue.lost_race), it
+        rolled back whole and nothing was written, so it runs again, without a claim beside
+        it, twice at most; then the client is told to retry (503)."""
         slot = await self.starter.reserve() if self.starter is not None else None
         if slot is not None:
             try:
@@ -353,12 +357,21 @@ class Service:
                 # cannot leave the slot unsettled: what committed starts, else it is given back.
                 return await self._create_run_settling(who, conversation_id, ask,
                                                        idempotency_key, slot)
-            except asyncpg.DeadlockDetectedError:
-                pass
-        try:
-            return await self._create_run(who, conversation_id, ask, idempotency_key, None)
-        except asyncpg.DeadlockDetectedError:
-            return await self._create_run(who, conversation_id, ask, idempotency_key, None)
+            except asyncpg.PostgresError as exc:
+                if not queue.lost_race(exc):
+                    raise
+                log.warning("a post lost a race with other transactions; nothing was written",
+                            extra={"error": str(exc)})
+        for _ in range(2):
+            try:
+                return await self._create_run(who, conversation_id, ask, idempotency_key, None)
+            except asyncpg.PostgresError as exc:
+                if not queue.lost_race(exc):
+                    raise
+                log.warning("a post lost a race with other transactions; nothing was written",
+                            extra={"error": str(exc)})
+        raise ServiceError(503, "unavailable", "the post kept meeting concurrent writes and "
+                           "nothing was written; retry shortly", retry_after_s=1)
 
     async def _create_run_settling(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                                    idempotency_key: str | None, slot: ClaimSlot) -> CreatedRun:
