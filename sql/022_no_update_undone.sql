@@ -22,7 +22,8 @@
 --   * the claim beside an enqueue (sql/015) picks first and writes only when it picked the
 --     enqueue's own turn: a claim that picked another turn used to start it, move its account's
 --     round-robin clock (a row every insert of the account key-share-locks) and roll both back.
---     claim_runs is the same pick followed by the same write.
+--     claim_runs is the same pick followed by the same write, which now moves the account's
+--     clock after the conversation lease, the last step that can fail.
 -- The statement that locks comes before the one that updates, each with its own snapshot: the
 -- update meets the version locked (an update in the same statement as the lock went back to
 -- the version the statement began with and deadlocked: sql/019).
@@ -213,7 +214,8 @@ END;
 $$;
 
 -- post_turn (sql/021): the enqueue, which writes nothing when it refuses, without a subtransaction.
-CREATE OR REPLACE FUNCTION post_turn(of_account uuid, of_conversation uuid, device uuid, content text,
+CREATE OR REPLACE FUNCTION post_turn(of_account uuid, of_conversation uuid, device uuid,
+                                     content text,
                           request text, request_hash text, idempotency_key text,
                           default_max_queued integer, worker text, lease_ttl_s float8,
                           default_max_running integer, model_guessed boolean,
@@ -436,5 +438,107 @@ BEGIN
                         claimed.claim_token, claimed.fence, claimed.worker_id,
                         claimed.lease_expires_at, claimed.cancel_requested, claimed.created_at,
                         claimed.started_at, claimed.last_seq;
+END;
+$$;
+
+-- start_claimed_runs (sql/011, step 5 of the claim): the account's round-robin clock moved last.
+CREATE OR REPLACE FUNCTION start_claimed_runs(worker text, lease_ttl_s float8, admitted uuid[],
+                                   admitted_slots integer[], served_accounts uuid[])
+RETURNS TABLE (id uuid, account_id uuid, conversation_id uuid, user_message_id uuid,
+               origin_device_id uuid, request jsonb, claim_token uuid, fence bigint,
+               worker_id text, lease_expires_at timestamptz, cancel_requested boolean,
+               created_at timestamptz, started_at timestamptz, last_seq bigint)
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan
+AS $$
+#variable_conflict use_column
+DECLARE
+    now timestamptz := clock_timestamp();
+    runs uuid[];
+    accounts uuid[];
+    conversations uuid[];
+    questions uuid[];
+    devices uuid[];
+    requests jsonb[];
+    tokens uuid[];
+    fences bigint[];
+    deadlines timestamptz[];
+    cancels boolean[];
+    created timestamptz[];
+    leased uuid[];
+    seqs bigint[];
+BEGIN
+    WITH claimed AS (
+        UPDATE agent_run r
+        SET status = 'running',
+            claim_token = gen_random_uuid(),
+            fence = nextval('agent_run_fence_seq'),
+            worker_id = worker,
+            lease_expires_at = now + make_interval(secs => lease_ttl_s),
+            last_heartbeat_at = now,
+            started_at = now,
+            slot = admitted_slots[array_position(admitted, r.id)]
+        WHERE r.id = ANY (admitted)
+        RETURNING r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id,
+                  r.request, r.claim_token, r.fence, r.lease_expires_at, r.cancel_requested,
+                  r.created_at
+    )
+    SELECT array_agg(c.id), array_agg(c.account_id), array_agg(c.conversation_id),
+           array_agg(c.user_message_id), array_agg(c.origin_device_id), array_agg(c.request),
+           array_agg(c.claim_token), array_agg(c.fence), array_agg(c.lease_expires_at),
+           array_agg(c.cancel_requested), array_agg(c.created_at)
+    INTO runs, accounts, conversations, questions, devices, requests, tokens, fences,
+         deadlines, cancels, created
+    FROM claimed c;
+    UPDATE message m SET status = 'complete'
+    WHERE m.id = ANY (questions) AND m.status = 'queued';
+    -- The conversation lease: taken over only from a holder whose run is no longer live.
+    WITH taken AS (
+        INSERT INTO conversation_lease AS held (account_id, conversation_id, run_id,
+                                                execution_id, fence, worker_id, device_id,
+                                                acquired_at)
+        SELECT l.account_id, l.conversation_id, l.run_id, l.execution_id, l.fence, worker,
+               l.device_id, now
+        FROM unnest(accounts, conversations, runs, tokens, fences, devices)
+            AS l (account_id, conversation_id, run_id, execution_id, fence, device_id)
+        ON CONFLICT ON CONSTRAINT conversation_lease_pkey DO UPDATE
+        SET run_id = EXCLUDED.run_id,
+            execution_id = EXCLUDED.execution_id,
+            fence = EXCLUDED.fence,
+            worker_id = EXCLUDED.worker_id,
+            device_id = EXCLUDED.device_id,
+            acquired_at = EXCLUDED.acquired_at
+        WHERE NOT coalesce((
+            SELECT holder.claim_token = held.execution_id AND holder.status = 'running'
+                   AND holder.lease_expires_at > now
+            FROM agent_run holder WHERE holder.id = held.run_id), false)
+        RETURNING held.run_id
+    )
+    SELECT array_agg(t.run_id) INTO leased FROM taken t;
+    PERFORM require_conversation_lease(r = ANY (coalesce(leased, '{}')), r)
+    FROM unnest(runs) r;
+    -- Round robin's clock: the accounts served now go to the back of the line. After every
+    -- step that can fail (the lease's lock, its guard), so an undone claim beside an enqueue
+    -- never wrote the account's row (sql/022).
+    UPDATE account a SET last_claimed_at = now WHERE a.id = ANY (served_accounts);
+    -- The claim journals its own run_started: one commit less before the first token.
+    WITH journaled AS (
+        INSERT INTO run_event AS e (run_id, seq, type, payload)
+        SELECT j.run_id, (SELECT max(p.seq) FROM run_event p WHERE p.run_id = j.run_id) + 1,
+               'run_started',
+               jsonb_build_object('worker_id', worker, 'fence', j.fence,
+                                  'lease_expires_at',
+                                  to_char(j.deadline AT TIME ZONE 'UTC',
+                                          'YYYY-MM-DD"T"HH24:MI:SS.US"Z"'))
+        FROM unnest(runs, fences, deadlines) AS j (run_id, fence, deadline)
+        RETURNING e.run_id, e.seq
+    )
+    SELECT array_agg(j.seq ORDER BY r.n) INTO seqs
+    FROM unnest(runs) WITH ORDINALITY AS r (run_id, n)
+    JOIN journaled j ON j.run_id = r.run_id;
+    RETURN QUERY
+    SELECT * FROM unnest(runs, accounts, conversations, questions, devices, requests, tokens,
+                         fences, array_fill(worker, ARRAY[cardinality(runs)]), deadlines,
+                         cancels, created, array_fill(now, ARRAY[cardinality(runs)]), seqs);
 END;
 $$;

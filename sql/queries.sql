@@ -761,7 +761,7 @@ DELETE FROM presence WHERE expires_at < clock_timestamp() - interval '1 minute';
 
 -- lock_conversation --
 -- params: conversation_id, account_id
--- Serializes run creation and stops per conversation (enqueue's UPDATE takes the same lock):
+-- Serializes run creation and stops per conversation (the enqueue takes the same lock first):
 -- two `reject` requests cannot both see it idle, and a stop sweeps every turn committed before
 -- it. NO KEY UPDATE, not UPDATE: claims and finishes insert rows referencing the conversation
 -- (KEY SHARE locks) while holding run locks a stop waits for; FOR UPDATE would deadlock them.

@@ -348,8 +348,8 @@ class Service:
         """With a claim beside the enqueue when a slot is free. Should the post lose a race
         with other transactions (a deadlock's victim, none known to remain:
         docs/architecture.md; or PostgreSQL's internal multixact error: queue.lost_race), it
-        rolled back whole and nothing was written, so it runs again, without a claim beside
-        it, twice at most; then the client is told to retry (503)."""
+        rolled back whole and nothing was written, so it runs again without a claim beside
+        it (up to three attempts in all); then the client is told to retry (503)."""
         slot = await self.starter.reserve() if self.starter is not None else None
         if slot is not None:
             try:

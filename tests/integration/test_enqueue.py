@@ -346,11 +346,11 @@ async def test_a_slot_filled_and_freed_without_pause_is_never_handed_out_twice(
 async def test_enqueues_into_one_conversation_never_deadlock(dsn: str) -> None:
     """Enqueues into one conversation meet each other and a writer that key-share-locks its row
     (an answer message, through its foreign key), round after round on separate sessions. Each
-    enqueue touches the conversation's row once: the lock and the new `updated_at` in one step.
-    When the statement locked the row and updated it in a later part, this test deadlocked
-    within a few hundred rounds every time it was run (seven runs, PostgreSQL 15 and 18): the
-    update went back to the version the statement began with, where a rival was queued waiting
-    for the statement's own transaction."""
+    enqueue locks the conversation's row in a statement of its own and updates it in the next
+    (sql/022). When one statement locked the row and updated it in a later part, this test
+    deadlocked within a few hundred rounds every time it was run (seven runs, PostgreSQL 15
+    and 18): the update went back to the version the statement began with, where a rival was
+    queued waiting for the statement's own transaction."""
     rounds = 400
     async with connections(dsn, 5) as conns:
         setup, keysharer, enqueuers = conns[0], conns[1], conns[2:]

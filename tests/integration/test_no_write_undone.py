@@ -103,6 +103,41 @@ async def test_a_claim_beside_that_picks_another_accounts_turn_writes_nothing_of
     assert await pool.fetchval("SELECT count(*) FROM agent_run WHERE status = 'queued'") == 2
 
 
+async def test_a_claim_beside_that_cannot_take_the_conversation_lease_writes_nothing(
+        dsn: str, pool: asyncpg.Pool) -> None:
+    """The last step of a claim that can fail is taking the conversation's lease (another
+    session holds the lease row: a late release of the turn before); the account's round-robin
+    clock is moved after it, so the undone claim wrote nothing others lock."""
+    tenant = await new_tenant(pool)
+    _, [first] = await post_beside(pool, tenant.account_id, tenant.conversation_id, "first",
+                                   "w", LEASE_S)
+    await pool.execute("UPDATE agent_run SET status = 'completed', finished_at = now()"
+                       " WHERE id = $1", first.run_id)
+    holder = await asyncpg.connect(dsn)
+    release = holder.transaction()
+    await release.start()
+    try:
+        await holder.execute("DELETE FROM conversation_lease WHERE conversation_id = $1",
+                             tenant.conversation_id)
+
+        async def held_out(conn: asyncpg.Connection) -> None:
+            await conn.execute("SET LOCAL lock_timeout = '200ms'")
+            run, claim = await post_turn(
+                conn, account_id=tenant.account_id, claim=ClaimBeside("w", LEASE_S),
+                turn=NewRun(tenant.conversation_id, "second",
+                            {"content": "second", "model": "demo"}))
+            assert run.status == RunStatus.QUEUED and claim is None
+
+        updates = await _updates_in(dsn, held_out)
+    finally:
+        await release.rollback()
+        await holder.close()
+    # The claim also wrote and undid the post's own run and question, rows no other
+    # transaction can see before the post commits.
+    assert {t: updates[t] for t in ("conversation", "account", "conversation_lease")} == {
+        "conversation": 1, "account": 0, "conversation_lease": 0}
+
+
 async def test_a_post_refused_for_its_used_key_updates_nothing(
         dsn: str, pool: asyncpg.Pool) -> None:
     tenant = await new_tenant(pool)
