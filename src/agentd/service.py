@@ -349,21 +349,16 @@ class Service:
         with other transactions (a deadlock's victim, none known to remain:
         docs/architecture.md; or PostgreSQL's internal multixact error: queue.lost_race), it
         rolled back whole and nothing was written, so it runs again without a claim beside
-        it (up to three attempts in all); then the client is told to retry (503)."""
+        it: three attempts in all, then the client is told to retry (503)."""
         slot = await self.starter.reserve() if self.starter is not None else None
-        if slot is not None:
+        for beside in (slot, None, None):
             try:
-                # The handler shields this call (api/routes.py), so a request that goes away
-                # cannot leave the slot unsettled: what committed starts, else it is given back.
-                return await self._create_run_settling(who, conversation_id, ask,
-                                                       idempotency_key, slot)
-            except asyncpg.PostgresError as exc:
-                if not queue.lost_race(exc):
-                    raise
-                log.warning("a post lost a race with other transactions; nothing was written",
-                            extra={"error": str(exc)})
-        for _ in range(2):
-            try:
+                if beside is not None:
+                    # The handler shields this call (api/routes.py), so a request that goes
+                    # away cannot leave the slot unsettled: what committed starts, else it is
+                    # given back.
+                    return await self._create_run_settling(who, conversation_id, ask,
+                                                           idempotency_key, beside)
                 return await self._create_run(who, conversation_id, ask, idempotency_key, None)
             except asyncpg.PostgresError as exc:
                 if not queue.lost_race(exc):

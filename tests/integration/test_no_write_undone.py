@@ -22,7 +22,9 @@ import asyncpg
 import pytest
 
 from agentd.queue import (
+    Claim,
     ClaimBeside,
+    Db,
     EnqueuedRun,
     IdempotencyConflict,
     NewRun,
@@ -55,7 +57,8 @@ async def _updates_in(dsn: str, post: Callable[[asyncpg.Connection], Awaitable[o
 
 
 def _post(account_id: UUID, conversation_id: UUID, content: str, *, key: str | None = None,
-          max_queued: int = 100) -> Callable[[asyncpg.Connection], Awaitable[object]]:
+          max_queued: int = 100,
+          ) -> Callable[[Db], Awaitable[tuple[EnqueuedRun, Claim | None]]]:
     """A post as the daemon sends it with a free slot of its process."""
     turn = NewRun(conversation_id, content, {"content": content, "model": "demo"}, key)
     return lambda conn: post_turn(conn, account_id=account_id, turn=turn,
@@ -122,10 +125,7 @@ async def test_a_claim_beside_that_cannot_take_the_conversation_lease_writes_not
 
         async def held_out(conn: asyncpg.Connection) -> None:
             await conn.execute("SET LOCAL lock_timeout = '200ms'")
-            run, claim = await post_turn(
-                conn, account_id=tenant.account_id, claim=ClaimBeside("w", LEASE_S),
-                turn=NewRun(tenant.conversation_id, "second",
-                            {"content": "second", "model": "demo"}))
+            run, claim = await _post(tenant.account_id, tenant.conversation_id, "second")(conn)
             assert run.status == RunStatus.QUEUED and claim is None
 
         updates = await _updates_in(dsn, held_out)
