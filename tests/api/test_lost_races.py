@@ -1,4 +1,5 @@
-"""A post that loses a race with other transactions runs again; one that keeps losing is a 503.
+"""A post that loses a race with other transactions runs again; one that keeps losing is a 503,
+and so is any other request that loses one (api/errors.py), never a 500.
 
 PostgreSQL fails a statement for a race in two ways the daemon knows: as a deadlock's victim,
 and with the internal error "new multixact has more than one updating member" (seen on
@@ -12,25 +13,29 @@ table, because the failing statement rolls back whatever it wrote).
 from __future__ import annotations
 
 import asyncpg
+import pytest
 
 from tests.api.conftest import Api
 from tests.api.helpers import assert_error, db_state, start_run, wait_run
 from tests.support.factories import create_conversation
 
+_MULTIXACT = ("'new multixact has more than one updating member: 7 members'", "XX000")
+_DEADLOCK = ("'deadlock detected'", "40P01")
 
-async def _lose_races(pool: asyncpg.Pool, times: int) -> None:
+
+async def _lose_races(pool: asyncpg.Pool, times: int, *, on: str = "INSERT ON agent_run",
+                      error: tuple[str, str] = _MULTIXACT) -> None:
+    message, code = error
     await pool.execute(f"""
         CREATE SEQUENCE lost_races;
         CREATE FUNCTION lose_a_race() RETURNS trigger LANGUAGE plpgsql AS $$
         BEGIN
             IF nextval('lost_races') <= {times} THEN
-                RAISE EXCEPTION 'new multixact has more than one updating member: 7 members'
-                    USING ERRCODE = 'XX000';
+                RAISE EXCEPTION {message} USING ERRCODE = '{code}';
             END IF;
             RETURN NEW;
         END $$;
-        CREATE TRIGGER lose_a_race BEFORE INSERT ON agent_run
-            FOR EACH ROW EXECUTE FUNCTION lose_a_race();
+        CREATE TRIGGER lose_a_race BEFORE {on} FOR EACH ROW EXECUTE FUNCTION lose_a_race();
     """)
 
 
@@ -65,3 +70,19 @@ async def test_a_post_that_keeps_losing_is_a_503_that_writes_nothing(api: Api) -
                              json={"content": "now written"}, headers={"Idempotency-Key": "lost"})
     assert again.status_code == 202, again.text
     await wait_run(api.a, again.json()["run_id"])
+
+
+@pytest.mark.parametrize("error", [_MULTIXACT, _DEADLOCK], ids=["multixact", "deadlock"])
+async def test_any_request_that_loses_a_race_is_a_503_that_writes_nothing(
+        api: Api, error: tuple[str, str]) -> None:
+    conversation = await create_conversation(api.a, "before")
+    await _lose_races(api.pool, times=1, on="UPDATE ON conversation", error=error)
+    refused = await api.a.patch(f"/v1/conversations/{conversation}", json={"title": "after"})
+    body = assert_error(refused, 503, "unavailable")
+    assert refused.headers["Retry-After"] == "1"
+    assert "multixact" not in body["message"] and "deadlock" not in body["message"]
+    assert (await api.a.get(f"/v1/conversations/{conversation}")).json()["title"] == "before"
+
+    again = await api.a.patch(f"/v1/conversations/{conversation}", json={"title": "after"})
+    assert again.status_code == 200, again.text  # the race lost once: sent again, it lands
+    assert (await api.a.get(f"/v1/conversations/{conversation}")).json()["title"] == "after"

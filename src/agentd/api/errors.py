@@ -1,7 +1,9 @@
 """Every failure becomes JSON `{error: {code, message}}` with the right status; never a traceback.
 
-Database unavailability is a 503 the client may retry; anything unexpected is logged with its
-traceback and answered with a generic 500 body.
+Database unavailability is a 503 the client may retry, and so is a statement that lost a race with
+other transactions (a deadlock's victim, or PostgreSQL's internal multixact error: queue.lost_race),
+which rolled back whole; anything unexpected is logged with its traceback and answered with a
+generic 500 body.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from aiohttp.typedefs import Handler
 from agentd.api import RUNTIME
 from agentd.api.sse import OPEN_STREAM
 from agentd.limits import Throttled
+from agentd.queue import lost_race
 from agentd.service import ServiceError
 
 log = logging.getLogger("agentd.api")
@@ -78,6 +81,13 @@ def _answer(request: web.Request, exc: Exception) -> web.StreamResponse:
         log.warning("database unavailable", extra={"path": request.path, "error": str(exc)})
         return error_response(503, "unavailable", "the database is unavailable; retry shortly",
                               headers={"Retry-After": "1"})
+    if lost_race(exc):
+        # Posts run again on their own (service.Service.create_run); any other write that meets
+        # the race wrote nothing, and the client sends it again.
+        log.warning("a request lost a race with other transactions; nothing was written",
+                    extra={"path": request.path, "error": str(exc)})
+        return error_response(503, "unavailable", "the request met concurrent writes and "
+                              "nothing was written; retry shortly", headers={"Retry-After": "1"})
     log.error("unhandled error", exc_info=exc, extra={"path": request.path})
     return error_response(500, "internal", "internal error")
 

@@ -34,7 +34,7 @@ def _error(description: str) -> dict[str, Any]:
 
 
 _ERRORS = {"401": _error("missing, unknown or revoked token"),
-           "503": _error("the database is unavailable, or a post kept losing races with "
+           "503": _error("the database is unavailable, or the request lost a race with "
                          "concurrent writes and wrote nothing; retry after Retry-After")}
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {
     "type": "integer", "minimum": 1}}}
