@@ -6,8 +6,9 @@ and with the internal error "new multixact has more than one updating member" (s
 PostgreSQL 18 when a rival transaction had just undone an update of a row both locked;
 tests/integration/test_no_write_undone.py). Either way the statement wrote nothing, so the post
 runs again (queue.lost_race). Here the database loses the race on purpose: a trigger fails the
-turn's insert with that very error, for as many attempts as a sequence allows (a sequence, not a
-table, because the failing statement rolls back whatever it wrote).
+turn's insert (or, for any other request, the conversation's update) with that very error or a
+deadlock's, for as many attempts as a sequence allows (a sequence, not a table, because the
+failing statement rolls back whatever it wrote).
 """
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ async def test_any_request_that_loses_a_race_is_a_503_that_writes_nothing(
         api: Api, error: tuple[str, str]) -> None:
     conversation = await create_conversation(api.a, "before")
     await _lose_races(api.pool, times=1, on="UPDATE ON conversation", error=error)
+    before = await db_state(api.pool)
     refused = await api.a.patch(f"/v1/conversations/{conversation}", json={"title": "after"})
     body = assert_error(refused, 503, "unavailable")
     assert refused.headers["Retry-After"] == "1"
     assert "multixact" not in body["message"] and "deadlock" not in body["message"]
+    assert await db_state(api.pool) == before
     assert (await api.a.get(f"/v1/conversations/{conversation}")).json()["title"] == "before"
 
     again = await api.a.patch(f"/v1/conversations/{conversation}", json={"title": "after"})

@@ -597,7 +597,7 @@ def build_spec() -> dict[str, Any]:
                               "401": _error("invalid_pairing_code: unknown, used or expired; "
                                             "nothing was created"),
                               "429": _TOO_MANY,
-                              "503": _error("the database is unavailable; retry")}}},
+                              "503": _ERRORS["503"]}}},
             "/v1/devices": {"get": {
                 "summary": "this account's devices (never their tokens)",
                 "responses": {"200": _json({"type": "object", "required": ["devices"],
