@@ -33,11 +33,12 @@ def _error(description: str) -> dict[str, Any]:
     return _json(_ref("Error"), description)
 
 
-_ERRORS = {"401": _error("missing, unknown or revoked token"),
-           "503": _error("the database is unavailable, or the request lost a race with "
-                         "concurrent writes and wrote nothing; retry after Retry-After")}
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {
     "type": "integer", "minimum": 1}}}
+_ERRORS = {"401": _error("missing, unknown or revoked token"),
+           "503": {**_error("the database is unavailable, or the request lost a race with "
+                            "concurrent writes and wrote nothing; retry after Retry-After"),
+                   "headers": _RETRY_AFTER}}
 _TOO_MANY = {"description": "over a limit (stable code); retry after Retry-After",
              "headers": _RETRY_AFTER,
              "content": {"application/json": {"schema": _ref("Error")}}}
