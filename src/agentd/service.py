@@ -349,9 +349,10 @@ class Service:
         with other transactions (a deadlock's victim, none known to remain:
         docs/architecture.md; or PostgreSQL's internal multixact error: queue.lost_race), it
         rolled back whole and nothing was written, so it runs again without a claim beside
-        it: three attempts in all, then the client is told to retry (503)."""
+        it: three attempts in all. The third attempt's loss reaches the client as any request's
+        lost race does, a 503 to retry (api/errors.py)."""
         slot = await self.starter.reserve() if self.starter is not None else None
-        for beside in (slot, None, None):
+        for beside in (slot, None):
             try:
                 if beside is not None:
                     # The handler shields this call (api/routes.py), so a request that goes
@@ -365,8 +366,7 @@ class Service:
                     raise
                 log.warning("a post lost a race with other transactions; nothing was written",
                             extra={"error": str(exc)})
-        raise ServiceError(503, "unavailable", "the post kept meeting concurrent writes and "
-                           "nothing was written; retry shortly", retry_after_s=1)
+        return await self._create_run(who, conversation_id, ask, idempotency_key, None)
 
     async def _create_run_settling(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                                    idempotency_key: str | None, slot: ClaimSlot) -> CreatedRun:
