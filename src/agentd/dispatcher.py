@@ -36,6 +36,7 @@ from agentd.queue import (
     SeqConflict,
     claim_runs,
     finish_run,
+    lost_race,
     wake_claim_loops,
 )
 from agentd.settings import Settings
@@ -255,7 +256,11 @@ class Dispatcher:
                     claims = await self._claim(held)
                 except _DB_ERRORS as exc:
                     self._release(held)
-                    log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
+                    if lost_race(exc):  # twice in a row (claim_runs ran it again at once)
+                        log.warning("claim lost a race with other transactions twice, nothing "
+                                    "was claimed; waiting a tick", extra={"error": str(exc)})
+                    else:
+                        log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
                     if self._owed.claim_failed():
                         self._hand_on_soon("claim failed")
                     await wake.wait(self._settings.tick_s)

@@ -66,6 +66,13 @@ class AddressRateLimiter:
             self._buckets.popitem(last=False)
         return None if allowed else (1.0 - tokens) / self.rate
 
+    def give_back(self, address: str) -> None:
+        """Return an attempt `take` spent (never past a full bucket): for an attempt the
+        database never judged, such as a statement that lost a race and rolled back."""
+        if address in self._buckets:
+            tokens, stamp = self._buckets[address]
+            self._buckets[address] = (min(self.capacity, tokens + 1.0), stamp)
+
 
 class StreamSlots:
     """At most `per_device` open SSE streams per device in this process."""

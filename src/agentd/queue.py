@@ -439,7 +439,8 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
                      default_max_running: int = DEFAULT_MAX_RUNNING,
                      hint: Hint | None = None) -> list[Claim]:
     """Claim up to `limit` runs in one statement (docs/architecture.md), fairly across accounts
-    and within their running limits (at most one per account). Losing a race claims nothing."""
+    and within their running limits (at most one per account). Losing a race to another
+    claimer twice claims nothing; losing one to other transactions twice (lost_race) raises."""
     rows: list[asyncpg.Record] = []
     for attempt in range(2):
         try:
@@ -455,6 +456,11 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
         except asyncpg.UniqueViolationError:
             if attempt:
                 return []
+        except asyncpg.PostgresError as exc:
+            # A deadlock's victim or the multixact error wrote nothing either, and the turns it
+            # wanted may well still be queued: once more at once, not a tick later.
+            if attempt or not lost_race(exc):
+                raise
     claims = [_claim_from_row(row) for row in rows]
     await _send_hints(db, hint, claim_hints(claims))
     return claims

@@ -11,11 +11,14 @@ from collections import deque
 from uuid import UUID
 
 import asyncpg
+import pytest
 
-from agentd.queue import Claim, claim_runs, finish_run
+from agentd.queue import Claim, claim_runs, finish_run, lost_race
 from agentd.vocabulary import RunStatus
 from tests.integration.helpers import connections, race, raise_unexpected
 from tests.support.factories import enqueue, new_conversation, new_tenant
+from tests.support.journal import run_row
+from tests.support.races import DEADLOCK, MULTIXACT, lose_races, race_attempts
 
 WORKERS = 4
 # Four conversations: a turn runs for two rounds on average and the next starts the round it ends
@@ -182,3 +185,28 @@ async def test_batch_claim_takes_at_most_one_turn_per_conversation(dsn: str) -> 
         assert await setup.fetchval(
             "SELECT count(*) FROM agent_run WHERE conversation_id = $1 AND status = 'queued'",
             busy) == 180
+
+
+@pytest.mark.parametrize("error", [MULTIXACT, DEADLOCK], ids=["multixact", "deadlock"])
+async def test_a_claim_that_loses_a_race_to_other_transactions_runs_again_at_once(
+        pool: asyncpg.Pool, error: tuple[str, str]) -> None:
+    """A claim that fails as a deadlock's victim or with PostgreSQL's multixact error wrote
+    nothing: it runs once more at once and takes the turn (not a tick later); failing twice,
+    it raises and the turn is still queued, untouched."""
+    tenant = await new_tenant(pool)
+    turn = await enqueue(pool, tenant.account_id, tenant.conversation_id, "after a lost race")
+    before = await run_row(pool, turn.run_id)
+    await lose_races(pool, times=2, on="UPDATE ON agent_run", error=error)
+
+    with pytest.raises(asyncpg.PostgresError) as lost:
+        await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S)
+    assert lost_race(lost.value)
+    assert await race_attempts(pool) == 2
+    assert await run_row(pool, turn.run_id) == before
+    assert await pool.fetchval("SELECT count(*) FROM conversation_lease") == 0
+
+    await pool.execute("ALTER SEQUENCE lost_races RESTART WITH 2")  # one more loss, then a win
+    claims = await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S)
+    assert [c.run_id for c in claims] == [turn.run_id]
+    assert await race_attempts(pool) == 3
+    assert (await run_row(pool, turn.run_id))["status"] == RunStatus.RUNNING

@@ -13,6 +13,7 @@ import httpx
 from agentd import pairing
 from agentd.accounts import ensure_account
 from tests.remote.helpers import RemoteDaemon, SpawnRemote
+from tests.support.races import lose_races, race_attempts
 
 RACERS = 8
 ROUNDS = 25
@@ -81,6 +82,29 @@ async def test_guessing_from_one_address_is_throttled_and_creates_nothing(
     other = await redeem(daemon, code, "from elsewhere", source="127.0.0.2")
     assert other.status_code == 201, other.text
     assert await devices(pool) == 1
+
+
+async def test_a_redeem_that_loses_a_race_is_a_503_that_costs_no_attempt(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    """A redeem that loses a race with other transactions rolled back whole: the code is not
+    spent, and the address keeps the attempt, so the retry the 503 asks for is not refused."""
+    daemon = spawn_remote(pair_attempts_per_min=2)
+    await daemon.wait_ready()
+    code = await mint(pool)
+    await lose_races(pool, times=3, on="UPDATE ON pairing")
+    for _ in range(3):
+        lost = await redeem(daemon, code)
+        assert lost.status_code == 503, lost.text
+        assert lost.json()["error"]["code"] == "unavailable"
+    assert await race_attempts(pool) == 3
+    assert await devices(pool) == 0
+    assert await pool.fetchval("SELECT count(*) FROM pairing WHERE used_at IS NULL") == 1
+    redeemed = await redeem(daemon, code)
+    assert redeemed.status_code == 201, redeemed.text
+    assert await devices(pool) == 1
+    # Wrong guesses still spend: the limit of two allows one more, then refuses.
+    assert (await redeem(daemon, "00000-00000")).status_code == 401
+    assert (await redeem(daemon, "00000-00001")).status_code == 429
 
 
 async def test_one_code_raced_from_many_connections_mints_exactly_one_device(

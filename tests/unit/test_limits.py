@@ -33,6 +33,21 @@ def test_an_address_gets_its_burst_then_one_attempt_per_refill() -> None:
     assert [limiter.take("198.51.100.7") for _ in range(7)].count(None) == 6  # burst capped
 
 
+def test_an_attempt_given_back_is_spent_again_but_never_past_a_full_bucket() -> None:
+    limiter = AddressRateLimiter(2, clock=Clock())
+    assert [limiter.take("198.51.100.7") for _ in range(2)] == [None, None]
+    limiter.give_back("198.51.100.7")
+    assert limiter.take("198.51.100.7") is None
+    assert limiter.take("198.51.100.7") is not None
+    limiter.give_back("203.0.113.9")  # never seen: nothing to give back, no bucket made
+    assert "203.0.113.9" not in limiter._buckets
+    fresh = AddressRateLimiter(2, clock=Clock())
+    assert fresh.take("198.51.100.7") is None
+    for _ in range(3):
+        fresh.give_back("198.51.100.7")
+    assert [fresh.take("198.51.100.7") for _ in range(3)] == [None, None, pytest.approx(30)]
+
+
 def test_memory_stays_bounded_under_many_addresses() -> None:
     limiter = AddressRateLimiter(5, clock=Clock())
     for n in range(MAX_TRACKED_ADDRESSES + 500):

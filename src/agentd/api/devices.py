@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import asyncpg
 from aiohttp import web
 
 from agentd import accounts, pairing, tls
@@ -16,6 +17,7 @@ from agentd.api import RUNTIME, wire
 from agentd.api.auth import principal
 from agentd.api.bodies import json_body
 from agentd.limits import Throttled, peer_address
+from agentd.queue import lost_race
 from agentd.service import ServiceError, parse_uuid
 
 MAX_DEVICE_NAME = 200
@@ -76,7 +78,8 @@ async def create_pairing(request: web.Request) -> web.Response:
 
 async def redeem_pairing(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
-    wait = runtime.pair_limiter.take(peer_address(request))
+    address = peer_address(request)
+    wait = runtime.pair_limiter.take(address)
     if wait is not None:
         raise Throttled("too_many_attempts", "too many pairing attempts from this address; "
                         "wait and retry", wait)
@@ -91,7 +94,14 @@ async def redeem_pairing(request: web.Request) -> web.Response:
     device = body.get("device")
     # The name given when the code was minted wins over this one (see redeem_pairing).
     name = _device_name(device, "device") if device is not None else DEFAULT_DEVICE_NAME
-    redeemed = await pairing.redeem(runtime.pool, code, name)
+    try:
+        redeemed = await pairing.redeem(runtime.pool, code, name)
+    except asyncpg.PostgresError as exc:
+        if lost_race(exc):
+            # Rolled back whole, the code unspent: a 503 to send again (api/errors.py), which
+            # must not cost the address one of its attempts.
+            runtime.pair_limiter.give_back(address)
+        raise
     if redeemed is None:
         raise ServiceError(401, "invalid_pairing_code", "this pairing code is unknown, already "
                            "used or expired; ask for a new one (`agentd pair`)")
