@@ -256,9 +256,10 @@ class Dispatcher:
                     claims = await self._claim(held)
                 except _DB_ERRORS as exc:
                     self._release(held)
-                    if lost_race(exc):  # twice in a row (claim_runs ran it again at once)
-                        log.warning("claim lost a race with other transactions twice, nothing "
-                                    "was claimed; waiting a tick", extra={"error": str(exc)})
+                    if lost_race(exc):  # claim_runs had already run it again at once
+                        log.warning("claim lost a race with other transactions again after a "
+                                    "retry, nothing was claimed; waiting a tick",
+                                    extra={"error": str(exc)})
                     else:
                         log.warning("claim failed; waiting a tick", extra={"error": str(exc)})
                     if self._owed.claim_failed():

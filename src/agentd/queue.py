@@ -63,6 +63,12 @@ class ModelChanged(Exception):
 _MULTIXACT_RACE = "new multixact has more than one updating member"
 
 
+def _in_transaction(db: Db) -> bool:
+    """Whether `db` is a connection inside its caller's transaction, which a failed statement
+    has spoilt: running it again there fails whatever the first error was."""
+    return isinstance(db, asyncpg.Connection) and db.is_in_transaction()
+
+
 def lost_race(exc: BaseException) -> bool:
     """Whether a statement failed only for racing other transactions (a deadlock's victim, or
     the internal error above): it rolled back whole, and running it once more is safe."""
@@ -439,8 +445,10 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
                      default_max_running: int = DEFAULT_MAX_RUNNING,
                      hint: Hint | None = None) -> list[Claim]:
     """Claim up to `limit` runs in one statement (docs/architecture.md), fairly across accounts
-    and within their running limits (at most one per account). Losing a race to another
-    claimer twice claims nothing; losing one to other transactions twice (lost_race) raises."""
+    and within their running limits (at most one per account). It runs once more after
+    losing a race; losing again to another claimer claims nothing, losing again to other
+    transactions (lost_race) raises. Inside a caller's transaction nothing is run again: the
+    failed statement spoilt it, and its owner decides."""
     rows: list[asyncpg.Record] = []
     for attempt in range(2):
         try:
@@ -454,12 +462,14 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
                 default_max_running=default_max_running))
             break
         except asyncpg.UniqueViolationError:
+            if _in_transaction(db):
+                raise
             if attempt:
                 return []
         except asyncpg.PostgresError as exc:
             # A deadlock's victim or the multixact error wrote nothing either, and the turns it
             # wanted may well still be queued: once more at once, not a tick later.
-            if attempt or not lost_race(exc):
+            if attempt or not lost_race(exc) or _in_transaction(db):
                 raise
     claims = [_claim_from_row(row) for row in rows]
     await _send_hints(db, hint, claim_hints(claims))
@@ -665,7 +675,7 @@ async def finish_runs(db: Db, finishes: Sequence[Finish]) -> list[FinishOutcome]
             # Someone else wrote one of our seqs: a finalizer, after fencing us out (or, for
             # the backstop's max+1, an append that committed between snapshot and lock).
             return [SeqConflict(finishes[0].claim.run_id, "terminal write")]
-        if isinstance(db, asyncpg.Connection) and db.is_in_transaction():
+        if _in_transaction(db):
             raise  # the transaction is spoilt: its owner decides
         # Nothing was written; each alone tells whose seq was taken.
         return [(await finish_runs(db, [f]))[0] for f in finishes]

@@ -18,7 +18,14 @@ from agentd.vocabulary import RunStatus
 from tests.integration.helpers import connections, race, raise_unexpected
 from tests.support.factories import enqueue, new_conversation, new_tenant
 from tests.support.journal import run_row
-from tests.support.races import DEADLOCK, MULTIXACT, lose_races, race_attempts
+from tests.support.races import (
+    DEADLOCK,
+    MULTIXACT,
+    OTHER_INTERNAL,
+    lose_races,
+    race_attempts,
+    stop_losing_races,
+)
 
 WORKERS = 4
 # Four conversations: a turn runs for two rounds on average and the next starts the round it ends
@@ -205,8 +212,35 @@ async def test_a_claim_that_loses_a_race_to_other_transactions_runs_again_at_onc
     assert await run_row(pool, turn.run_id) == before
     assert await pool.fetchval("SELECT count(*) FROM conversation_lease") == 0
 
-    await pool.execute("ALTER SEQUENCE lost_races RESTART WITH 2")  # one more loss, then a win
+    await stop_losing_races(pool)
+    await lose_races(pool, times=1, on="UPDATE ON agent_run", error=error)
     claims = await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S)
     assert [c.run_id for c in claims] == [turn.run_id]
-    assert await race_attempts(pool) == 3
+    assert await race_attempts(pool) == 2
     assert (await run_row(pool, turn.run_id))["status"] == RunStatus.RUNNING
+
+
+async def test_a_claim_that_fails_for_another_reason_is_not_run_again(pool: asyncpg.Pool) -> None:
+    tenant = await new_tenant(pool)
+    turn = await enqueue(pool, tenant.account_id, tenant.conversation_id, "not a race")
+    before = await run_row(pool, turn.run_id)
+    await lose_races(pool, times=2, on="UPDATE ON agent_run", error=OTHER_INTERNAL)
+    with pytest.raises(asyncpg.InternalServerError) as failed:
+        await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S)
+    assert not lost_race(failed.value)
+    assert await race_attempts(pool) == 1
+    assert await run_row(pool, turn.run_id) == before
+
+
+async def test_inside_its_callers_transaction_a_lost_claim_is_not_run_again(
+        pool: asyncpg.Pool) -> None:
+    """The failed statement spoilt the caller's transaction: a second attempt there would fail
+    as "current transaction is aborted" and hide what happened."""
+    tenant = await new_tenant(pool)
+    await enqueue(pool, tenant.account_id, tenant.conversation_id, "inside")
+    await lose_races(pool, times=1, on="UPDATE ON agent_run", error=DEADLOCK)
+    async with pool.acquire() as conn:
+        with pytest.raises(asyncpg.DeadlockDetectedError):
+            async with conn.transaction():
+                await claim_runs(conn, worker_id="w", lease_ttl_s=LEASE_S)
+    assert await race_attempts(pool) == 1

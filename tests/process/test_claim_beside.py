@@ -12,12 +12,10 @@ from uuid import UUID
 import asyncpg
 
 from tests.process.helpers import wait_status
+from tests.support.daemon import ADMIT_ANY_LOAD
 from tests.support.factories import create_conversation, new_device
 
-# Admission by load (load.py) is not what is looked at here, and on a machine busy with other
-# work a moment of event-loop lag over the default 250 ms would queue a turn that would otherwise
-# start beside its enqueue: these daemons admit whatever their loop's lag or pool wait.
-UNLOADED = {"tick_s": 60, "max_loop_lag_ms": 60_000, "max_pool_wait_ms": 60_000}
+UNLOADED = {"tick_s": 60, **ADMIT_ANY_LOAD}  # a turn posted to a free slot always starts at once
 
 
 async def post_turn(client, conversation: str, **params: int) -> dict:

@@ -14,6 +14,8 @@ import asyncpg
 
 MULTIXACT = ("'new multixact has more than one updating member: 7 members'", "XX000")
 DEADLOCK = ("'deadlock detected'", "40P01")
+# The same SQLSTATE as MULTIXACT but another message: an internal error that is not a lost race.
+OTHER_INTERNAL = ("'could not read block 7 in file \"base/1/2\"'", "XX000")
 
 
 async def lose_races(db: asyncpg.Pool | asyncpg.Connection, times: int, *,
@@ -33,6 +35,11 @@ async def lose_races(db: asyncpg.Pool | asyncpg.Connection, times: int, *,
         END $$;
         CREATE TRIGGER lose_a_race BEFORE {on} FOR EACH ROW EXECUTE FUNCTION lose_a_race();
     """)
+
+
+async def stop_losing_races(db: asyncpg.Pool | asyncpg.Connection) -> None:
+    """Take the trigger away (lose_races may then be called afresh)."""
+    await db.execute("DROP FUNCTION lose_a_race() CASCADE; DROP SEQUENCE lost_races")
 
 
 async def race_attempts(db: asyncpg.Pool | asyncpg.Connection) -> int:

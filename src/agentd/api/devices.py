@@ -99,7 +99,8 @@ async def redeem_pairing(request: web.Request) -> web.Response:
     except asyncpg.PostgresError as exc:
         if lost_race(exc):
             # Rolled back whole, the code unspent: a 503 to send again (api/errors.py), which
-            # must not cost the address one of its attempts.
+            # must not cost the address one of its attempts. Only a code that matched a live
+            # row takes the locks a race is lost on, so a wrong guess always spends its attempt.
             runtime.pair_limiter.give_back(address)
         raise
     if redeemed is None:
