@@ -14,7 +14,7 @@ import pytest
 from tests.api.conftest import Api
 from tests.api.helpers import assert_error, db_state, start_run, wait_run
 from tests.support.factories import create_conversation
-from tests.support.races import DEADLOCK, MULTIXACT, lose_races, race_attempts
+from tests.support.races import DEADLOCK, MULTIXACT, lose_races, race_attempts, stop_losing_races
 
 
 async def test_a_post_that_loses_one_race_is_written_once_and_runs(api: Api) -> None:
@@ -39,7 +39,7 @@ async def test_a_post_that_keeps_losing_is_a_503_that_writes_nothing(api: Api) -
     assert await race_attempts(api.pool) == 3  # with the claim beside it, then twice without
     assert await db_state(api.pool) == before
 
-    await api.pool.execute("DROP TRIGGER lose_a_race ON agent_run")
+    await stop_losing_races(api.pool)
     again = await api.a.post(f"/v1/conversations/{conversation}/runs",
                              json={"content": "now written"}, headers={"Idempotency-Key": "lost"})
     assert again.status_code == 202, again.text
