@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeAlias
@@ -80,8 +81,13 @@ async def create_pool(dsn: str, *, min_size: int = 2, max_size: int = 20,
                       timeouts: DbTimeouts | None = None,
                       application_name: str = "agentd",
                       statement_cache_size: int = 100,
-                      pooled: bool = False) -> asyncpg.Pool:
+                      pooled: bool = False,
+                      warm_up: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
+                      ) -> asyncpg.Pool:
     """A pool whose sessions decode json/jsonb and carry bounded lock/statement timeouts.
+
+    `warm_up`: run on each new session before its first use (queue.warm_up); not behind a
+    transaction pooler, where the next statement may run on another server session.
 
     `pooled`: `dsn` is a transaction pooler (PgBouncer pool_mode = transaction). Consecutive
     statements may run on different server sessions, so nothing may live in one: no named
@@ -90,11 +96,19 @@ async def create_pool(dsn: str, *, min_size: int = 2, max_size: int = 20,
     or role instead (docs/operations.md, "Behind PgBouncer").
     """
     settings = server_settings(timeouts or DbTimeouts(), application_name)
+    init = _init_connection
     if pooled:
         settings = {"application_name": application_name}
         statement_cache_size = 0
+    elif warm_up is not None:
+        warm = warm_up
+
+        async def init(conn: asyncpg.Connection) -> None:
+            await _init_connection(conn)
+            await warm(conn)
+
     return await asyncpg.create_pool(
-        dsn, min_size=min_size, max_size=max_size, init=_init_connection,
+        dsn, min_size=min_size, max_size=max_size, init=init,
         reset=_keep_session, server_settings=settings,
         statement_cache_size=statement_cache_size)
 

@@ -1,0 +1,71 @@
+"""A new pooled session runs a turn's statements once before its first use (queue.warm_up), so
+the first turns a daemon serves do not pay for preparing them and compiling the PL/pgSQL
+functions they call; and the warm-up writes nothing, not even a write it then undoes (an undone
+update of a row others lock is what PostgreSQL 18 failed rivals over:
+tests/integration/test_no_write_undone.py).
+"""
+
+from __future__ import annotations
+
+import asyncpg
+import pytest
+
+from agentd import db as dbmod
+from agentd.queue import claim_runs, warm_up, warm_up_statements
+from tests.support.factories import enqueue, new_tenant
+
+# What this transaction has written to any table so far, undone writes included.
+WRITTEN = """
+SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint
+FROM pg_stat_xact_user_tables
+"""
+
+
+@pytest.mark.parametrize("line", ["empty", "queued", "running"])
+async def test_the_warm_up_writes_nothing_whatever_the_queue_holds(
+        pool: asyncpg.Pool, line: str) -> None:
+    tenant = await new_tenant(pool)
+    if line != "empty":
+        await enqueue(pool, tenant.account_id, tenant.conversation_id, "waiting")
+    if line == "running":
+        assert await claim_runs(pool, worker_id="w", lease_ttl_s=60)
+    async with pool.acquire() as conn:
+        for sql, *args in warm_up_statements():
+            async with conn.transaction():
+                before = await conn.fetchval(WRITTEN)
+                await conn.fetch(sql, *args)  # the made-up ids are answered, not refused
+                assert await conn.fetchval(WRITTEN) == before, sql.splitlines()[0]
+
+
+async def test_each_new_pooled_session_has_the_turns_statements_ready(dsn: str) -> None:
+    wanted = {sql for sql, *_ in warm_up_statements()}
+    pool = await dbmod.create_pool(dsn, min_size=1, max_size=2, warm_up=warm_up)
+    try:
+        async with pool.acquire() as first, pool.acquire() as second:  # the second opens now
+            for conn in (first, second):
+                prepared = {row["statement"] for row in
+                            await conn.fetch("SELECT statement FROM pg_prepared_statements")}
+                assert wanted <= prepared
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["direct", "transaction-pooler"])
+async def test_the_warm_up_runs_once_per_session_and_never_behind_a_transaction_pooler(
+        dsn: str, pooled: bool) -> None:
+    """Behind a pooler the next statement may run on another server session: warming the
+    one that happens to serve the warm-up is useless."""
+    warmed: list[int] = []
+
+    async def record(conn: asyncpg.Connection) -> None:
+        warmed.append(conn.get_server_pid())
+
+    pool = await dbmod.create_pool(dsn, min_size=1, max_size=2, pooled=pooled, warm_up=record)
+    try:
+        async with pool.acquire() as first, pool.acquire() as second:
+            sessions = [first.get_server_pid(), second.get_server_pid()]
+        async with pool.acquire():
+            pass
+    finally:
+        await pool.close()
+    assert warmed == ([] if pooled else sessions)
