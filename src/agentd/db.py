@@ -86,7 +86,8 @@ async def create_pool(dsn: str, *, min_size: int = 2, max_size: int = 20,
                       ) -> asyncpg.Pool:
     """A pool whose sessions decode json/jsonb and carry bounded lock/statement timeouts.
 
-    `warm_up`: run on each new session before its first use (queue.warm_up); not behind a
+    `warm_up`: run on each new session before its first use (queue.warm_up), by whatever
+    acquire opened it (at the start, or a request while the pool grows); not behind a
     transaction pooler, where the next statement may run on another server session.
 
     `pooled`: `dsn` is a transaction pooler (PgBouncer pool_mode = transaction). Consecutive
@@ -101,11 +102,9 @@ async def create_pool(dsn: str, *, min_size: int = 2, max_size: int = 20,
         settings = {"application_name": application_name}
         statement_cache_size = 0
     elif warm_up is not None:
-        warm = warm_up
-
         async def init(conn: asyncpg.Connection) -> None:
             await _init_connection(conn)
-            await warm(conn)
+            await warm_up(conn)
 
     return await asyncpg.create_pool(
         dsn, min_size=min_size, max_size=max_size, init=init,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,8 +21,10 @@ import asyncpg
 from agentd.db import Conn, acquire, fetch_one
 from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
 from agentd.group_commit import Batcher
-from agentd.queries import Q
+from agentd.queries import Q, Statement
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
+
+log = logging.getLogger("agentd.queue")
 
 
 class LeaseLost(Exception):
@@ -957,41 +960,48 @@ async def trim_journal(db: Db, *, older_than_s: float) -> int:
 _NO_ROW = UUID(int=0)
 
 
-def warm_up_statements() -> list[tuple[Any, ...]]:
-    """A turn's statements from its post to its end and its tails' reads, each with arguments
-    that match no row (no account, conversation or run has the nil id)."""
-    return [
-        Q.post_turn.bind(account_id=_NO_ROW, conversation_id=_NO_ROW, device_id=None,
-                         content="", request="{}", request_hash="", idempotency_key=None,
-                         default_max_queued=1, worker_id="warm-up", lease_ttl_s=1.0,
-                         default_max_running=1, model_guessed=False, guessed_model=None),
-        Q.append_events_fenced_many.bind(run_ids=[_NO_ROW], claim_tokens=[_NO_ROW], seqs=[1],
-                                         types=[str(EventType.CONTENT_DELTA)],
-                                         payloads=["{}"]),
-        Q.finish_runs.bind(run_ids=[_NO_ROW], claim_tokens=[_NO_ROW],
-                           statuses=[str(RunStatus.COMPLETED)], errors=[None],
-                           error_codes=[None], usages=[None], contents=[""],
-                           message_statuses=[str(MessageStatus.COMPLETE)], seqs=[1],
-                           event_run_ids=[], event_seqs=[], event_types=[],
-                           event_payloads=[]),
-        Q.read_events_after_many.bind(run_ids=[_NO_ROW], after_seqs=[0], limit=1),
-        Q.conversation_meta.bind(conversation_id=_NO_ROW, account_id=_NO_ROW),
+def warm_up_statements() -> list[tuple[str, tuple[Any, ...]]]:
+    """A turn's statements from its post to its end and its tails' and feed's reads (wherever
+    their callers live), by name, each bound to arguments that match no row: no account,
+    conversation or run has the nil id."""
+    probes: list[tuple[Statement, dict[str, Any]]] = [
+        (Q.post_turn, dict(account_id=_NO_ROW, conversation_id=_NO_ROW, device_id=None,
+                           content="", request="{}", request_hash="", idempotency_key=None,
+                           default_max_queued=1, worker_id="warm-up", lease_ttl_s=1.0,
+                           default_max_running=1, model_guessed=False, guessed_model=None)),
+        (Q.append_events_fenced_many, dict(run_ids=[_NO_ROW], claim_tokens=[_NO_ROW], seqs=[1],
+                                           types=[str(EventType.CONTENT_DELTA)],
+                                           payloads=["{}"])),
+        (Q.finish_runs, dict(run_ids=[_NO_ROW], claim_tokens=[_NO_ROW],
+                             statuses=[str(RunStatus.COMPLETED)], errors=[None],
+                             error_codes=[None], usages=[None], contents=[""],
+                             message_statuses=[str(MessageStatus.COMPLETE)], seqs=[1],
+                             event_run_ids=[], event_seqs=[], event_types=[],
+                             event_payloads=[])),
+        (Q.read_events_after_many, dict(run_ids=[_NO_ROW], after_seqs=[0], limit=1)),
+        (Q.conversation_meta, dict(conversation_id=_NO_ROW, account_id=_NO_ROW)),
     ]
+    return [(statement.name, statement.bind(**params)) for statement, params in probes]
 
 
 async def warm_up(conn: asyncpg.Connection) -> None:
-    """Run a turn's statements once on a new session, in a transaction that is rolled back,
+    """Run a turn's statements once on a new session, in one transaction that is rolled back,
     with ids that match no row: its first turns then do not pay for preparing them, compiling
-    the PL/pgSQL functions they call and planning those functions' first statements, which a
+    the PL/pgSQL functions they call and planning the statements those calls reach, which a
     session does once (a post on a new session took ~12 ms against ~2.5 ms after:
-    docs/benchmarks.md). Nothing is written; a statement that refuses the made-up ids has
-    warmed as much as one that answers."""
-    for sql, *args in warm_up_statements():
-        transaction = conn.transaction()
-        await transaction.start()
-        try:
-            await conn.fetch(sql, *args)
-        except asyncpg.PostgresError:
-            pass
-        finally:
-            await transaction.rollback()
+    docs/benchmarks.md). Nothing is written (tests/integration/test_warm_up.py). A statement
+    that fails is logged and ends the warm-up: the session still works, and its first turns
+    pay what the warm-up would have."""
+    transaction = conn.transaction()
+    await transaction.start()
+    try:
+        for name, (sql, *args) in warm_up_statements():
+            try:
+                await conn.fetch(sql, *args)
+            except asyncpg.PostgresError as exc:
+                log.warning("could not warm a new database session",
+                            extra={"statement": name, "sqlstate": exc.sqlstate,
+                                   "error": str(exc)})
+                return
+    finally:
+        await transaction.rollback()
