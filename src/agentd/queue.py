@@ -21,7 +21,7 @@ import asyncpg
 from agentd.db import Conn, acquire, fetch_one
 from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
 from agentd.group_commit import Batcher
-from agentd.queries import Q, Statement
+from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
 
 log = logging.getLogger("agentd.queue")
@@ -964,24 +964,25 @@ def warm_up_statements() -> list[tuple[str, tuple[Any, ...]]]:
     """A turn's statements from its post to its end and its tails' and feed's reads (wherever
     their callers live), by name, each bound to arguments that match no row: no account,
     conversation or run has the nil id."""
-    probes: list[tuple[Statement, dict[str, Any]]] = [
-        (Q.post_turn, dict(account_id=_NO_ROW, conversation_id=_NO_ROW, device_id=None,
-                           content="", request="{}", request_hash="", idempotency_key=None,
-                           default_max_queued=1, worker_id="warm-up", lease_ttl_s=1.0,
-                           default_max_running=1, model_guessed=False, guessed_model=None)),
-        (Q.append_events_fenced_many, dict(run_ids=[_NO_ROW], claim_tokens=[_NO_ROW], seqs=[1],
-                                           types=[str(EventType.CONTENT_DELTA)],
-                                           payloads=["{}"])),
-        (Q.finish_runs, dict(run_ids=[_NO_ROW], claim_tokens=[_NO_ROW],
-                             statuses=[str(RunStatus.COMPLETED)], errors=[None],
-                             error_codes=[None], usages=[None], contents=[""],
-                             message_statuses=[str(MessageStatus.COMPLETE)], seqs=[1],
-                             event_run_ids=[], event_seqs=[], event_types=[],
-                             event_payloads=[])),
-        (Q.read_events_after_many, dict(run_ids=[_NO_ROW], after_seqs=[0], limit=1)),
-        (Q.conversation_meta, dict(conversation_id=_NO_ROW, account_id=_NO_ROW)),
+    return [
+        (Q.post_turn.name, Q.post_turn.bind(
+            account_id=_NO_ROW, conversation_id=_NO_ROW, device_id=None, content="",
+            request="{}", request_hash="", idempotency_key=None, default_max_queued=1,
+            worker_id="warm-up", lease_ttl_s=1.0, default_max_running=1, model_guessed=False,
+            guessed_model=None)),
+        (Q.append_events_fenced_many.name, Q.append_events_fenced_many.bind(
+            run_ids=[_NO_ROW], claim_tokens=[_NO_ROW], seqs=[1],
+            types=[str(EventType.CONTENT_DELTA)], payloads=["{}"])),
+        (Q.finish_runs.name, Q.finish_runs.bind(
+            run_ids=[_NO_ROW], claim_tokens=[_NO_ROW], statuses=[str(RunStatus.COMPLETED)],
+            errors=[None], error_codes=[None], usages=[None], contents=[""],
+            message_statuses=[str(MessageStatus.COMPLETE)], seqs=[1], event_run_ids=[],
+            event_seqs=[], event_types=[], event_payloads=[])),
+        (Q.read_events_after_many.name, Q.read_events_after_many.bind(
+            run_ids=[_NO_ROW], after_seqs=[0], limit=1)),
+        (Q.conversation_meta.name, Q.conversation_meta.bind(
+            conversation_id=_NO_ROW, account_id=_NO_ROW)),
     ]
-    return [(statement.name, statement.bind(**params)) for statement, params in probes]
 
 
 async def warm_up(conn: asyncpg.Connection) -> None:
