@@ -8,16 +8,20 @@ lease), so every pooled session gets bounded lock and statement timeouts.
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeAlias
+from uuid import UUID
 
 import asyncpg
 from asyncpg.pool import PoolConnectionProxy
 
 from agentd.queries import Q
+from agentd.vocabulary import EventType, MessageStatus, RunStatus
+
+log = logging.getLogger("agentd.db")
 
 # What the data layer's functions run on: the pool, a connection, or a pool's connection.
 Db: TypeAlias = "asyncpg.Pool | asyncpg.Connection | PoolConnectionProxy"
@@ -59,6 +63,62 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
                               decoder=json.loads, format="text")
 
 
+async def _init_warm_connection(conn: asyncpg.Connection) -> None:
+    await _init_connection(conn)
+    await warm_up(conn)
+
+
+# Ids that match no row: the warm-up's statements find nothing to write.
+_NO_ROW = UUID(int=0)
+
+
+def warm_up_statements() -> list[tuple[str, tuple[Any, ...]]]:
+    """A turn's statements from its post to its end and its tails' and feed's reads, by name,
+    each bound to arguments that match no row: no account, conversation or run has the nil id."""
+    return [
+        (Q.post_turn.name, Q.post_turn.bind(
+            account_id=_NO_ROW, conversation_id=_NO_ROW, device_id=None, content="",
+            request="{}", request_hash="", idempotency_key=None, default_max_queued=1,
+            worker_id="warm-up", lease_ttl_s=1.0, default_max_running=1, model_guessed=False,
+            guessed_model=None)),
+        (Q.append_events_fenced_many.name, Q.append_events_fenced_many.bind(
+            run_ids=[_NO_ROW], claim_tokens=[_NO_ROW], seqs=[1],
+            types=[str(EventType.CONTENT_DELTA)], payloads=["{}"])),
+        (Q.finish_runs.name, Q.finish_runs.bind(
+            run_ids=[_NO_ROW], claim_tokens=[_NO_ROW], statuses=[str(RunStatus.COMPLETED)],
+            errors=[None], error_codes=[None], usages=[None], contents=[""],
+            message_statuses=[str(MessageStatus.COMPLETE)], seqs=[1], event_run_ids=[],
+            event_seqs=[], event_types=[], event_payloads=[])),
+        (Q.read_events_after_many.name, Q.read_events_after_many.bind(
+            run_ids=[_NO_ROW], after_seqs=[0], limit=1)),
+        (Q.conversation_meta.name, Q.conversation_meta.bind(
+            conversation_id=_NO_ROW, account_id=_NO_ROW)),
+    ]
+
+
+async def warm_up(conn: asyncpg.Connection) -> None:
+    """Run a turn's statements once on a new session, in one transaction that is rolled back,
+    with ids that match no row: its first turns then do not pay for preparing them, compiling
+    the PL/pgSQL functions they call and planning the statements those calls reach, which a
+    session does once (a post on a new session took ~12 ms against ~2.5 ms after:
+    docs/benchmarks.md). Nothing is written (tests/integration/test_warm_up.py). A statement
+    that fails is logged and ends the warm-up: the session still works, and its first turns
+    pay what the warm-up would have."""
+    transaction = conn.transaction()
+    await transaction.start()
+    try:
+        for name, (sql, *args) in warm_up_statements():
+            try:
+                await conn.fetch(sql, *args)
+            except asyncpg.PostgresError as exc:
+                log.warning("could not warm a new database session",
+                            extra={"statement": name, "sqlstate": exc.sqlstate,
+                                   "error": str(exc)})
+                break
+    finally:
+        await transaction.rollback()
+
+
 async def _keep_session(_conn: asyncpg.Connection) -> None:
     """Release without a reset round trip (asyncpg's default sends UNLISTEN/RESET ALL/...).
 
@@ -81,14 +141,12 @@ async def create_pool(dsn: str, *, min_size: int = 2, max_size: int = 20,
                       timeouts: DbTimeouts | None = None,
                       application_name: str = "agentd",
                       statement_cache_size: int = 100,
-                      pooled: bool = False,
-                      warm_up: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
-                      ) -> asyncpg.Pool:
+                      pooled: bool = False, warm: bool = False) -> asyncpg.Pool:
     """A pool whose sessions decode json/jsonb and carry bounded lock/statement timeouts.
 
-    `warm_up`: run on each new session before its first use (queue.warm_up), by whatever
-    acquire opened it (at the start, or a request while the pool grows); not behind a
-    transaction pooler, where the next statement may run on another server session.
+    `warm`: each new session runs a turn's statements once before its first use (warm_up),
+    in whatever acquire opened it (at the start, or a request while the pool grows); never
+    behind a transaction pooler, where the next statement may run on another server session.
 
     `pooled`: `dsn` is a transaction pooler (PgBouncer pool_mode = transaction). Consecutive
     statements may run on different server sessions, so nothing may live in one: no named
@@ -97,17 +155,12 @@ async def create_pool(dsn: str, *, min_size: int = 2, max_size: int = 20,
     or role instead (docs/operations.md, "Behind PgBouncer").
     """
     settings = server_settings(timeouts or DbTimeouts(), application_name)
-    init = _init_connection
     if pooled:
         settings = {"application_name": application_name}
         statement_cache_size = 0
-    elif warm_up is not None:
-        async def init(conn: asyncpg.Connection) -> None:
-            await _init_connection(conn)
-            await warm_up(conn)
-
     return await asyncpg.create_pool(
-        dsn, min_size=min_size, max_size=max_size, init=init,
+        dsn, min_size=min_size, max_size=max_size,
+        init=_init_warm_connection if warm and not pooled else _init_connection,
         reset=_keep_session, server_settings=settings,
         statement_cache_size=statement_cache_size)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,8 +22,6 @@ from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
 from agentd.group_commit import Batcher
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
-
-log = logging.getLogger("agentd.queue")
 
 
 class LeaseLost(Exception):
@@ -955,54 +952,3 @@ async def trim_journal(db: Db, *, older_than_s: float) -> int:
     result = await db.execute(*Q.trim_journal.bind(older_than_s=older_than_s))
     return int(result.split()[-1])
 
-
-# Ids that match no row: the warm-up's statements find nothing to write.
-_NO_ROW = UUID(int=0)
-
-
-def warm_up_statements() -> list[tuple[str, tuple[Any, ...]]]:
-    """A turn's statements from its post to its end and its tails' and feed's reads (wherever
-    their callers live), by name, each bound to arguments that match no row: no account,
-    conversation or run has the nil id."""
-    return [
-        (Q.post_turn.name, Q.post_turn.bind(
-            account_id=_NO_ROW, conversation_id=_NO_ROW, device_id=None, content="",
-            request="{}", request_hash="", idempotency_key=None, default_max_queued=1,
-            worker_id="warm-up", lease_ttl_s=1.0, default_max_running=1, model_guessed=False,
-            guessed_model=None)),
-        (Q.append_events_fenced_many.name, Q.append_events_fenced_many.bind(
-            run_ids=[_NO_ROW], claim_tokens=[_NO_ROW], seqs=[1],
-            types=[str(EventType.CONTENT_DELTA)], payloads=["{}"])),
-        (Q.finish_runs.name, Q.finish_runs.bind(
-            run_ids=[_NO_ROW], claim_tokens=[_NO_ROW], statuses=[str(RunStatus.COMPLETED)],
-            errors=[None], error_codes=[None], usages=[None], contents=[""],
-            message_statuses=[str(MessageStatus.COMPLETE)], seqs=[1], event_run_ids=[],
-            event_seqs=[], event_types=[], event_payloads=[])),
-        (Q.read_events_after_many.name, Q.read_events_after_many.bind(
-            run_ids=[_NO_ROW], after_seqs=[0], limit=1)),
-        (Q.conversation_meta.name, Q.conversation_meta.bind(
-            conversation_id=_NO_ROW, account_id=_NO_ROW)),
-    ]
-
-
-async def warm_up(conn: asyncpg.Connection) -> None:
-    """Run a turn's statements once on a new session, in one transaction that is rolled back,
-    with ids that match no row: its first turns then do not pay for preparing them, compiling
-    the PL/pgSQL functions they call and planning the statements those calls reach, which a
-    session does once (a post on a new session took ~12 ms against ~2.5 ms after:
-    docs/benchmarks.md). Nothing is written (tests/integration/test_warm_up.py). A statement
-    that fails is logged and ends the warm-up: the session still works, and its first turns
-    pay what the warm-up would have."""
-    transaction = conn.transaction()
-    await transaction.start()
-    try:
-        for name, (sql, *args) in warm_up_statements():
-            try:
-                await conn.fetch(sql, *args)
-            except asyncpg.PostgresError as exc:
-                log.warning("could not warm a new database session",
-                            extra={"statement": name, "sqlstate": exc.sqlstate,
-                                   "error": str(exc)})
-                return
-    finally:
-        await transaction.rollback()

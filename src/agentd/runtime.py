@@ -41,7 +41,6 @@ from agentd.queue import (
     append_events_many,
     finish_runs,
     notify_batch,
-    warm_up,
 )
 from agentd.reaper import reap_forever, sweep
 from agentd.revocation import RevocationWatch
@@ -149,7 +148,7 @@ async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
                 if applied:
                     log.info("migrations applied", extra={"applied": ",".join(applied)})
             pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max,
-                                           pooled=settings.pooled, warm_up=warm_up)
+                                           pooled=settings.pooled, warm=True)
             try:
                 return await _serve_with_pool(settings, database, pool, stop, sockets,
                                               certificate, handoff)

@@ -1,4 +1,4 @@
-"""A new pooled session runs a turn's statements once before its first use (queue.warm_up), so
+"""A new pooled session runs a turn's statements once before its first use (db.warm_up), so
 the first turns a daemon serves do not pay for preparing them and compiling the PL/pgSQL
 functions they call; and the warm-up writes nothing and locks no row, not even for a moment (an
 undone update of a row others lock is what PostgreSQL 18 failed rivals over:
@@ -13,8 +13,8 @@ import asyncpg
 import pytest
 
 from agentd import db as dbmod
-from agentd import queue
-from agentd.queue import claim_runs, warm_up, warm_up_statements
+from agentd.db import warm_up, warm_up_statements
+from agentd.queue import claim_runs
 from tests.support.factories import enqueue, new_tenant
 
 # What this transaction has written to any table so far, undone writes included.
@@ -59,7 +59,7 @@ async def test_the_warm_up_writes_and_locks_nothing_whatever_the_queue_holds(
 async def test_a_new_session_warms_in_one_rolled_back_transaction_without_a_word(
         pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture) -> None:
     async with pool.acquire() as conn:
-        with caplog.at_level(logging.WARNING, logger="agentd.queue"):
+        with caplog.at_level(logging.WARNING, logger="agentd.db"):
             await warm_up(conn)
         assert not caplog.records, "every statement ran"
         assert not conn.is_in_transaction()
@@ -69,10 +69,10 @@ async def test_a_statement_that_fails_is_logged_and_the_session_still_works(
         pool: asyncpg.Pool, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     real = warm_up_statements()
-    monkeypatch.setattr(queue, "warm_up_statements",
+    monkeypatch.setattr(dbmod, "warm_up_statements",
                         lambda: [real[0], ("gone", ("SELECT no_such_function()",)), *real[1:]])
     async with pool.acquire() as conn:
-        with caplog.at_level(logging.WARNING, logger="agentd.queue"):
+        with caplog.at_level(logging.WARNING, logger="agentd.db"):
             await warm_up(conn)
         assert [(r.message, getattr(r, "statement", None)) for r in caplog.records] == [
             ("could not warm a new database session", "gone")]
@@ -82,7 +82,7 @@ async def test_a_statement_that_fails_is_logged_and_the_session_still_works(
 
 async def test_each_new_pooled_session_has_the_turns_statements_ready(dsn: str) -> None:
     wanted = {sql for _, (sql, *_args) in warm_up_statements()}
-    pool = await dbmod.create_pool(dsn, min_size=1, max_size=2, warm_up=warm_up)
+    pool = await dbmod.create_pool(dsn, min_size=1, max_size=2, warm=True)
     try:
         async with pool.acquire() as first, pool.acquire() as second:  # the second opens now
             for conn in (first, second):
@@ -95,7 +95,7 @@ async def test_each_new_pooled_session_has_the_turns_statements_ready(dsn: str) 
 
 @pytest.mark.parametrize("pooled", [False, True], ids=["direct", "transaction-pooler"])
 async def test_the_warm_up_runs_once_per_session_and_never_behind_a_transaction_pooler(
-        dsn: str, pooled: bool) -> None:
+        dsn: str, pooled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Behind a pooler the next statement may run on another server session: warming the
     one that happens to serve the warm-up is useless."""
     warmed: list[int] = []
@@ -103,7 +103,8 @@ async def test_the_warm_up_runs_once_per_session_and_never_behind_a_transaction_
     async def record(conn: asyncpg.Connection) -> None:
         warmed.append(conn.get_server_pid())
 
-    pool = await dbmod.create_pool(dsn, min_size=1, max_size=2, pooled=pooled, warm_up=record)
+    monkeypatch.setattr(dbmod, "warm_up", record)
+    pool = await dbmod.create_pool(dsn, min_size=1, max_size=2, pooled=pooled, warm=True)
     try:
         async with pool.acquire() as first, pool.acquire() as second:
             sessions = [first.get_server_pid(), second.get_server_pid()]
