@@ -722,6 +722,14 @@ WHERE status = 'queued' OR status = 'running';
 -- Reported by doctor; agentd needs PostgreSQL 15 or newer.
 SHOW server_version;
 
+-- connection_budget --
+-- The connections this server lets roles without superuser open (max_connections less the
+-- slots it keeps back): a supervisor fits its workers' pools under it, so a fleet at full load
+-- never meets "too many clients". reserved_connections exists from PostgreSQL 16 on.
+SELECT current_setting('max_connections')::int
+       - current_setting('superuser_reserved_connections')::int
+       - coalesce(current_setting('reserved_connections', true)::int, 0) AS budget;
+
 -- transcript_for_run --
 -- params: conversation_id, user_message_id
 -- What the model sees for a turn (turn_transcript, sql/011), in turn order.

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from agentd import __version__
-from agentd.settings import Settings, SettingsError, load_settings
+from agentd.settings import Settings, SettingsError, load_settings, read_config
 
 EPILOG = """Every setting also has a config-file key and an AGENTD_* environment variable
 (e.g. AGENTD_DSN, AGENTD_LISTEN, AGENTD_LEASE_TTL_S). Without a DSN agentd runs its own
@@ -141,7 +141,14 @@ def _settings(args: argparse.Namespace) -> Settings:
                                  "listen": getattr(args, "listen", None),
                                  "insecure_http": getattr(args, "insecure_http", None),
                                  "workers": getattr(args, "workers", None)}
-    return load_settings(getattr(args, "config", None), overrides=overrides)
+    config_file = getattr(args, "config", None)
+    source = None
+    if args.command == "serve":
+        from agentd.supervisor import config_from_supervisor
+
+        source = config_from_supervisor(config_file) or read_config(config_file)
+        args.config_source = source  # a supervisor hands this same text to its workers
+    return load_settings(config_file, overrides=overrides, source=source)
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -232,7 +239,7 @@ async def _serve(settings: Settings, args: argparse.Namespace) -> int:
     if handoff is None:
         count = supervisor.worker_count(settings)
         if count > 1:  # the supervisor never imports the daemon's machinery: it stays small
-            return await supervisor.supervise(settings, count, args.config)
+            return await supervisor.supervise(settings, count, args.config_source)
     from agentd.runtime import serve
 
     return await serve(settings, handoff)

@@ -216,6 +216,12 @@ async def server_version(db: Db) -> str:
     return version
 
 
+async def connection_budget(db: Db) -> int:
+    """How many connections the server lets agentd's role open (see the statement)."""
+    budget: int = await db.fetchval(*Q.connection_budget.bind())
+    return budget
+
+
 async def ensure_agentd_database(admin: asyncpg.Connection) -> None:
     """On the embedded server: create the `agentd` database once, on first start."""
     if not await admin.fetchval(*Q.database_exists.bind(name=EMBEDDED_DATABASE)):

@@ -53,8 +53,8 @@ from agentd.startup import (
     open_database,
     raise_open_files_limit,
 )
-from agentd.supervisor import Handoff, watch_parent
-from agentd.systemd import sd_notify
+from agentd.supervisor import DATABASE_STOP_S, STOP_MARGIN_S, Handoff, watch_parent
+from agentd.systemd import sd_notify, stopping
 from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
 from agentd.tools import ToolRegistry, default_tools
 from agentd.tools.mcp import McpTools
@@ -130,7 +130,7 @@ async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a closed terminal drains too
         loop.add_signal_handler(signum, stop.set)
     # Bound (not listening) before the database is opened: a busy address touches nothing.
     sockets = handoff.sockets if handoff else bind_listen_sockets(settings.listen_host,
@@ -249,7 +249,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
             sd_notify("READY=1")
         await stop.wait()
         if handoff is None:
-            sd_notify("STOPPING=1")
+            stopping(settings.drain_s + STOP_MARGIN_S + DATABASE_STOP_S)
         runtime.draining = True
         started = time.monotonic()
         await dispatcher.stop_claiming()

@@ -379,21 +379,54 @@ def _provider_value(key: str, value: Any) -> Any:
     return str(value)
 
 
+@dataclass(frozen=True)
+class ConfigSource:
+    """The config file as read once: its path (for messages) and its text (None: no file)."""
+
+    path: Path
+    text: str | None
+
+
+def config_path(config_file: Path | None = None, *,
+                env: Mapping[str, str] | None = None) -> tuple[Path, bool]:
+    """The config file's path, and whether it was named (--config or AGENTD_CONFIG)."""
+    env = os.environ if env is None else env
+    explicit = config_file is not None or f"{ENV_PREFIX}CONFIG" in env
+    return config_file or Path(env.get(f"{ENV_PREFIX}CONFIG", default_config_path())), explicit
+
+
+def read_config(config_file: Path | None = None, *,
+                env: Mapping[str, str] | None = None) -> ConfigSource:
+    """The config file `load_settings` would read: --config, else AGENTD_CONFIG, else the
+    default path. A file named explicitly must exist; the default one may be absent."""
+    path, explicit = config_path(config_file, env=env)
+    try:
+        return ConfigSource(path, path.read_text("utf-8"))
+    except FileNotFoundError:
+        if explicit:
+            raise SettingsError(f"config file {path} does not exist") from None
+        return ConfigSource(path, None)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"config file {path}: {exc}") from None
+
+
 def load_settings(config_file: Path | None = None, *, env: Mapping[str, str] | None = None,
-                  overrides: Mapping[str, Any] | None = None) -> Settings:
-    """Resolve settings from all sources; raises SettingsError naming the offending key."""
+                  overrides: Mapping[str, Any] | None = None,
+                  source: ConfigSource | None = None) -> Settings:
+    """Resolve settings from all sources; raises SettingsError naming the offending key.
+
+    `source` is a config file already read (a supervised worker gets its supervisor's, so a
+    file edited since cannot give one worker settings its siblings do not have)."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
-    explicit = config_file is not None or f"{ENV_PREFIX}CONFIG" in env
-    path = config_file or Path(env.get(f"{ENV_PREFIX}CONFIG", default_config_path()))
+    source = source or read_config(config_file, env=env)
+    path = source.path
     table: dict[str, Any] = {}
-    if path.exists():
+    if source.text is not None:
         try:
-            table = tomllib.loads(path.read_text("utf-8"))
+            table = tomllib.loads(source.text)
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"config file {path}: {exc}") from None
-    elif explicit:
-        raise SettingsError(f"config file {path} does not exist")
     provider_table = table.pop("providers", {})
     try:
         mcp = parse_mcp(table.pop("mcp", {}))

@@ -3,16 +3,19 @@
 The supervisor binds the listen address once, owns the embedded PostgreSQL, migrates, makes the
 certificate and the local client's token, then starts N workers that inherit the bound socket
 (each accepts from it: one port, every core). Workers coordinate through the database as any
-fleet does. The supervisor reports READY to systemd once every worker serves, fans SIGTERM and
-SIGINT out for each worker's own two-phase drain, and restarts a worker that dies (the runs it
-held are reaped by the others, as after any crash).
+fleet does. The supervisor reports READY to systemd once every worker serves, fans SIGTERM,
+SIGINT and SIGHUP out for each worker's own two-phase drain, and restarts a worker that dies
+(the runs it held are reaped by the others, as after any crash). Every worker, restarted ones
+too, runs on the config file as the supervisor read it at start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import math
 import os
 import signal
 import socket
@@ -22,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentd.settings import Settings
+from agentd.settings import ConfigSource, Settings
+from agentd.systemd import sd_notify, stopping
 
 log = logging.getLogger("agentd.supervisor")
 
@@ -30,22 +34,118 @@ log = logging.getLogger("agentd.supervisor")
 SOCKETS_ENV = "AGENTD_WORKER_SOCKETS"  # comma-separated inherited file descriptors
 READY_FD_ENV = "AGENTD_WORKER_READY_FD"  # the worker writes READY=1 here once it serves
 SLOT_ENV = "AGENTD_WORKER_SLOT"  # 1..N, for its log lines
+# "stdin": the supervisor's config text follows on the worker's stdin; "none": it read no file.
+# On stdin, not in the environment: the text may hold secrets, and a worker's environment is
+# inherited by the programs it starts (MCP servers).
+CONFIG_ENV = "AGENTD_WORKER_CONFIG"
 READY = b"READY=1\n"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each starts the drain
 
 RESTART_MIN_S = 0.5
 RESTART_MAX_S = 30.0
 STABLE_S = 10.0  # a worker that lived this long restarts at once; one that did not, backs off
 STOP_MARGIN_S = 30.0  # beyond drain_s, before a worker that does not exit is killed
+DATABASE_STOP_S = 30.0  # beyond the workers' stop, for the embedded PostgreSQL's own
+# Connections a worker opens besides its pool: the hub's LISTEN and the heartbeat's.
+WORKER_OWN_CONNECTIONS = 2
+CROWDED = "too many workers for the server's connections"
 
 
 def worker_count(settings: Settings) -> int:
-    """`workers`, or 0 = one per core this process may run on."""
+    """`workers`, or 0 = one per CPU this process may use (its affinity, and a cgroup's quota,
+    as a container or a systemd CPUQuota= sets one)."""
     if settings.workers > 0:
         return settings.workers
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_limit()
+    if quota is not None:
+        cpus = min(cpus, math.ceil(quota))
+    return max(1, cpus)
+
+
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup"),
+                     membership: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPUs a cgroup quota allows this process (the tightest of its cgroup and their
+    parents), None without one. Written here because neither `os` nor psutil reads the quota:
+    both count the CPUs a process may be scheduled on, which a quota does not narrow."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: "0::/path", the quota in cpu.max
+            limits += _quotas(root, path, lambda d: _v2_quota(d / "cpu.max"))
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
+            base = root / controllers
+            limits += _quotas(base if base.is_dir() else root / "cpu", path, _v1_quota)
+    return min(limits, default=None)
+
+
+def _quotas(base: Path, path: str, quota: Any) -> list[float]:
+    """The quotas set on `path` and every parent up to `base` (a container sees its own
+    cgroup as the root, where the path it is told may not exist: those levels are skipped)."""
+    found: list[float] = []
+    level = base / path.strip("/")
+    while True:
+        value = quota(level)
+        if value is not None:
+            found.append(value)
+        if level == base or base not in level.parents:
+            return found
+        level = level.parent
+
+
+def _v2_quota(cpu_max: Path) -> float | None:
+    try:
+        quota, period = cpu_max.read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(level: Path) -> float | None:
+    try:
+        quota = int((level / "cpu.cfs_quota_us").read_text())
+        period = int((level / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def fit_workers(count: int, settings: Settings, budget: int) -> tuple[int, str | None]:
+    """How many workers to start within the server's connection budget, and what to tell the
+    operator (None when all fit).
+
+    Each worker's pool may grow to pool_max (behind a transaction pooler, the pooler holds
+    those), plus its own connections. A count the operator chose that does not fit is refused
+    (0 workers); the default one is lowered to what fits, at least one."""
+    each = (0 if settings.pooled else settings.pool_max) + WORKER_OWN_CONNECTIONS
+    fits = max(0, budget) // each
+    if count <= fits:
+        return count, None
+    why = (f"{count} workers need up to {count * each} connections ({each} each: pool_max "
+           f"{settings.pool_max} and {WORKER_OWN_CONNECTIONS} of its own), but the server lets "
+           f"agentd open {budget}")
+    if settings.workers > 0:
+        return 0, f"{why}: lower workers or pool_max, or raise max_connections"
+    return max(1, fits), f"{why}: starting {max(1, fits)}"
+
+
+def config_from_supervisor(config_file: Path | None) -> ConfigSource | None:
+    """In a supervised worker, the config file as its supervisor read it (else None)."""
+    how = os.environ.pop(CONFIG_ENV, None)
+    if how is None:
+        return None
+    from agentd.settings import config_path
+
+    path, _ = config_path(config_file)
+    text = sys.stdin.buffer.read().decode("utf-8") if how == "stdin" else None
+    return ConfigSource(path, text)
 
 
 @dataclass(frozen=True)
@@ -103,21 +203,19 @@ class Fleet:
     """N worker processes on the inherited sockets, kept at N until told to stop."""
 
     def __init__(self, settings: Settings, dsn: str, sockets: list[socket.socket], count: int,
-                 config_file: Path | None) -> None:
+                 config: ConfigSource) -> None:
         self.settings = settings
         self.dsn = dsn
         self.sockets = sockets
         self.count = count
-        self.config_file = config_file
+        self.config = config
         self.workers: dict[int, Worker] = {}
         self.restarts = 0
-        self._stopping = False
+        self.failing: dict[int, int] = {}  # slot -> exits in a row before it served for long
 
     def _command(self) -> list[str]:
-        command = [sys.executable, "-m", "agentd", "serve"]
-        if self.config_file is not None:
-            command += ["--config", str(self.config_file)]
-        return command
+        # --config only names the file in messages: the text comes on stdin (CONFIG_ENV).
+        return [sys.executable, "-m", "agentd", "serve", "--config", str(self.config.path)]
 
     def _environment(self, slot: int, ready_fd: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -126,6 +224,7 @@ class Fleet:
         env.update({
             "AGENTD_DSN": self.dsn, "AGENTD_LISTEN": settings.listen, "AGENTD_WORKERS": "1",
             "AGENTD_INSECURE_HTTP": "true" if settings.insecure_http else "false",
+            CONFIG_ENV: "none" if self.config.text is None else "stdin",
             SOCKETS_ENV: ",".join(str(s.fileno()) for s in self.sockets),
             READY_FD_ENV: str(ready_fd), SLOT_ENV: str(slot)})
         if settings.data_dir is not None:
@@ -137,7 +236,7 @@ class Fleet:
         read_fd, write_fd = os.pipe()
         try:
             process = await asyncio.create_subprocess_exec(
-                *self._command(), stdin=asyncio.subprocess.DEVNULL,
+                *self._command(), stdin=asyncio.subprocess.PIPE,
                 env=self._environment(slot, write_fd),
                 pass_fds=[*(s.fileno() for s in self.sockets), write_fd])
         except BaseException:
@@ -145,6 +244,7 @@ class Fleet:
             raise
         finally:
             os.close(write_fd)
+        await self._hand_config(process)
         ready: asyncio.Future[bool] = loop.create_future()
 
         def readable() -> None:
@@ -163,53 +263,97 @@ class Fleet:
         log.info("worker started", extra={"slot": slot, "pid": process.pid})
         return worker
 
-    async def start(self) -> None:
-        """Start every worker; return once all serve. StartFailed if one exits first."""
-        workers = [await self.spawn(slot) for slot in range(1, self.count + 1)]
-        for worker in workers:
-            exited: asyncio.Future[int] = asyncio.ensure_future(worker.process.wait())
-            waits: set[asyncio.Future[Any]] = {worker.ready, exited}
-            done, _ = await asyncio.wait(waits,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if not (worker.ready in done and worker.ready.result()):
-                code = await worker.process.wait()
-                raise StartFailed(f"worker {worker.slot} exited with {code} before it served")
-            exited.cancel()
+    async def _hand_config(self, process: asyncio.subprocess.Process) -> None:
+        """The config text on the worker's stdin, then end of file. A worker that died at once
+        has closed its end: its exit is seen and handled as any other."""
+        stdin = process.stdin
+        assert stdin is not None
+        with contextlib.suppress(ConnectionError):
+            if self.config.text is not None:
+                stdin.write(self.config.text.encode("utf-8"))
+                await stdin.drain()
+            stdin.close()
+            await stdin.wait_closed()
 
-    async def keep(self, stop: asyncio.Event) -> None:
-        """Restart any worker that exits until `stop` is set."""
-        backoff = {slot: RESTART_MIN_S for slot in self.workers}
+    async def start(self, stop: asyncio.Event) -> bool:
+        """Start every worker; True once all serve, False when `stop` came first.
+        StartFailed when one exits (or says it failed) before it served."""
         stopping = asyncio.ensure_future(stop.wait())
         try:
-            while not stop.is_set():
-                waits = {asyncio.ensure_future(w.process.wait()): w
-                         for w in self.workers.values()}
-                done, _ = await asyncio.wait({stopping, *waits},
-                                             return_when=asyncio.FIRST_COMPLETED)
-                for task in waits:
-                    if task not in done:
-                        task.cancel()
+            for slot in range(1, self.count + 1):
+                try:
+                    await self.spawn(slot)
+                except OSError as exc:  # no process could be made (fork or file limits)
+                    raise StartFailed(f"worker {slot} could not be started: {exc}") from None
+            for worker in self.workers.values():
+                exited = asyncio.ensure_future(worker.process.wait())
+                waits: set[asyncio.Future[Any]] = {worker.ready, exited, stopping}
+                try:
+                    done, _ = await asyncio.wait(waits,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    exited.cancel()
                 if stop.is_set():
-                    return
-                for task in done:
-                    if task is stopping:
-                        continue
-                    worker = waits[task]
-                    lived = time.monotonic() - worker.started
-                    delay = RESTART_MIN_S if lived >= STABLE_S else backoff[worker.slot]
-                    backoff[worker.slot] = RESTART_MIN_S if lived >= STABLE_S else \
-                        min(RESTART_MAX_S, backoff[worker.slot] * 2)
-                    log.warning("worker exited; restarting it", extra={
-                        "slot": worker.slot, "pid": worker.process.pid,
-                        "code": worker.process.returncode, "after_s": delay})
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), delay)
-                    if stop.is_set():
-                        return
-                    self.restarts += 1
-                    await self.spawn(worker.slot)
+                    return False
+                if not (worker.ready in done and worker.ready.result()):
+                    code = await worker.process.wait()
+                    raise StartFailed(f"worker {worker.slot} exited with {code} before it served")
+            return True
         finally:
             stopping.cancel()
+
+    async def keep(self, stop: asyncio.Event) -> None:
+        """Restart any worker that exits, each slot on its own (one backing off does not delay
+        another's restart), until `stop` is set."""
+        async with asyncio.TaskGroup() as group:  # a failing keeper stops the others
+            for slot in list(self.workers):
+                group.create_task(self._keep_slot(slot, stop))
+
+    async def _keep_slot(self, slot: int, stop: asyncio.Event) -> None:
+        backoff = RESTART_MIN_S
+        while not stop.is_set():
+            worker = self.workers[slot]
+            if not await _first(worker.process.wait(), stop):
+                return
+            lived = time.monotonic() - worker.started
+            served = worker.ready.done() and worker.ready.result()
+            if lived >= STABLE_S and served:
+                backoff = RESTART_MIN_S
+                self.failing.pop(slot, None)
+            else:
+                self.failing[slot] = self.failing.get(slot, 0) + 1
+            log.warning("worker exited; restarting it", extra={
+                "slot": slot, "pid": worker.process.pid, "code": worker.process.returncode,
+                "after_s": backoff, "exits_in_a_row": self.failing.get(slot, 0)})
+            self._report()
+            while True:
+                if not await _first(asyncio.sleep(backoff), stop):
+                    return
+                backoff = min(RESTART_MAX_S, backoff * 2)
+                try:
+                    replacement = await self.spawn(slot)
+                except OSError as exc:  # no process could be made (fork limits): later
+                    log.error("could not start a worker: trying again", extra={
+                        "slot": slot, "reason": str(exc), "after_s": backoff})
+                    continue
+                break
+            self.restarts += 1
+            replacement.ready.add_done_callback(functools.partial(self._served, replacement))
+
+    def _served(self, worker: Worker, _ready: asyncio.Future[bool]) -> None:
+        if worker.ready.result():
+            log.info("worker serving", extra={"slot": worker.slot, "pid": worker.process.pid})
+            self._report()
+
+    def _report(self) -> None:
+        """systemd's status line: how many serve, and a worker that keeps failing."""
+        serving = {w.slot for w in self.workers.values()
+                   if w.process.returncode is None and w.ready.done() and w.ready.result()}
+        status = f"serving with {len(serving)} of {self.count} workers"
+        failing = [f"worker {slot} exited {n} times in a row"
+                   for slot, n in sorted(self.failing.items())
+                   if n >= FAILING_AFTER and slot not in serving]
+        sd_notify("STATUS=" + "; ".join([status, *failing]))
 
     def signal_all(self, signum: int) -> None:
         for worker in self.workers.values():
@@ -218,25 +362,42 @@ class Fleet:
                     worker.process.send_signal(signum)
 
     async def stop(self, budget_s: float) -> bool:
-        """SIGTERM every worker (each drains), wait up to `budget_s`, kill the rest.
+        """SIGTERM every live worker (each drains), wait up to `budget_s`, kill the rest.
 
-        True when every worker exited 0.
-        """
+        True when each stopped cleanly: exited 0, or ended by the SIGTERM itself (a worker
+        still starting has no handler yet, and holds no turn). A worker that had died before
+        the stop was already restarted or being restarted, and is not counted again."""
+        live = [w for w in self.workers.values() if w.process.returncode is None]
         self.signal_all(signal.SIGTERM)
-        waits = [w.process.wait() for w in self.workers.values()]
         try:
             async with asyncio.timeout(budget_s):
-                codes = await asyncio.gather(*waits)
+                codes = await asyncio.gather(*(w.process.wait() for w in live))
         except TimeoutError:
             log.error("workers did not finish their drain in time: killing them",
                       extra={"seconds": budget_s})
             self.signal_all(signal.SIGKILL)
             await asyncio.gather(*(w.process.wait() for w in self.workers.values()))
             return False
-        return all(code == 0 for code in codes)
+        return all(code in (0, -signal.SIGTERM) for code in codes)
 
 
-async def supervise(settings: Settings, count: int, config_file: Path | None) -> int:
+FAILING_AFTER = 3  # exits in a row before systemd's status line names the worker
+
+
+async def _first(work: Any, stop: asyncio.Event) -> bool:
+    """Await `work` unless `stop` is set first: True when the work ended first."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        if not task.done():
+            task.cancel()
+    return task.done() and not task.cancelled() and not stop.is_set()
+
+
+async def supervise(settings: Settings, count: int, config: ConfigSource) -> int:
     """The supervisor's whole life; returns the exit code."""
     from agentd import db as dbmod
     from agentd.listen import bind_listen_sockets
@@ -246,12 +407,11 @@ async def supervise(settings: Settings, count: int, config_file: Path | None) ->
         open_database,
         raise_open_files_limit,
     )
-    from agentd.systemd import sd_notify
     from agentd.tls import local_url, server_certificate
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop.set)
     sockets = bind_listen_sockets(settings.listen_host, settings.listen_port)
     try:
@@ -264,6 +424,14 @@ async def supervise(settings: Settings, count: int, config_file: Path | None) ->
             applied = await migrate_database(settings.direct_dsn(database.dsn))
             if applied:
                 log.info("migrations applied", extra={"applied": ",".join(applied)})
+            count, crowded = fit_workers(count, settings,
+                                         await connection_budget(settings.direct_dsn(
+                                             database.dsn)))
+            if crowded:
+                log.log(logging.ERROR if count == 0 else logging.WARNING, CROWDED,
+                        extra={"reason": crowded})
+            if count == 0:
+                return 2
             pool = await dbmod.create_pool(database.dsn, min_size=1, max_size=1,
                                            pooled=settings.pooled)
             try:
@@ -272,29 +440,52 @@ async def supervise(settings: Settings, count: int, config_file: Path | None) ->
                                           create=database.embedded is not None)
             finally:
                 await pool.close()
-            fleet = Fleet(settings, database.dsn, sockets, count, config_file)
-            try:
-                await fleet.start()
-            except StartFailed as exc:
-                log.error("a worker could not start: stopping", extra={"reason": str(exc)})
-                await fleet.stop(settings.drain_s + STOP_MARGIN_S)
-                return 1
-            scheme = "https" if certificate else "http"
-            log.info("agentd serving", extra={
-                "url": f"{scheme}://{settings.listen}", "workers": count,
-                "pids": ",".join(str(w.process.pid) for w in fleet.workers.values()),
-                "embedded": database.embedded is not None,
-                "fingerprint": certificate.fingerprint if certificate else None})
-            sd_notify(f"READY=1\nSTATUS=serving with {count} workers")
-            await fleet.keep(stop)
-            sd_notify("STOPPING=1")
-            started = time.monotonic()
-            clean = await fleet.stop(settings.drain_s + STOP_MARGIN_S)
-            log.info("workers stopped", extra={"clean": clean, "restarts": fleet.restarts,
-                                               "seconds": round(time.monotonic() - started, 3)})
-            return 0 if clean else 1
+            return await _run_fleet(Fleet(settings, database.dsn, sockets, count, config),
+                                    stop, certificate.fingerprint if certificate else None,
+                                    embedded=database.embedded is not None)
         finally:
             await asyncio.to_thread(database.close)
     finally:
         for sock in sockets:
             sock.close()
+
+
+async def _run_fleet(fleet: Fleet, stop: asyncio.Event, fingerprint: str | None, *,
+                     embedded: bool) -> int:
+    """Start, keep and stop the workers; whatever happens, no worker outlives this (the
+    database they write to is stopped right after)."""
+    settings = fleet.settings
+    budget = settings.drain_s + STOP_MARGIN_S
+    code = 1
+    try:
+        try:
+            started = await fleet.start(stop)
+        except StartFailed as exc:
+            log.error("a worker could not start: stopping", extra={"reason": str(exc)})
+            return 1
+        if started:
+            log.info("agentd serving", extra={
+                "url": f"{'https' if fingerprint else 'http'}://{settings.listen}",
+                "workers": fleet.count,
+                "pids": ",".join(str(w.process.pid) for w in fleet.workers.values()),
+                "embedded": embedded, "fingerprint": fingerprint})
+            sd_notify(f"READY=1\nSTATUS=serving with {fleet.count} workers")
+            await fleet.keep(stop)
+        code = 0
+    finally:
+        stopping(budget + DATABASE_STOP_S)
+        begun = time.monotonic()
+        clean = await fleet.stop(budget)
+        log.info("workers stopped", extra={"clean": clean, "restarts": fleet.restarts,
+                                           "seconds": round(time.monotonic() - begun, 3)})
+    return code if clean else 1
+
+
+async def connection_budget(dsn: str) -> int:
+    from agentd import db as dbmod
+
+    conn = await dbmod.connect(dsn, application_name="agentd-supervisor")
+    try:
+        return await dbmod.connection_budget(conn)
+    finally:
+        await conn.close()

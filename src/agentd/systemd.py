@@ -25,6 +25,12 @@ def sd_notify(state: str) -> bool:
     return True
 
 
+def stopping(within_s: float) -> bool:
+    """Tell systemd the stop has begun and may take `within_s` seconds: the unit's own
+    TimeoutStopSec= is then a floor, and a longer drain_s is not cut short by SIGKILL."""
+    return sd_notify(f"STOPPING=1\nEXTEND_TIMEOUT_USEC={round(within_s * 1_000_000)}")
+
+
 def unit_text(args: list[str], *, env_file: Path, writable: list[Path],
               optional_writable: list[Path]) -> str:
     """The user unit: `agentd serve` with `args`, secrets from `env_file`, a read-only system.
@@ -49,9 +55,12 @@ EnvironmentFile={str(env_file).replace("%", "%%")}
 ExecStart={command}
 Restart=on-failure
 RestartSec=2
-# SIGTERM starts the two-phase drain; give it the drain budget plus a margin.
+# SIGTERM starts the two-phase drain; agentd extends this to its drain budget as it begins
+# (EXTEND_TIMEOUT_USEC). Only agentd gets the SIGTERM: it stops its workers and its embedded
+# PostgreSQL itself, after the drain, which needs that server up (SIGKILL is for what is left).
 TimeoutStopSec=60
 KillSignal=SIGTERM
+KillMode=mixed
 # Hardening: no privilege gain, a private /tmp, and a read-only system except our own data.
 NoNewPrivileges=yes
 PrivateTmp=yes

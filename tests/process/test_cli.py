@@ -134,7 +134,9 @@ def test_install_service_writes_a_hardened_unit_without_secrets(tmp_path: Path) 
     assert "Type=notify" in unit
     command = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
     assert command.endswith(f"-m agentd serve --data-dir '{data}' --listen 0.0.0.0:8740")
-    for line in ("NoNewPrivileges=yes", "PrivateTmp=yes", "ProtectSystem=strict"):
+    # Only agentd gets the stop's SIGTERM: its embedded PostgreSQL must outlive the drain.
+    for line in ("NoNewPrivileges=yes", "PrivateTmp=yes", "ProtectSystem=strict",
+                 "KillMode=mixed"):
         assert line in unit.splitlines(), line
     writable = next(line for line in unit.splitlines() if line.startswith("ReadWritePaths="))
     assert f'"{data}"' in writable  # the data directory (quoted: it holds a space)

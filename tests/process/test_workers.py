@@ -1,22 +1,30 @@
 """`agentd serve --workers N`: one supervisor, N worker processes on one port.
 
-Kill one worker: the others go on serving (and reap its runs), the supervisor starts a new one.
-SIGTERM to the supervisor: every worker drains its turns, all exit, the supervisor exits 0.
+Kill one worker: the others go on serving (and reap its runs), the supervisor starts a new one,
+on the config the supervisor read. SIGTERM to the supervisor: every worker drains its turns, all
+exit, the supervisor exits 0 (also when it comes while they start, or while one is restarted).
+systemd hears READY once every worker serves. A fleet the server's connections cannot hold is
+refused, or, by default, made smaller.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 
 import httpx
 import psutil
+import pytest
 
+from agentd.db import connection_budget
 from agentd.vocabulary import RunStatus
 from tests.process.helpers import wait_status
 from tests.remote.helpers import spawn_remote
 from tests.support.daemon import Daemon, poll_until
 from tests.support.factories import enqueue_demo, new_account, new_conversation
 from tests.support.journal import assistant_messages, run_row
+from tests.support.notify import notify_socket
 
 __all__ = ["spawn_remote"]
 
@@ -27,6 +35,13 @@ def worker_pids(daemon: Daemon) -> set[int]:
     """The supervisor's worker processes (its python children)."""
     return {child.pid for child in psutil.Process(daemon.pid).children()
             if "agentd" in " ".join(child.cmdline())}
+
+
+async def fleet_serving(daemon: Daemon) -> set[int]:
+    """Once the supervisor says every worker serves: their pids."""
+    await daemon.wait_ready()
+    await daemon.wait_for_log('"agentd serving"', 60)
+    return await two_workers(daemon)
 
 
 async def two_workers(daemon: Daemon) -> set[int]:
@@ -135,3 +150,85 @@ async def test_workers_serve_tls_on_the_one_port(spawn_remote, pool):
         except httpx.TransportError:
             return
     assert answer.status_code == 400
+
+
+def processes_of(daemon: Daemon) -> list[psutil.Process]:
+    """Every live process started for this daemon (its workers name its private config path)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        with contextlib.suppress(psutil.Error):
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and \
+                    str(daemon.workdir) in " ".join(proc.info["cmdline"] or ()):
+                found.append(proc)
+    return found
+
+
+async def test_systemd_hears_ready_once_every_worker_serves_and_how_long_the_stop_may_take(
+        spawn_daemon):
+    with notify_socket() as notify:
+        daemon = spawn_daemon(workers=2, drain_s=70, env=notify.env)
+        ready = await notify.wait_for("READY", 60)
+        # Both workers had said they serve before the supervisor told systemd.
+        assert daemon.log_text().count("agentd worker serving") == 2
+        assert ready["STATUS"] == "serving with 2 workers"
+        daemon.terminate()
+        assert await daemon.wait_exit(30) == 0
+        stop = await notify.wait_for("STOPPING", 5)
+    # The unit's 60 s would cut a 70 s drain short: the supervisor asks for the drain, its
+    # margin for the workers and its own for the database.
+    assert int(stop["EXTEND_TIMEOUT_USEC"]) >= 70_000_000 + 30_000_000
+
+
+async def test_sigterm_while_the_workers_start_stops_them_and_never_reports_ready(spawn_daemon):
+    with notify_socket() as notify:
+        daemon = spawn_daemon(workers=2, env=notify.env)
+        await daemon.wait_for_log("worker started", 60)  # a worker takes ~1 s more to serve
+        daemon.terminate()
+        assert await daemon.wait_exit(30) == 0
+        messages = notify.fields()
+    assert not any("READY" in m for m in messages), messages
+    assert "agentd serving" not in daemon.log_text()
+    assert not processes_of(daemon)
+
+
+async def test_a_restarted_worker_runs_on_the_config_the_supervisor_read(spawn_daemon, tmp_path):
+    config = tmp_path / "agentd.toml"
+    config.write_text("max_runs = 3\n")
+    daemon = spawn_daemon(workers=2, args=["--config", str(config)])
+    victim = min(await fleet_serving(daemon))
+    # An edit the operator has not applied yet (and a broken one): a worker restarted now
+    # must not run on it, nor fail on it while its sibling runs on the old text.
+    config.write_text("max_runs = [broken\n")
+    psutil.Process(victim).send_signal(signal.SIGKILL)
+
+    await poll_until(lambda: daemon.log_text().count("agentd worker serving") == 3, 30,
+                     what="the replacement worker serving")
+    assert "invalid setting" not in daemon.log_text()
+    assert victim not in await two_workers(daemon)
+
+
+async def test_a_worker_that_died_before_the_stop_does_not_make_the_stop_fail(spawn_daemon):
+    daemon = spawn_daemon(workers=2)
+    victim = min(await fleet_serving(daemon))
+    psutil.Process(victim).send_signal(signal.SIGKILL)
+    await daemon.wait_for_log("worker exited; restarting it", 10)
+    daemon.terminate()  # while it waits to restart it (or as its replacement starts)
+    assert await daemon.wait_exit(30) == 0
+    assert not processes_of(daemon)
+
+
+async def test_workers_the_servers_connections_cannot_hold_are_refused(spawn_daemon, pool):
+    budget = await connection_budget(pool)
+    daemon = spawn_daemon(workers=2, pool_max=budget // 2)  # 2 x (pool_max + 2) > budget
+    assert await daemon.wait_exit(60) == 2
+    assert "lower workers or pool_max" in daemon.log_text()
+    assert not processes_of(daemon)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the default is one worker here")
+async def test_the_default_worker_count_is_lowered_to_what_the_server_holds(spawn_daemon, pool):
+    budget = await connection_budget(pool)
+    daemon = spawn_daemon(workers=0, pool_max=budget // 2)
+    await daemon.wait_ready()
+    assert "starting 1" in daemon.log_text()
+    assert len(worker_pids(daemon)) == 1

@@ -1,0 +1,41 @@
+"""What a service manager sees of one `agentd serve`: READY=1 once it serves, and at a stop
+STOPPING=1 with how long the drain may take (so systemd's own stop timeout does not cut a longer
+drain short). SIGHUP (a closed terminal) drains as SIGTERM does rather than kill turns mid-way.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from agentd.vocabulary import RunStatus
+from tests.process.helpers import wait_status
+from tests.support.factories import enqueue_demo, new_account, new_conversation
+from tests.support.journal import assistant_messages, run_row
+from tests.support.notify import notify_socket
+
+
+async def test_ready_then_a_stop_that_asks_for_its_drain_budget(spawn_daemon):
+    with notify_socket() as notify:
+        daemon = spawn_daemon(drain_s=90, env=notify.env)
+        await notify.wait_for("READY", 60)
+        assert (await daemon.readyz())["status"] == "ready"
+        daemon.terminate()
+        assert await daemon.wait_exit(30) == 0
+        stop = await notify.wait_for("STOPPING", 5)
+    assert int(stop["EXTEND_TIMEOUT_USEC"]) >= 90_000_000
+
+
+async def test_sighup_drains_the_turn_in_flight_and_exits_zero(spawn_daemon, pool):
+    daemon = spawn_daemon(drain_s=20)
+    await daemon.wait_ready()
+    account = await new_account(pool)
+    turn = await enqueue_demo(pool, account, await new_conversation(pool, account), "hup",
+                              tokens=40, delay_ms=25)  # ~1 s
+    await wait_status(pool, turn.run_id, RunStatus.RUNNING, timeout=20)
+
+    daemon.send_signal(signal.SIGHUP)
+    assert await daemon.wait_exit(30) == 0
+    row = await run_row(pool, turn.run_id)
+    assert row["status"] == RunStatus.COMPLETED, row["error"]
+    [answer] = await assistant_messages(pool, turn.run_id)
+    assert answer["content"] == turn.expected
