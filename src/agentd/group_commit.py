@@ -11,7 +11,11 @@ Its writer returns one outcome per item: each caller gets the result or the erro
 would have had. Journal appends use it with one statement for the whole batch
 (queue.append_events_many), and so do terminal writes (queue.finish_runs), each run fenced on
 its own in that statement: one refused is missing from its answer while the others land. A
-failed commit fails every item of its batch, as each one's own failed commit would have.
+statement that fails for what one item brought (a seq someone took, a value PostgreSQL
+refuses) is written again one item at a time, each with its own outcome, so only that item
+gets the error; one that fails for the database's state (a lost connection, a shutdown, a
+deadlock) fails every item of its batch, as each one's own failed commit would have. Every
+caller gets an answer, whatever stops a writer.
 """
 
 from __future__ import annotations
@@ -66,22 +70,29 @@ class Batcher(Generic[I, R]):
             self.items += len(batch)
             try:
                 outcomes = await self._write([item for item, _ in batch])
+                for (_, future), outcome in zip(batch, outcomes, strict=True):
+                    if future.done():  # its caller was cancelled; the write stands or fell alone
+                        continue
+                    if isinstance(outcome, Exception):
+                        future.set_exception(outcome)
+                    else:
+                        future.set_result(outcome)
             except asyncio.CancelledError:
                 for _, future in batch:
                     future.cancel()
                 raise
-            except Exception as exc:
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                return
-            for (_, future), outcome in zip(batch, outcomes, strict=True):
-                if future.done():  # its caller was cancelled; the write stands or fell alone
-                    continue
-                if isinstance(outcome, Exception):
-                    future.set_exception(outcome)
-                else:
-                    future.set_result(outcome)
+            except Exception as exc:  # the write failed, or answered for too few or too many
+                _answer_the_rest(batch, exc)
         finally:
+            # Whatever stopped this writer, no caller is left waiting for an answer forever.
+            _answer_the_rest(batch, RuntimeError("group commit: the batch's writer stopped "
+                                                 "without an outcome for this item"))
             self._in_flight -= 1
             self._start_batches()
+
+
+def _answer_the_rest(batch: Sequence[tuple[Any, asyncio.Future[Any]]], exc: Exception) -> None:
+    """Give every item of the batch not answered yet `exc` as its outcome."""
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(exc)
