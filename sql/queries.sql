@@ -187,8 +187,9 @@ FROM owner;
 -- commit, one row per event (its run and claim token repeated). Each run is fenced on its own
 -- exactly as append_events_fenced fences one: only rows of runs still owned are written, under
 -- FOR SHARE (taken in id order); a run missing from the result, or short of its count, was
--- refused (LeaseLost) while the others landed. A seq someone else took fails the whole
--- statement (unique violation): the caller then writes each batch alone to tell whose it was.
+-- refused (LeaseLost) while the others landed. A seq someone else took (unique violation), or
+-- a value PostgreSQL refuses in one run's rows, fails the whole statement: the caller then
+-- writes each batch alone, so that only that run gets the error.
 -- Answers the rows written (their stamps too: the writer hands them to its own tails).
 WITH e AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::bigint[], $4::text[], $5::text[])

@@ -13,6 +13,7 @@ from typing import Any
 from uuid import UUID
 
 from agentd.db import Db
+from agentd.pgtext import clean
 from agentd.queries import Q
 from agentd.queue import Claim, LeaseLost
 from agentd.vocabulary import ApprovalDecision
@@ -68,7 +69,7 @@ async def request_approval(db: Db, claim: Claim, *, call_id: str, tool: str,
     """Record a pending approval behind the fence; raises LeaseLost, or DuplicateCall."""
     row = await db.fetchrow(*Q.request_tool_approval_fenced.bind(
         run_id=claim.run_id, claim_token=claim.claim_token, call_id=call_id, tool=tool,
-        arguments=arguments, timeout_s=timeout_s))
+        arguments=clean(arguments), timeout_s=timeout_s))
     if row is not None:
         return Asked(row["expires_at"], row["device_id"], row["device"])
     if await read_approval(db, claim.run_id, call_id) is None:

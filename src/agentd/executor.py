@@ -36,6 +36,7 @@ from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.hub import Hub, Subscription
 from agentd.journal import RETRY_DELAYS_S, TRANSIENT, Emitter
 from agentd.metrics import Metrics
+from agentd.pgtext import clean_text
 from agentd.providers import ModelRef, ProviderRegistry, parse_model
 from agentd.providers.base import (
     ProviderError,
@@ -300,9 +301,9 @@ class TurnRunner:
                 async with bound, contextlib.aclosing(stream):
                     async for item in stream:
                         if isinstance(item, TextDelta):
-                            # PostgreSQL text and jsonb cannot hold NUL: a model that emits one
-                            # would otherwise fail its turn on the journal write.
-                            text = item.text.replace("\x00", "")
+                            # PostgreSQL text and jsonb cannot hold NUL (nor a lone
+                            # surrogate): the answer is built from what the journal holds.
+                            text = clean_text(item.text)
                             if not text:
                                 continue
                             if not turn.text:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 from uuid import UUID
 
 import asyncpg
@@ -20,8 +20,12 @@ import asyncpg
 from agentd.db import Conn, acquire, fetch_one
 from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
 from agentd.group_commit import Batcher
+from agentd.pgtext import clean, clean_text
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
+
+_I = TypeVar("_I")
+_R = TypeVar("_R")
 
 
 class LeaseLost(Exception):
@@ -162,9 +166,17 @@ class WorkerRow:
 
 @dataclass(frozen=True, slots=True)
 class NewEvent:
+    """A journal event to write. Every payload a worker journals passes here, so here it is
+    made storable (pgtext.py): one tool result with a NUL must not fail its write, nor the
+    writes of the other runs sharing its commit. The rows handed to this process's tails are
+    built from it too, so they match what the journal holds."""
+
     seq: int
     type: EventType
     payload: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "payload", clean(self.payload))
 
 
 @dataclass(frozen=True, slots=True)
@@ -603,8 +615,9 @@ async def insert_message(db: Db, claim: Claim, *, role: MessageRole, content: st
                          tool_call_id: str | None = None) -> UUID:
     """Write a transcript message behind the fence; returns its id."""
     message_id = await db.fetchval(*Q.insert_message_fenced.bind(
-        run_id=claim.run_id, claim_token=claim.claim_token, role=str(role), content=content,
-        status=str(status), tool_calls=tool_calls, tool_call_id=tool_call_id))
+        run_id=claim.run_id, claim_token=claim.claim_token, role=str(role),
+        content=clean_text(content), status=str(status), tool_calls=clean(tool_calls),
+        tool_call_id=None if tool_call_id is None else clean_text(tool_call_id)))
     if message_id is None:
         raise LeaseLost(claim.run_id, "message write")
     return cast(UUID, message_id)
@@ -638,7 +651,8 @@ class Finish:
     usage: dict[str, Any] | None = None
 
 
-FinishOutcome = UUID | None | LeaseLost  # the answer's message id (None: no text), or refused
+# The answer's message id (None: no text), or what refused or failed that run's write alone.
+FinishOutcome = UUID | None | Exception
 Finishes = Batcher["Finish", "UUID | None"]  # the process's shared terminal writes
 
 
@@ -652,8 +666,9 @@ def _finish_hints(claim: Claim) -> list[tuple[Channel, str]]:
 
 async def finish_runs(db: Db, finishes: Sequence[Finish]) -> list[FinishOutcome]:
     """Terminal writes of several runs in ONE statement and one commit, each behind its own
-    fence; per run its outcome: the answer's message id, or the LeaseLost / SeqConflict its own
-    terminal write would have raised. Sends no hints (callers do, once committed)."""
+    fence; per run its outcome: the answer's message id, or the LeaseLost / SeqConflict (or
+    another error of its own) its own terminal write would have raised. Sends no hints
+    (callers do, once committed)."""
     for finish in finishes:
         if not finish.status.terminal:
             raise ValueError(f"{finish.status} is not a terminal status")
@@ -663,9 +678,10 @@ async def finish_runs(db: Db, finishes: Sequence[Finish]) -> list[FinishOutcome]
             run_ids=[f.claim.run_id for f in finishes],
             claim_tokens=[f.claim.claim_token for f in finishes],
             statuses=[str(f.status) for f in finishes],
-            errors=[f.error for f in finishes], error_codes=[f.error_code for f in finishes],
-            usages=[None if f.usage is None else json.dumps(f.usage) for f in finishes],
-            contents=[f.content for f in finishes],
+            errors=[None if f.error is None else clean_text(f.error) for f in finishes],
+            error_codes=[f.error_code for f in finishes],
+            usages=[None if f.usage is None else json.dumps(clean(f.usage)) for f in finishes],
+            contents=[None if f.content is None else clean_text(f.content) for f in finishes],
             message_statuses=[str(f.message_status) for f in finishes],
             seqs=[f.seq for f in finishes], event_run_ids=[run for run, _ in events],
             event_seqs=[e.seq for _, e in events], event_types=[str(e.type) for _, e in events],
@@ -678,10 +694,20 @@ async def finish_runs(db: Db, finishes: Sequence[Finish]) -> list[FinishOutcome]
         if _in_transaction(db):
             raise  # the transaction is spoilt: its owner decides
         # Nothing was written; each alone tells whose seq was taken.
-        return [(await finish_runs(db, [f]))[0] for f in finishes]
+        return await _each_alone(finishes, lambda f: _finish_alone(db, f))
+    except asyncpg.PostgresError as exc:
+        if len(finishes) == 1 or _in_transaction(db) or not _one_to_blame(exc):
+            raise
+        # Nothing was written; each alone, so that only the run to blame gets the error.
+        return await _each_alone(finishes, lambda f: _finish_alone(db, f))
     ended = {row["id"]: row["message_id"] for row in rows}
     return [ended[f.claim.run_id] if f.claim.run_id in ended
             else LeaseLost(f.claim.run_id, "terminal write") for f in finishes]
+
+
+async def _finish_alone(db: Db, finish: Finish) -> FinishOutcome:
+    [outcome] = await finish_runs(db, [finish])
+    return outcome
 
 
 async def finish_run(db: Db, claim: Claim, status: RunStatus, *, seq: int | None,
@@ -716,7 +742,7 @@ async def finish_run_journaled(db: Db, claim: Claim, status: RunStatus, *,
         outcome: FinishOutcome = await finishes.submit(finish)  # raises what refused it
     else:
         [outcome] = await finish_runs(db, [finish])
-    if isinstance(outcome, LeaseLost):
+    if isinstance(outcome, Exception):
         raise outcome
     await _send_hints(db, hint, _finish_hints(claim))
     return outcome
@@ -732,8 +758,8 @@ Appends = Batcher[JournalBatch, Journaled]  # the process's shared journal write
 async def append_events_many(db: Db,
                              batches: Sequence[JournalBatch]) -> list[Journaled | Exception]:
     """Several runs' journal batches in one statement and one commit; per batch the rows it
-    became (as a read would return them), or the LeaseLost / SeqConflict its own append_events
-    would have raised."""
+    became (as a read would return them; empty when it was written alone), or the LeaseLost /
+    SeqConflict (or another error of its own) its own append_events would have raised."""
     rows: list[tuple[UUID, UUID, int, str, str]] = [
         (claim.run_id, claim.claim_token, e.seq, str(e.type),
          json.dumps(e.payload, ensure_ascii=False))
@@ -746,7 +772,12 @@ async def append_events_many(db: Db,
     except asyncpg.UniqueViolationError:
         # Someone took a seq of one of them (a finalizer, after fencing it out): nothing was
         # written; each alone tells whose.
-        return [await _append_alone(db, claim, events) for claim, events in batches]
+        return await _each_alone(batches, lambda batch: _append_alone(db, *batch))
+    except asyncpg.PostgresError as exc:
+        if len(batches) == 1 or _in_transaction(db) or not _one_to_blame(exc):
+            raise
+        # Nothing was written; each alone, so that only the run to blame gets the error.
+        return await _each_alone(batches, lambda batch: _append_alone(db, *batch))
     stamps: dict[UUID, dict[int, datetime]] = {}
     for row in found:
         stamps.setdefault(row["run_id"], {})[row["seq"]] = row["created_at"]
@@ -760,13 +791,37 @@ async def append_events_many(db: Db,
     return outcomes
 
 
-async def _append_alone(db: Db, claim: Claim,
-                        events: Sequence[NewEvent]) -> Journaled | Exception:
-    try:
-        await append_events(db, claim, events)
-    except LeaseLost as exc:
-        return exc
-    return ()
+async def _append_alone(db: Db, claim: Claim, events: Sequence[NewEvent]) -> Journaled:
+    await append_events(db, claim, events)
+    return ()  # landed; its rows are not at hand (the caller's tails read them)
+
+
+# A shared statement that fails for what one of its runs brought (a seq someone took, a value
+# PostgreSQL refuses, a constraint) wrote nothing, and is written again one run at a time so
+# that only that run gets the error. One that fails for the database's state is not: a lost
+# connection, a shutdown or a timeout (SQLSTATE classes 08, 57), a deadlock (40), no memory
+# or disk (53, 58) would fail each alone the same way, and the writers retry it whole.
+_NOT_THE_ROWS = ("08", "40", "53", "57", "58")
+
+
+def _one_to_blame(exc: asyncpg.PostgresError) -> bool:
+    """Whether one of the statement's runs may be to blame for its failure (see above)."""
+    sqlstate = getattr(exc, "sqlstate", None) or ""
+    return not sqlstate.startswith(_NOT_THE_ROWS) and not lost_race(exc)
+
+
+async def _each_alone(items: Sequence[_I],
+                      write: Callable[[_I], Awaitable[_R]]) -> list[_R | Exception]:
+    """Write each item in its own statement and commit, in order, each with its own outcome:
+    one that fails (its own fault, or a connection dropped on it) leaves the others' answers
+    their own, those written before it included."""
+    outcomes: list[_R | Exception] = []
+    for item in items:
+        try:
+            outcomes.append(await write(item))
+        except Exception as exc:
+            outcomes.append(exc)
+    return outcomes
 
 
 async def append_events_batched(batcher: Appends, claim: Claim,

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import uuid
 from collections.abc import Sequence
+from typing import cast
 
 import asyncpg
 import pytest
@@ -209,3 +210,92 @@ async def test_a_taken_seq_in_a_shared_terminal_write_is_told_apart(pool: asyncp
         Finish(c, RunStatus.COMPLETED, c.last_seq + 1, content="done") for c in claims])
     assert isinstance(outcomes[1], SeqConflict)
     assert all(isinstance(outcomes[i], uuid.UUID) for i in (0, 2))
+
+
+def bad_row(claim: Claim, offset: int = 1) -> list[NewEvent]:
+    """A batch PostgreSQL refuses for what it holds (no such event type: a check violation)."""
+    return [NewEvent(claim.last_seq + offset, cast(EventType, "no_such_event"), {"x": 1})]
+
+
+async def test_a_tool_result_with_a_nul_is_stored_without_it_and_fails_no_run_of_its_batch(
+        pool: asyncpg.Pool) -> None:
+    """jsonb refuses the escape \\u0000 (SQLSTATE 22P05): one tool result holding a NUL failed
+    the shared statement, and every run in it took that for a lost lease. The NUL is dropped
+    where every journal payload passes, and each run of the batch lands."""
+    claims = await claimed_runs(pool, 3)
+    appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
+    emitters = [Emitter(pool, c, flush_interval_s=3600, appends=appends) for c in claims]
+    results = [{"call_id": "call_1", "name": "read_file", "result": f"file {i}"}
+               for i in range(3)]
+    results[1]["result"] = "before\x00after"
+    before = appends.batches
+    outcomes = await asyncio.gather(
+        *(e.event(EventType.TOOL_RESULT, r) for e, r in zip(emitters, results, strict=True)),
+        return_exceptions=True)
+    assert appends.batches - before == 1  # the three shared one statement
+    assert outcomes == [None, None, None]
+    assert [e.lost for e in emitters] == [None, None, None]
+    for i, claim in enumerate(claims):
+        rows = [r["payload"] for r in await read_journal(pool, claim.run_id)
+                if r["type"] == EventType.TOOL_RESULT]
+        assert rows == [{**results[i], "result": "beforeafter" if i == 1 else f"file {i}"}]
+
+
+async def test_a_row_postgresql_refuses_fails_its_own_run_alone(pool: asyncpg.Pool) -> None:
+    """A shared statement that fails for one run's rows is written again run by run: that run
+    gets the error, the others land (journal appends and terminal writes alike)."""
+    claims = await claimed_runs(pool, 6)
+    outcomes = await append_events_many(pool, [
+        (claims[0], delta(claims[0], "zero")), (claims[1], bad_row(claims[1])),
+        (claims[2], delta(claims[2], "two"))])
+    assert isinstance(outcomes[1], asyncpg.CheckViolationError)
+    for i in (0, 2):
+        assert not isinstance(outcomes[i], Exception)
+        assert [r["payload"]["delta"] for r in await read_journal(pool, claims[i].run_id)
+                if r["type"] == EventType.CONTENT_DELTA] == ["zero" if i == 0 else "two"]
+    ending = claims[3:]
+    ended = await finish_runs(pool, [
+        Finish(ending[0], RunStatus.COMPLETED, ending[0].last_seq + 2,
+               last=delta(ending[0], "answer"), content="answer"),
+        Finish(ending[1], RunStatus.COMPLETED, ending[1].last_seq + 2,
+               last=bad_row(ending[1]), content="never"),
+        Finish(ending[2], RunStatus.COMPLETED, ending[2].last_seq + 1, content="done")])
+    assert isinstance(ended[1], asyncpg.CheckViolationError)
+    assert isinstance(ended[0], uuid.UUID) and isinstance(ended[2], uuid.UUID)
+    statuses = dict(await pool.fetch("SELECT id, status FROM agent_run WHERE id = ANY($1)",
+                                     [c.run_id for c in ending]))
+    assert statuses == {ending[0].run_id: "completed", ending[1].run_id: "running",
+                        ending[2].run_id: "completed"}
+
+
+async def test_written_one_by_one_each_caller_gets_its_own_outcome(pool: asyncpg.Pool) -> None:
+    """After a shared statement failed, its items are written one by one: one that fails
+    there too gets its error, and the callers of the others get theirs, the ones written
+    before it included (their rows landed)."""
+    claims = await claimed_runs(pool, 4)
+    taken, bad = claims[1], claims[2]
+    await append_events_many(pool, [(taken, delta(taken, "first"))])  # its next seq is taken
+    appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
+    batches = [(claims[0], delta(claims[0], "zero")), (taken, delta(taken, "again")),
+               (bad, bad_row(bad)), (claims[3], delta(claims[3], "three"))]
+    before = appends.batches
+    outcomes = await asyncio.gather(*(append_events_batched(appends, c, events)
+                                      for c, events in batches), return_exceptions=True)
+    assert appends.batches - before == 1
+    assert outcomes[0] is None and outcomes[3] is None
+    assert isinstance(outcomes[1], SeqConflict)
+    assert isinstance(outcomes[2], asyncpg.CheckViolationError)
+    for i in (0, 3):
+        assert [r["payload"]["delta"] for r in await read_journal(pool, claims[i].run_id)
+                if r["type"] == EventType.CONTENT_DELTA] == ["zero" if i == 0 else "three"]
+    # The same for terminal writes.
+    ending = await claimed_runs(pool, 3)
+    await append_events_many(pool, [(ending[1], delta(ending[1], "first"))])
+    ended = await finish_runs(pool, [
+        Finish(ending[0], RunStatus.COMPLETED, ending[0].last_seq + 1, content="done"),
+        Finish(ending[1], RunStatus.COMPLETED, ending[1].last_seq + 1, content="taken"),
+        Finish(ending[2], RunStatus.COMPLETED, ending[2].last_seq + 2,
+               last=bad_row(ending[2]), content="never")])
+    assert isinstance(ended[0], uuid.UUID)
+    assert isinstance(ended[1], SeqConflict)
+    assert isinstance(ended[2], asyncpg.CheckViolationError)
