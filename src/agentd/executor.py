@@ -80,10 +80,13 @@ NOT_RUN_STOPPED = "not run: the turn was stopped while the call waited for appro
 
 @dataclass(frozen=True)
 class Journaled:
-    """Where a turn's committed journal rows go in this process, and the hint that follows."""
+    """Where a turn's committed journal rows go in this process, the hint that follows, and
+    who is told when the turn is over here (its rows are let go then: its `complete` is
+    written by the terminal write's SQL, never handed over)."""
 
     rows: Callable[[UUID, Sequence[Event]], None]
     hint: Hint
+    ended: Callable[[UUID], None]
 
 
 class TooManyToolSteps(ProviderError):
@@ -191,6 +194,8 @@ class TurnRunner:
                 return False
         finally:
             self._keeper.release(claim.run_id)
+            if self._journaled is not None:
+                self._journaled.ended(claim.run_id)
 
     async def _execute(self, turn: _Turn, cancel: asyncio.Event, lost: asyncio.Event,
                        ctx: dict[str, Any]) -> bool:

@@ -759,7 +759,8 @@ async def append_events_many(db: Db,
                              batches: Sequence[JournalBatch]) -> list[Journaled | Exception]:
     """Several runs' journal batches in one statement and one commit; per batch the rows it
     became (as a read would return them; empty when it was written alone), or the LeaseLost /
-    SeqConflict (or another error of its own) its own append_events would have raised."""
+    SeqConflict (or another error of its own) its own append_events would have raised. Sends
+    no hints (callers do, once committed)."""
     rows: list[tuple[UUID, UUID, int, str, str]] = [
         (claim.run_id, claim.claim_token, e.seq, str(e.type),
          json.dumps(e.payload, ensure_ascii=False))
@@ -792,8 +793,13 @@ async def append_events_many(db: Db,
 
 
 async def _append_alone(db: Db, claim: Claim, events: Sequence[NewEvent]) -> Journaled:
-    await append_events(db, claim, events)
+    # No hint of its own: as after the shared statement, the caller sends one once told.
+    await append_events(db, claim, events, hint=_no_hint)
     return ()  # landed; its rows are not at hand (the caller's tails read them)
+
+
+def _no_hint(_channel: Channel, _payload: str) -> None:
+    """A hint that goes nowhere (a caller sends it later)."""
 
 
 # A shared statement that fails for what one of its runs brought (a seq someone took, a value
@@ -829,12 +835,15 @@ async def append_events_batched(batcher: Appends, claim: Claim,
                                 journaled: Callable[[UUID, Journaled], None] | None = None,
                                 ) -> None:
     """append_events in the next shared statement (group_commit.Batcher over
-    append_events_many): the same fence, the same errors. After the commit, the rows written go
-    to `journaled` (when it is given and they are known), then the hint."""
+    append_events_many): the same fence, the same errors. After the commit, `journaled` (when
+    given) is told the rows written, then the hint goes out. It is told even when they are not
+    known (empty: the batch was written alone, rows unread), so that it lets go of the run's
+    older rows: a tail woken by a "rows at hand" hint then reads the database instead of
+    finding nothing newer held and sending nothing (shared_reads.py)."""
     if not events:
         return
     rows = await batcher.submit((claim, events))
-    if journaled is not None and rows:
+    if journaled is not None:
         journaled(claim.run_id, rows)
     await _send_hints(batcher.db, hint, [(Channel.RUN_EVENT, str(claim.run_id))])
 

@@ -204,7 +204,8 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     runner = TurnRunner(pool, hub, keeper, settings, providers, tools, hint=notifier.notify,
                         metrics=metrics, finishes=finishes, appends=appends,
                         journaled=Journaled(runtime.reads.journaled,
-                                            notifier.notify_rows_at_hand))
+                                            notifier.notify_rows_at_hand,
+                                            runtime.reads.ended))
     dispatcher = Dispatcher(pool, hub, settings, worker_id, runner.run, load, metrics,
                             hint=notifier.notify)
     runtime.dispatcher = dispatcher

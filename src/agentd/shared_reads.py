@@ -40,10 +40,22 @@ class _Flight:
         self.joinable = True
 
 
-# The newest rows kept per run this process writes, and how many runs are kept (least recently
-# written first out): a tail further behind than this reads the database.
+# The newest rows kept per run this process writes, how many runs are kept, and how much text
+# they may carry all together (a tool result alone may be 100,000 characters): past either
+# bound the least recently written runs go first. A tail further behind reads the database.
 HELD_ROWS_PER_RUN = 64
 HELD_RUNS = 20_000
+HELD_CHARS = 32_000_000
+
+
+class _Held:
+    """One run's newest rows written here, and the characters of text they carry."""
+
+    __slots__ = ("chars", "rows")
+
+    def __init__(self) -> None:
+        self.rows: deque[Event] = deque()
+        self.chars = 0
 
 
 class SharedReads:
@@ -52,7 +64,8 @@ class SharedReads:
 
     def __init__(self, pool: asyncpg.Pool) -> None:
         self.pool = pool
-        self._held: OrderedDict[UUID, deque[Event]] = OrderedDict()
+        self._held: OrderedDict[UUID, _Held] = OrderedDict()
+        self.held_chars = 0  # the text all held rows carry
         self.served_held = 0  # reads answered from rows at hand
         self._flights: dict[Hashable, _Flight] = {}
         # Event reads for the next query: run, cursor, limit, flight key, flight.
@@ -62,29 +75,59 @@ class SharedReads:
         self.issued = 0  # queries sent for them (asked - issued were shared)
 
     def journaled(self, run_id: UUID, rows: Sequence[Event]) -> None:
-        """Rows of the run's journal this process has just committed, in seq order."""
+        """Rows of the run's journal this process has just committed, in seq order; none when
+        a batch committed without its rows at hand (then what is held no longer follows on,
+        and the run's tails read the database)."""
+        if not rows:
+            self.ended(run_id)
+            return
         held = self._held.get(run_id)
         if held is None:
-            held = self._held[run_id] = deque(maxlen=HELD_ROWS_PER_RUN)
-            if len(self._held) > HELD_RUNS:
-                self._held.popitem(last=False)
+            held = self._held[run_id] = _Held()
         else:
             self._held.move_to_end(run_id)
-            if held and rows[0].seq != held[-1].seq + 1:
-                held.clear()  # a batch went by unseen: what is held no longer follows on
-        held.extend(rows)
+            if held.rows and rows[0].seq != held.rows[-1].seq + 1:
+                self._drop(held, len(held.rows))  # a batch went by unseen
+        for row in rows:
+            chars = _chars(row.payload)
+            held.rows.append(row)
+            held.chars += chars
+            self.held_chars += chars
+        self._drop(held, len(held.rows) - HELD_ROWS_PER_RUN)
         if rows[-1].type == EventType.COMPLETE:
-            del self._held[run_id]
+            self.ended(run_id)
+        while self._held and (len(self._held) > HELD_RUNS or self.held_chars > HELD_CHARS):
+            self._forget(next(iter(self._held)))
+
+    def ended(self, run_id: UUID) -> None:
+        """The run ended in this process (finished, or its lease lost): its rows are let go.
+        Its `complete` is written by the terminal write in SQL and is never handed over."""
+        if run_id in self._held:
+            self._forget(run_id)
+
+    def _forget(self, run_id: UUID) -> None:
+        self.held_chars -= self._held.pop(run_id).chars
+
+    def _drop(self, held: _Held, count: int) -> None:
+        """Let go of the run's `count` oldest rows."""
+        for _ in range(max(count, 0)):
+            chars = _chars(held.rows.popleft().payload)
+            held.chars -= chars
+            self.held_chars -= chars
 
     def held_after(self, run_id: UUID, after_seq: int) -> list[Event] | None:
         """The run's rows after `after_seq` that this process wrote and holds, when they follow
         on from it with nothing missing in between ([] when it holds nothing newer); None when
         they do not (read the database)."""
         held = self._held.get(run_id)
-        if not held or held[0].seq > after_seq + 1:
+        if held is None or not held.rows or held.rows[0].seq > after_seq + 1:
             return None
         self.served_held += 1
-        return [e for e in held if e.seq > after_seq]
+        return [e for e in held.rows if e.seq > after_seq]
+
+    def held_runs(self) -> int:
+        """How many runs have rows held here."""
+        return len(self._held)
 
     async def _shared(self, key: Hashable, query: Callable[[], Awaitable[T]]) -> T:
         self.asked += 1
@@ -176,3 +219,15 @@ class SharedReads:
         return await self._shared(
             ("runs", conversation_id, watermark, opened),
             lambda: runs_since(self.pool, conversation_id, watermark, list(opened)))
+
+
+def _chars(value: Any) -> int:
+    """The characters of text in a row's payload (its strings and keys): what holding it costs,
+    near enough."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + _chars(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_chars(v) for v in value)
+    return 8

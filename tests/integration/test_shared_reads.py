@@ -6,26 +6,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from uuid import UUID
 
 import asyncpg
 
 from agentd import db as dbmod
+from agentd.executor import Journaled, TurnRunner
 from agentd.group_commit import Batcher
+from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
 from agentd.journal import Emitter
+from agentd.metrics import Metrics
 from agentd.notifier import Notifier
+from agentd.providers import ProviderRegistry
 from agentd.queue import (
     Claim,
     Event,
+    NewEvent,
+    SeqConflict,
+    WorkerReport,
+    append_events_batched,
     append_events_many,
     claim_runs,
     finish_run,
+    finish_runs,
     read_events,
     reap_expired,
 )
+from agentd.settings import load_settings
 from agentd.shared_reads import SharedReads
 from agentd.tail import FeedCursor, FeedItem, Recheck, conversation_feed, run_tail
+from agentd.tools import default_tools
 from agentd.vocabulary import Channel, EventType, RunStatus
 from tests.integration.helpers import DEFAULT_TIMEOUT_S
 from tests.support.daemon import poll_until
@@ -280,3 +293,92 @@ async def reap_now(pool: asyncpg.Pool, claim: Claim) -> bool:
     await pool.execute("UPDATE agent_run SET lease_expires_at = clock_timestamp()"
                        " WHERE id = $1", claim.run_id)
     return claim.run_id in await reap_expired(pool)
+
+
+# Shorter than a tail's poll while NOTIFY works (tail.poll_interval: 5 s): what it gets within
+# this, a hint got it there.
+BEFORE_ITS_POLL_S = 3.0
+
+
+async def test_a_batch_written_alone_sends_the_tails_its_hint_wakes_to_the_database(
+        pool: asyncpg.Pool, dsn: str) -> None:
+    """A shared statement that failed is written again batch by batch, and the rows of those
+    writes are not handed over: a tail woken by their "rows at hand" hint must read them, not
+    find nothing newer held and send nothing until its next poll."""
+    async with own_run(pool, dsn) as (hub, notifier, claim, reads, _emitter):
+        appends = Batcher(pool, lambda batches: append_events_many(pool, batches))
+        emitter = Emitter(pool, claim, flush_interval_s=3600,
+                          hint=notifier.notify_rows_at_hand, appends=appends,
+                          journaled=reads.journaled)
+        got: list[Event] = []
+
+        async def tail() -> None:
+            async for event in run_tail(pool, hub, claim.run_id, claim.last_seq,
+                                        keepalive_s=3600, reads=reads):
+                if event is not None:
+                    got.append(event)
+
+        task = asyncio.create_task(tail())
+        try:
+            await emitter.delta("first ")  # handed over: the tail takes it from what is held
+            await poll_until(lambda: len(got) == 1, DEFAULT_TIMEOUT_S, interval=0.002,
+                             what="the tail to get the first delta")
+            # Another run, whose next seq someone took, shares the next statement: it fails
+            # whole, and each batch is written alone.
+            other = await start_run(pool)
+            taken = [NewEvent(other.last_seq + 1, EventType.CONTENT_DELTA, {"delta": "x"})]
+            await append_events_many(pool, [(other, taken)])
+            await emitter.delta("second")
+            before = appends.batches
+            outcomes = await asyncio.gather(emitter.flush(),
+                                            append_events_batched(appends, other, taken),
+                                            return_exceptions=True)
+            assert appends.batches - before == 1
+            assert outcomes[0] is None and isinstance(outcomes[1], SeqConflict)
+            await poll_until(lambda: len(got) == 2, BEFORE_ITS_POLL_S, interval=0.002,
+                             what="the tail to get the batch written alone")
+            assert got[1].payload == {"delta": "second"}
+        finally:
+            await _cancel([task])
+
+
+async def test_a_turn_that_ends_in_this_process_lets_go_of_its_held_rows(
+        pool: asyncpg.Pool, dsn: str, tmp_path: Path) -> None:
+    """A turn's `complete` is written by its terminal write's SQL and never handed over: its
+    rows held for the process's tails are let go when the turn ends here, not kept until
+    other runs push them out."""
+    config = tmp_path / "agentd.toml"
+    config.write_text("")
+    settings = load_settings(config, env={"AGENTD_HEARTBEAT_S": "1", "AGENTD_FLUSH_MS": "20"})
+    async with own_run(pool, dsn) as (hub, notifier, _claim, reads, _emitter):
+        keeper = LeaseKeeper(dsn, hub, settings, Metrics(),
+                             report=lambda: WorkerReport("held-rows-worker", "test", 0))
+        keeper.start()
+        providers = ProviderRegistry(settings)
+        handed: list[UUID] = []
+
+        def rows(run_id: UUID, events: Sequence[Event]) -> None:
+            handed.append(run_id)
+            reads.journaled(run_id, events)
+
+        try:
+            runner = TurnRunner(
+                pool, hub, keeper, settings, providers, default_tools(), hint=notifier.notify,
+                finishes=Batcher(pool, lambda items: finish_runs(pool, items)),
+                appends=Batcher(pool, lambda batches: append_events_many(pool, batches)),
+                journaled=Journaled(rows, notifier.notify_rows_at_hand, reads.ended))
+            tenant = await new_tenant(pool)
+            run = await enqueue(pool, tenant.account_id, tenant.conversation_id, "go",
+                                request={"content": "go", "model": "demo",
+                                         "params": {"tokens": 5, "delay_ms": 0}})
+            [claim] = await claim_runs(pool, worker_id="held-rows-worker", lease_ttl_s=LONG_S)
+            assert claim.run_id == run.run_id
+            assert await runner.run(claim)
+            assert claim.run_id in handed, "no row of the turn was held: nothing was proven"
+            assert reads.held_after(claim.run_id, claim.last_seq) is None
+            status = await pool.fetchval("SELECT status FROM agent_run WHERE id = $1",
+                                         claim.run_id)
+            assert status == RunStatus.COMPLETED
+        finally:
+            await keeper.close()
+            await providers.close()
