@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                            help="where the embedded PostgreSQL keeps its data")
 
     serve = commands.add_parser("serve", help="run the daemon in the foreground",
-                                description="Run agentd until SIGTERM/SIGINT (then drain).")
+                                description="Run agentd until SIGTERM, SIGINT or SIGHUP "
+                                            "(then drain).")
     db_options(serve)
     serve.add_argument("--listen", metavar="HOST:PORT", help="HTTP address "
                        "(default 127.0.0.1:8740; any other than loopback serves HTTPS)")

@@ -802,18 +802,20 @@ def _no_hint(_channel: Channel, _payload: str) -> None:
     """A hint that goes nowhere (a caller sends it later)."""
 
 
-# A shared statement that fails for what one of its runs brought (a seq someone took, a value
-# PostgreSQL refuses, a constraint) wrote nothing, and is written again one run at a time so
-# that only that run gets the error. One that fails for the database's state is not: a lost
-# connection, a shutdown or a timeout (SQLSTATE classes 08, 57), a deadlock (40), no memory
-# or disk (53, 58) would fail each alone the same way, and the writers retry it whole.
-_NOT_THE_ROWS = ("08", "40", "53", "57", "58")
+# A shared statement that fails for what one of its runs brought wrote nothing, and is written
+# again one run at a time so that only that run gets the error: a value PostgreSQL refuses
+# (SQLSTATE class 22), a constraint (23), a value too large (54). Anything else says something
+# about the database or the session, not one row (a lost connection, a lock or statement
+# timeout, a deadlock, a read-only server, a bug): each alone would fail the same way, after
+# waiting as long (a lock timeout, up to 64 times over), so the batch fails whole and the
+# writers retry it or give up as for one write.
+_ONE_ROWS_FAULT = ("22", "23", "54")
 
 
 def _one_to_blame(exc: asyncpg.PostgresError) -> bool:
     """Whether one of the statement's runs may be to blame for its failure (see above)."""
     sqlstate = getattr(exc, "sqlstate", None) or ""
-    return not sqlstate.startswith(_NOT_THE_ROWS) and not lost_race(exc)
+    return sqlstate.startswith(_ONE_ROWS_FAULT)
 
 
 async def _each_alone(items: Sequence[_I],

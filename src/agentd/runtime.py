@@ -1,8 +1,9 @@
 """The daemon's lifecycle: listen address → database → migrate → reconcile → hub → dispatcher →
 HTTP, and back. The address is bound first, so a busy one fails before anything was touched.
 
-SIGTERM/SIGINT run the two-phase drain: stop claiming at once, let in-flight turns finish within
-drain_s, cancel the rest (finalized failed, never re-queued), close, exit 0.
+SIGTERM, SIGINT and SIGHUP (unless started under nohup) run the two-phase drain: stop claiming at
+once, let in-flight turns finish within drain_s, cancel the rest (finalized failed, never
+re-queued), close, exit 0.
 """
 
 from __future__ import annotations
@@ -53,7 +54,13 @@ from agentd.startup import (
     open_database,
     raise_open_files_limit,
 )
-from agentd.supervisor import DATABASE_STOP_S, STOP_MARGIN_S, Handoff, watch_parent
+from agentd.supervisor import (
+    DATABASE_STOP_S,
+    STOP_MARGIN_S,
+    Handoff,
+    on_stop_signals,
+    watch_parent,
+)
 from agentd.systemd import sd_notify, stopping
 from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
 from agentd.tools import ToolRegistry, default_tools
@@ -123,15 +130,14 @@ def build_app(runtime: Runtime) -> web.Application:
 
 
 async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
-    """Run until SIGTERM/SIGINT; returns the exit code.
+    """Run until SIGTERM, SIGINT or SIGHUP; returns the exit code.
 
     `handoff`: this process is a worker of a supervisor (agentd.supervisor): it serves on the
     sockets it inherited and reports readiness to the supervisor instead of systemd.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a closed terminal drains too
-        loop.add_signal_handler(signum, stop.set)
+    on_stop_signals(loop, stop)
     # Bound (not listening) before the database is opened: a busy address touches nothing.
     sockets = handoff.sockets if handoff else bind_listen_sockets(settings.listen_host,
                                                                   settings.listen_port)

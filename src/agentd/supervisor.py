@@ -43,12 +43,23 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each starts the
 
 RESTART_MIN_S = 0.5
 RESTART_MAX_S = 30.0
-STABLE_S = 10.0  # a worker that lived this long restarts at once; one that did not, backs off
+STABLE_S = 10.0  # a worker that served this long restarts after RESTART_MIN_S; else it backs off
 STOP_MARGIN_S = 30.0  # beyond drain_s, before a worker that does not exit is killed
-DATABASE_STOP_S = 30.0  # beyond the workers' stop, for the embedded PostgreSQL's own
+# Beyond the workers' stop, for the embedded PostgreSQL's own: pg_ctl waits up to 60 s for
+# the fast shutdown's checkpoint, and is given 30 s more (embedded_pg/server.py).
+DATABASE_STOP_S = 90.0
 # Connections a worker opens besides its pool: the hub's LISTEN and the heartbeat's.
 WORKER_OWN_CONNECTIONS = 2
 CROWDED = "too many workers for the server's connections"
+
+
+def on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """SIGTERM, SIGINT and SIGHUP (a closed terminal) set `stop`, which starts the drain. A
+    SIGHUP this process was started ignoring (`nohup agentd serve`) stays ignored."""
+    for signum in STOP_SIGNALS:
+        if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
+            continue
+        loop.add_signal_handler(signum, stop.set)
 
 
 def worker_count(settings: Settings) -> int:
@@ -77,7 +88,10 @@ def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup"),
         return None
     limits: list[float] = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue  # not a membership line: nothing to read a quota from
+        _, controllers, path = fields
         if controllers == "":  # cgroup v2: "0::/path", the quota in cpu.max
             limits += _quotas(root, path, lambda d: _v2_quota(d / "cpu.max"))
         elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
@@ -128,9 +142,10 @@ def fit_workers(count: int, settings: Settings, budget: int) -> tuple[int, str |
     fits = max(0, budget) // each
     if count <= fits:
         return count, None
-    why = (f"{count} workers need up to {count * each} connections ({each} each: pool_max "
-           f"{settings.pool_max} and {WORKER_OWN_CONNECTIONS} of its own), but the server lets "
-           f"agentd open {budget}")
+    parts = "its LISTEN and heartbeat; its pool goes through the pooler" if settings.pooled \
+        else f"pool_max {settings.pool_max}, its LISTEN and heartbeat"
+    why = (f"{count} workers need up to {count * each} connections ({each} each: {parts}), "
+           f"but the server lets agentd open {budget}")
     if settings.workers > 0:
         return 0, f"{why}: lower workers or pool_max, or raise max_connections"
     return max(1, fits), f"{why}: starting {max(1, fits)}"
@@ -212,6 +227,7 @@ class Fleet:
         self.workers: dict[int, Worker] = {}
         self.restarts = 0
         self.failing: dict[int, int] = {}  # slot -> exits in a row before it served for long
+        self._handing: set[asyncio.Task[None]] = set()  # config hand-offs under way
 
     def _command(self) -> list[str]:
         # --config only names the file in messages: the text comes on stdin (CONFIG_ENV).
@@ -244,7 +260,6 @@ class Fleet:
             raise
         finally:
             os.close(write_fd)
-        await self._hand_config(process)
         ready: asyncio.Future[bool] = loop.create_future()
 
         def readable() -> None:
@@ -260,6 +275,11 @@ class Fleet:
         loop.add_reader(read_fd, readable)
         worker = Worker(slot, process, time.monotonic(), ready)
         self.workers[slot] = worker
+        # Handed over beside the rest, not awaited: a worker that stalls before reading a
+        # config larger than the pipe holds must not stall the supervisor (a stop ends it).
+        handing = loop.create_task(self._hand_config(process))
+        self._handing.add(handing)
+        handing.add_done_callback(self._handing.discard)
         log.info("worker started", extra={"slot": slot, "pid": process.pid})
         return worker
 
@@ -268,12 +288,14 @@ class Fleet:
         has closed its end: its exit is seen and handled as any other."""
         stdin = process.stdin
         assert stdin is not None
-        with contextlib.suppress(ConnectionError):
+        try:
             if self.config.text is not None:
                 stdin.write(self.config.text.encode("utf-8"))
                 await stdin.drain()
-            stdin.close()
-            await stdin.wait_closed()
+        except ConnectionError:
+            pass
+        finally:
+            stdin.close()  # end of file, also when a stop cut the hand-off short
 
     async def start(self, stop: asyncio.Event) -> bool:
         """Start every worker; True once all serve, False when `stop` came first.
@@ -364,9 +386,12 @@ class Fleet:
     async def stop(self, budget_s: float) -> bool:
         """SIGTERM every live worker (each drains), wait up to `budget_s`, kill the rest.
 
-        True when each stopped cleanly: exited 0, or ended by the SIGTERM itself (a worker
-        still starting has no handler yet, and holds no turn). A worker that had died before
-        the stop was already restarted or being restarted, and is not counted again."""
+        True when each stopped cleanly: exited 0, or ended by a stop signal itself (a worker
+        still starting has no handler yet, and holds no turn; a terminal's Ctrl-C or hang-up
+        reaches the workers too, as they share its process group). A worker that had died
+        before the stop was already restarted or being restarted, and is not counted again."""
+        for handing in list(self._handing):
+            handing.cancel()
         live = [w for w in self.workers.values() if w.process.returncode is None]
         self.signal_all(signal.SIGTERM)
         try:
@@ -378,7 +403,7 @@ class Fleet:
             self.signal_all(signal.SIGKILL)
             await asyncio.gather(*(w.process.wait() for w in self.workers.values()))
             return False
-        return all(code in (0, -signal.SIGTERM) for code in codes)
+        return all(code == 0 or -code in STOP_SIGNALS for code in codes)
 
 
 FAILING_AFTER = 3  # exits in a row before systemd's status line names the worker
@@ -411,8 +436,7 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in STOP_SIGNALS:
-        loop.add_signal_handler(signum, stop.set)
+    on_stop_signals(loop, stop)
     sockets = bind_listen_sockets(settings.listen_host, settings.listen_port)
     try:
         # Made once here, so N workers starting together only ever load it.

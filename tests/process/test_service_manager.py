@@ -1,6 +1,7 @@
 """What a service manager sees of one `agentd serve`: READY=1 once it serves, and at a stop
 STOPPING=1 with how long the drain may take (so systemd's own stop timeout does not cut a longer
-drain short). SIGHUP (a closed terminal) drains as SIGTERM does rather than kill turns mid-way.
+drain short). SIGHUP (a closed terminal) drains as SIGTERM does rather than kill turns mid-way;
+under nohup it stays ignored.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import signal
 
 from agentd.vocabulary import RunStatus
 from tests.process.helpers import wait_status
+from tests.support.daemon import Daemon, launch, tracked_daemons
 from tests.support.factories import enqueue_demo, new_account, new_conversation
 from tests.support.journal import assistant_messages, run_row
 from tests.support.notify import notify_socket
@@ -39,3 +41,24 @@ async def test_sighup_drains_the_turn_in_flight_and_exits_zero(spawn_daemon, poo
     assert row["status"] == RunStatus.COMPLETED, row["error"]
     [answer] = await assistant_messages(pool, turn.run_id)
     assert answer["content"] == turn.expected
+
+
+class NohupDaemon(Daemon):
+    """`nohup agentd serve`: started with SIGHUP ignored."""
+
+    def command(self) -> list[str]:
+        return ["nohup", *super().command()]
+
+
+async def test_under_nohup_sighup_stays_ignored(request, dsn, tmp_path, pool):
+    daemon = launch(tracked_daemons(request), NohupDaemon, dsn=dsn, tmp_path=tmp_path,
+                    name="nohup", env=None, args=(), settings={})
+    await daemon.wait_ready()
+    daemon.send_signal(signal.SIGHUP)
+    # Still claiming (a drain would have stopped that at once), and still serving.
+    account = await new_account(pool)
+    turn = await enqueue_demo(pool, account, await new_conversation(pool, account), "still",
+                              tokens=3)
+    await wait_status(pool, turn.run_id, RunStatus.COMPLETED, timeout=20)
+    assert (await daemon.readyz())["status"] == "ready"
+    assert "drained" not in daemon.log_text()

@@ -10,7 +10,6 @@ refused, or, by default, made smaller.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 
 import httpx
@@ -18,6 +17,8 @@ import psutil
 import pytest
 
 from agentd.db import connection_budget
+from agentd.settings import Settings
+from agentd.supervisor import worker_count
 from agentd.vocabulary import RunStatus
 from tests.process.helpers import wait_status
 from tests.remote.helpers import spawn_remote
@@ -225,7 +226,7 @@ async def test_workers_the_servers_connections_cannot_hold_are_refused(spawn_dae
     assert not processes_of(daemon)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the default is one worker here")
+@pytest.mark.skipif(worker_count(Settings()) < 2, reason="the default is one worker here")
 async def test_the_default_worker_count_is_lowered_to_what_the_server_holds(spawn_daemon, pool):
     budget = await connection_budget(pool)
     daemon = spawn_daemon(workers=0, pool_max=budget // 2)

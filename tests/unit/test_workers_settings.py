@@ -88,6 +88,16 @@ def test_v2_a_container_sees_its_own_quota_at_the_root(tmp_path: Path) -> None:
     assert _cgroup(tmp_path, "0::/docker/abc\n", {"cpu.max": "300000 100000\n"}) == 3.0
 
 
+def test_hybrid_the_v1_cpu_controller_beside_an_empty_v2_hierarchy(tmp_path: Path) -> None:
+    files = {"cpu/app/cpu.cfs_quota_us": "150000\n", "cpu/app/cpu.cfs_period_us": "100000\n"}
+    membership = "0::/app\n1:cpu:/app\n2:cpuacct:/app\n3:name=systemd:/app\n"
+    assert _cgroup(tmp_path, membership, files) == 1.5
+
+
+def test_a_line_that_is_not_a_membership_is_skipped(tmp_path: Path) -> None:
+    assert _cgroup(tmp_path, "garbage\n\n0::/\n", {"cpu.max": "100000 100000\n"}) == 1.0
+
+
 def test_no_quota_anywhere_is_no_limit(tmp_path: Path) -> None:
     assert _cgroup(tmp_path, "0::/a/b\n", {"a/b/cpu.max": "max 100000\n"}) is None
     assert _cgroup(tmp_path, "0::/a\n", {}) is None
