@@ -148,7 +148,8 @@ class Daemon:
         self.proc = subprocess.Popen(
             self.command(), stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT, env=self.environment(), cwd=self.workdir,
-            start_new_session=True)  # own process group: signals and cleanup reach only it
+            start_new_session=True,  # own process group: signals and cleanup reach only it
+            preexec_fn=_hangup_as_from_a_terminal)
         return self
 
     @property
@@ -306,6 +307,12 @@ class Daemon:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def _hangup_as_from_a_terminal() -> None:
+    """SIGHUP at its default, as a shell gives it: a test runner started under nohup passes it
+    on ignored, and agentd keeps an ignored SIGHUP ignored."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 async def _returned(proc: subprocess.Popen[bytes]) -> bool:
