@@ -686,19 +686,13 @@ async def finish_runs(db: Db, finishes: Sequence[Finish]) -> list[FinishOutcome]
             seqs=[f.seq for f in finishes], event_run_ids=[run for run, _ in events],
             event_seqs=[e.seq for _, e in events], event_types=[str(e.type) for _, e in events],
             event_payloads=[json.dumps(e.payload, ensure_ascii=False) for _, e in events]))
-    except asyncpg.UniqueViolationError:
-        if len(finishes) == 1:
+    except asyncpg.PostgresError as exc:
+        if len(finishes) == 1 and isinstance(exc, asyncpg.UniqueViolationError):
             # Someone else wrote one of our seqs: a finalizer, after fencing us out (or, for
             # the backstop's max+1, an append that committed between snapshot and lock).
             return [SeqConflict(finishes[0].claim.run_id, "terminal write")]
-        if _in_transaction(db):
-            raise  # the transaction is spoilt: its owner decides
-        # Nothing was written; each alone tells whose seq was taken.
-        return await _each_alone(finishes, lambda f: _finish_alone(db, f))
-    except asyncpg.PostgresError as exc:
-        if len(finishes) == 1 or _in_transaction(db) or not _one_to_blame(exc):
+        if not _written_alone_after(db, exc, len(finishes)):
             raise
-        # Nothing was written; each alone, so that only the run to blame gets the error.
         return await _each_alone(finishes, lambda f: _finish_alone(db, f))
     ended = {row["id"]: row["message_id"] for row in rows}
     return [ended[f.claim.run_id] if f.claim.run_id in ended
@@ -770,14 +764,12 @@ async def append_events_many(db: Db,
             run_ids=[r[0] for r in rows], claim_tokens=[r[1] for r in rows],
             seqs=[r[2] for r in rows], types=[r[3] for r in rows],
             payloads=[r[4] for r in rows]))
-    except asyncpg.UniqueViolationError:
-        # Someone took a seq of one of them (a finalizer, after fencing it out): nothing was
-        # written; each alone tells whose.
-        return await _each_alone(batches, lambda batch: _append_alone(db, *batch))
     except asyncpg.PostgresError as exc:
-        if len(batches) == 1 or _in_transaction(db) or not _one_to_blame(exc):
+        if len(batches) == 1 and isinstance(exc, asyncpg.UniqueViolationError):
+            # Someone took one of its seqs (a finalizer, after fencing it out).
+            return [SeqConflict(batches[0][0].run_id, "journal append")]
+        if not _written_alone_after(db, exc, len(batches)):
             raise
-        # Nothing was written; each alone, so that only the run to blame gets the error.
         return await _each_alone(batches, lambda batch: _append_alone(db, *batch))
     stamps: dict[UUID, dict[int, datetime]] = {}
     for row in found:
@@ -812,10 +804,13 @@ def _no_hint(_channel: Channel, _payload: str) -> None:
 _ONE_ROWS_FAULT = ("22", "23", "54")
 
 
-def _one_to_blame(exc: asyncpg.PostgresError) -> bool:
-    """Whether one of the statement's runs may be to blame for its failure (see above)."""
+def _written_alone_after(db: Db, exc: asyncpg.PostgresError, runs: int) -> bool:
+    """Whether a shared statement of `runs` runs that failed with `exc` (and so wrote nothing)
+    is written again one run at a time: one of its runs may be to blame (see above; a seq
+    someone took is one such), there are runs to tell apart, and no caller's transaction is
+    spoilt (its owner decides)."""
     sqlstate = getattr(exc, "sqlstate", None) or ""
-    return sqlstate.startswith(_ONE_ROWS_FAULT)
+    return runs > 1 and sqlstate.startswith(_ONE_ROWS_FAULT) and not _in_transaction(db)
 
 
 async def _each_alone(items: Sequence[_I],

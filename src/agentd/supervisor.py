@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentd.settings import ConfigSource, Settings
+from agentd.settings import ConfigSource, Settings, config_path
 from agentd.systemd import sd_notify, stopping
 
 log = logging.getLogger("agentd.supervisor")
@@ -43,6 +43,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each starts the
 
 RESTART_MIN_S = 0.5
 RESTART_MAX_S = 30.0
+FAILING_AFTER = 3  # exits in a row before systemd's status line names the worker
 STABLE_S = 10.0  # a worker that served this long restarts after RESTART_MIN_S; else it backs off
 STOP_MARGIN_S = 30.0  # beyond drain_s, before a worker that does not exit is killed
 # Beyond the workers' stop, for the embedded PostgreSQL's own: pg_ctl waits up to 60 s for
@@ -156,8 +157,6 @@ def config_from_supervisor(config_file: Path | None) -> ConfigSource | None:
     how = os.environ.pop(CONFIG_ENV, None)
     if how is None:
         return None
-    from agentd.settings import config_path
-
     path, _ = config_path(config_file)
     text = sys.stdin.buffer.read().decode("utf-8") if how == "stdin" else None
     return ConfigSource(path, text)
@@ -405,8 +404,6 @@ class Fleet:
             return False
         return all(code == 0 or -code in STOP_SIGNALS for code in codes)
 
-
-FAILING_AFTER = 3  # exits in a row before systemd's status line names the worker
 
 
 async def _first(work: Any, stop: asyncio.Event) -> bool:

@@ -231,7 +231,9 @@ async def test_workers_the_servers_connections_cannot_hold_are_refused(spawn_dae
     assert not processes_of(daemon)
 
 
-@pytest.mark.skipif(worker_count(Settings()) < 2, reason="the default is one worker here")
+@pytest.mark.skipif(worker_count(Settings()) < 2,
+                    reason="one CPU here: the default is a single process, with no supervisor "
+                           "and no fleet to size (the sizing itself is in the unit tier)")
 async def test_the_default_worker_count_is_lowered_to_what_the_server_holds(spawn_daemon, pool):
     budget = await connection_budget(pool)
     daemon = spawn_daemon(workers=0, pool_max=budget // 2)
