@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 from uuid import UUID
@@ -38,6 +38,13 @@ class _Flight:
     def __init__(self, future: asyncio.Future[Any]) -> None:
         self.future = future
         self.joinable = True
+
+
+# Failures of the database or the connection, which reading each run alone would only repeat.
+_NOT_A_ROW = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
+
+# One event read asked for: run, cursor, limit, its flight's key, its flight.
+_Ask = tuple[UUID, int, int, Hashable, _Flight]
 
 
 # The newest rows kept per run this process writes, how many runs are kept, and how much text
@@ -68,8 +75,8 @@ class SharedReads:
         self.held_chars = 0  # the text all held rows carry
         self.served_held = 0  # reads answered from rows at hand
         self._flights: dict[Hashable, _Flight] = {}
-        # Event reads for the next query: run, cursor, limit, flight key, flight.
-        self._batch: list[tuple[UUID, int, int, Hashable, _Flight]] = []
+        # Event reads for the next query, closed (replaced by a new list) once it is sent.
+        self._batch: list[_Ask] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.asked = 0  # reads tails asked for
         self.issued = 0  # queries sent for them (asked - issued were shared)
@@ -134,11 +141,9 @@ class SharedReads:
         flight = self._flights.get(key)
         if flight is None or not flight.joinable:
             loop = asyncio.get_running_loop()
-            flight = _Flight(loop.create_future())
-            self._flights[key] = flight
-            task = loop.create_task(self._fly(key, flight, query))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            flight = fresh = _Flight(loop.create_future())
+            self._flights[key] = fresh
+            self._start(self._fly(key, fresh, query), lambda: self._abandon([(key, fresh)]))
         # shield: one cancelled reader (a client gone) must not cancel the others' read.
         result: T = await asyncio.shield(flight.future)
         return result
@@ -147,20 +152,38 @@ class SharedReads:
                    query: Callable[[], Awaitable[Any]]) -> None:
         # One loop step for the other subscribers the same hint woke to join, then close.
         await asyncio.sleep(0)
-        flight.joinable = False
-        if self._flights.get(key) is flight:
-            del self._flights[key]
+        self._close(key, flight)
         self.issued += 1
         try:
             result = await query()
-        except asyncio.CancelledError:
-            flight.future.cancel()
-            raise
         except Exception as exc:  # every reader sees the failure as its own read would
-            flight.future.set_exception(exc)
-            flight.future.exception()  # retrieved: no "never retrieved" noise if unread
+            _fail(flight, exc)
             return
         flight.future.set_result(result)
+
+    def _start(self, read: Coroutine[Any, Any, None], abandon: Callable[[], None]) -> None:
+        """Send a read in a task of its own; `abandon` runs when the task ends, however it ends
+        (a task cancelled before its first step runs none of its code, so a `finally` in it
+        would not do)."""
+        task = asyncio.get_running_loop().create_task(read)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: abandon())
+
+    def _close(self, key: Hashable, flight: _Flight) -> None:
+        """No one joins the flight from now on (its query is about to go out)."""
+        flight.joinable = False
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+
+    def _abandon(self, flights: Sequence[tuple[Hashable, _Flight]]) -> None:
+        """The task that was to answer these flights has ended (cancelled, as when the loop
+        closes): close them and tell whoever still waits, who would otherwise wait for ever
+        while later askers joined them."""
+        for key, flight in flights:
+            self._close(key, flight)
+            if not flight.future.done():
+                flight.future.cancel()
 
     async def events(self, run_id: UUID, after_seq: int, limit: int) -> list[Event]:
         """The run's journal after `after_seq` (at most `limit` rows); a shared list: read only.
@@ -174,43 +197,54 @@ class SharedReads:
             loop = asyncio.get_running_loop()
             flight = _Flight(loop.create_future())
             self._flights[key] = flight
-            self._batch.append((run_id, after_seq, limit, key, flight))
-            if len(self._batch) == 1:
-                task = loop.create_task(self._fly_events())
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            batch = self._batch
+            batch.append((run_id, after_seq, limit, key, flight))
+            if len(batch) == 1:
+                self._start(self._fly_events(batch), lambda: self._abandon(self._seal(batch)))
         result: list[Event] = await asyncio.shield(flight.future)
         return result
 
-    async def _fly_events(self) -> None:
+    async def _fly_events(self, batch: list[_Ask]) -> None:
         await asyncio.sleep(0)  # one loop step for the others the same hints woke
-        batch, self._batch = self._batch, []
         by_limit: dict[int, list[tuple[tuple[UUID, int], _Flight]]] = {}
-        for run_id, after_seq, limit, key, flight in batch:
-            flight.joinable = False
-            if self._flights.get(key) is flight:
-                del self._flights[key]
+        self._seal(batch)
+        for run_id, after_seq, limit, _, flight in batch:
             by_limit.setdefault(limit, []).append(((run_id, after_seq), flight))
         for limit, flights in by_limit.items():
-            self.issued += 1
-            cursors = [cursor for cursor, _ in flights]
-            try:
-                if len(cursors) == 1:
-                    results = [await read_events(self.pool, cursors[0][0],
-                                                 after_seq=cursors[0][1], limit=limit)]
-                else:
-                    results = await read_events_many(self.pool, cursors, limit)
-            except asyncio.CancelledError:
-                for _, flight in flights:
-                    flight.future.cancel()
-                raise
-            except Exception as exc:  # every reader sees the failure as its own read would
-                for _, flight in flights:
-                    flight.future.set_exception(exc)
-                    flight.future.exception()
-                continue
-            for (_, flight), events in zip(flights, results, strict=True):
-                flight.future.set_result(events)
+            await self._read_events(limit, flights)
+
+    def _seal(self, batch: list[_Ask]) -> list[tuple[Hashable, _Flight]]:
+        """Close the batch to joiners (the next ask starts another) and return its flights."""
+        if self._batch is batch:
+            self._batch = []
+        for _, _, _, key, flight in batch:
+            self._close(key, flight)
+        return [(key, flight) for _, _, _, key, flight in batch]
+
+    async def _read_events(self, limit: int,
+                           flights: list[tuple[tuple[UUID, int], _Flight]]) -> None:
+        """Read the flights' journals in one query and answer each flight."""
+        self.issued += 1
+        cursors = [cursor for cursor, _ in flights]
+        try:
+            if len(cursors) == 1:
+                results = [await read_events(self.pool, cursors[0][0],
+                                             after_seq=cursors[0][1], limit=limit)]
+            else:
+                results = await read_events_many(self.pool, cursors, limit)
+        except Exception as exc:
+            if len(flights) == 1 or isinstance(exc, _NOT_A_ROW):
+                for _, flight in flights:  # each reader sees the failure its own read would
+                    _fail(flight, exc)
+                return
+            # One run's rows can fail a read that others share (a row this version cannot
+            # read, such as an event type a newer agentd writes during a rolling deploy):
+            # each run is read alone, so only that run's tails see the failure.
+            for one in flights:
+                await self._read_events(limit, [one])
+            return
+        for (_, flight), events in zip(flights, results, strict=True):
+            flight.future.set_result(events)
 
     async def runs(self, conversation_id: UUID, watermark: tuple[datetime, UUID],
                    open_run_ids: list[UUID]) -> list[asyncpg.Record]:
@@ -219,6 +253,11 @@ class SharedReads:
         return await self._shared(
             ("runs", conversation_id, watermark, opened),
             lambda: runs_since(self.pool, conversation_id, watermark, list(opened)))
+
+
+def _fail(flight: _Flight, exc: BaseException) -> None:
+    flight.future.set_exception(exc)
+    flight.future.exception()  # retrieved: no "never retrieved" noise if no one reads it
 
 
 def _chars(value: Any) -> int:

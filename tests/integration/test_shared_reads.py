@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from uuid import UUID
 
@@ -382,3 +383,54 @@ async def test_a_turn_that_ends_in_this_process_lets_go_of_its_held_rows(
         finally:
             await keeper.close()
             await providers.close()
+
+
+async def test_a_row_this_version_cannot_read_fails_only_its_own_runs_reads(
+        pool: asyncpg.Pool) -> None:
+    """A newer agentd in the same fleet (a rolling deploy) may journal an event type this one
+    does not know: the tails of that run see their read fail, and the other runs whose reads
+    shared its query still get their rows."""
+    claims = [await start_run(pool) for _ in range(3)]
+    for claim in claims:
+        emitter = Emitter(pool, claim, flush_interval_s=3600)
+        await emitter.delta(f"text of {claim.run_id}")
+        await emitter.flush()
+    odd = claims[1]
+    await pool.execute("ALTER TABLE run_event DROP CONSTRAINT run_event_type_check")
+    await pool.execute(
+        "INSERT INTO run_event (run_id, seq, type, payload) SELECT $1, max(seq) + 1,"
+        " 'a_newer_type', '{}' FROM run_event WHERE run_id = $1", odd.run_id)
+    reads = SharedReads(pool)
+    got = await asyncio.gather(*(reads.events(c.run_id, c.last_seq, 500) for c in claims),
+                               return_exceptions=True)
+    assert isinstance(got[1], ValueError), got[1]
+    for claim, events in zip(claims, got, strict=True):
+        if claim is not odd:
+            assert events == await read_events(pool, claim.run_id, after_seq=claim.last_seq)
+            assert isinstance(events, list) and events[-1].payload["delta"].startswith("text")
+    assert reads.issued == 1 + len(claims)  # the shared query, then each run alone
+
+
+async def test_a_read_cancelled_before_it_is_sent_leaves_no_reader_waiting(
+        pool: asyncpg.Pool) -> None:
+    """The task that sends a shared read can be cancelled in the loop step it waits for others
+    to join (the loop is closing): its readers are told, and the next ask is sent on its own
+    rather than joined to a read no task will send."""
+    claim = await start_run(pool)
+    reads = SharedReads(pool)
+    never = (datetime(1970, 1, 1, tzinfo=UTC), UUID(int=0))
+    asks: list[Callable[[], Awaitable[object]]] = [
+        lambda: reads.events(claim.run_id, 0, 500),
+        lambda: reads.runs(claim.conversation_id, never, []),
+    ]
+    for ask in asks:
+        waiting = asyncio.create_task(ask())
+        await poll_until(lambda: len(reads._tasks) == 1, DEFAULT_TIMEOUT_S, interval=0,
+                         what="the read's task started")
+        [flight] = reads._tasks
+        flight.cancel()
+        done, _ = await asyncio.wait([waiting], timeout=DEFAULT_TIMEOUT_S)
+        assert done, "a reader of the cancelled read was left waiting"
+        assert waiting.cancelled()
+        again = await asyncio.wait_for(ask(), DEFAULT_TIMEOUT_S)
+        assert again, "the next ask read nothing"
