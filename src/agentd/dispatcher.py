@@ -21,6 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import asyncpg
 
@@ -214,8 +215,10 @@ class Dispatcher:
         await self._hand_on("drain")
         await asyncio.gather(*self._handing_on, return_exceptions=True)
 
-    async def drain(self, budget_s: float) -> tuple[int, int]:
-        """Phase 2: let in-flight turns finish within the budget, then cancel the rest.
+    async def drain(self, budget_s: float,
+                    hurry: asyncio.Event | None = None) -> tuple[int, int]:
+        """Phase 2: let in-flight turns finish within the budget, or until `hurry` is set (a
+        second stop signal), then cancel the rest.
 
         Cancelled turns are finalized failed by the backstop (never re-queued); returns
         (finished in time, cancelled).
@@ -223,7 +226,16 @@ class Dispatcher:
         tasks = set(self.in_flight)
         if not tasks:
             return 0, 0
-        done, pending = await asyncio.wait(tasks, timeout=budget_s)
+        waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(asyncio.wait(tasks))}
+        if hurry is not None:
+            waits.add(asyncio.ensure_future(hurry.wait()))
+        try:
+            await asyncio.wait(waits, timeout=budget_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        pending = {task for task in tasks if not task.done()}
+        done = tasks - pending
         for task in pending:
             task.cancel()
         if pending:

@@ -3,7 +3,7 @@ HTTP, and back. The address is bound first, so a busy one fails before anything 
 
 SIGTERM, SIGINT and SIGHUP (unless started under nohup) run the two-phase drain: stop claiming at
 once, let in-flight turns finish within drain_s, cancel the rest (finalized failed, never
-re-queued), close, exit 0.
+re-queued), close, exit 0. Another stop signal during the drain cancels the rest at once.
 """
 
 from __future__ import annotations
@@ -135,9 +135,9 @@ async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
     `handoff`: this process is a worker of a supervisor (agentd.supervisor): it serves on the
     sockets it inherited and reports readiness to the supervisor instead of systemd.
     """
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    on_stop_signals(loop, stop)
+    on_stop_signals(loop, stop, hurry, supervised=handoff is not None)
     # Bound (not listening) before the database is opened: a busy address touches nothing.
     sockets = handoff.sockets if handoff else bind_listen_sockets(settings.listen_host,
                                                                   settings.listen_port)
@@ -156,7 +156,7 @@ async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
             pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max,
                                            pooled=settings.pooled, warm=True)
             try:
-                return await _serve_with_pool(settings, database, pool, stop, sockets,
+                return await _serve_with_pool(settings, database, pool, stop, hurry, sockets,
                                               certificate, handoff)
             finally:
                 await pool.close()
@@ -170,7 +170,8 @@ async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
 
 
 async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg.Pool,
-                           stop: asyncio.Event, sockets: list[socket.socket],
+                           stop: asyncio.Event, hurry: asyncio.Event,
+                           sockets: list[socket.socket],
                            certificate: ServerCertificate | None,
                            handoff: Handoff | None = None) -> int:
     reconciled = await sweep(pool, settings)
@@ -259,8 +260,10 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
             stopping(settings.drain_s + STOP_MARGIN_S + DATABASE_STOP_S)
         runtime.draining = True
         started = time.monotonic()
+        log.info("draining the turns in flight", extra={"turns": len(dispatcher.in_flight),
+                                                        "seconds": settings.drain_s})
         await dispatcher.stop_claiming()
-        finished, cancelled = await dispatcher.drain(settings.drain_s)
+        finished, cancelled = await dispatcher.drain(settings.drain_s, hurry)
         log.info("drained", extra={"finished": finished, "cancelled": cancelled,
                                    "seconds": round(time.monotonic() - started, 3)})
         return 0

@@ -54,13 +54,36 @@ WORKER_OWN_CONNECTIONS = 2
 CROWDED = "too many workers for the server's connections"
 
 
-def on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    """SIGTERM, SIGINT and SIGHUP (a closed terminal) set `stop`, which starts the drain. A
-    SIGHUP this process was started ignoring (`nohup agentd serve`) stays ignored."""
+def on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
+                    hurry: asyncio.Event | None = None, *,
+                    supervised: bool = False) -> None:
+    """SIGTERM, SIGINT and SIGHUP (a closed terminal) set `stop`, which starts the drain; one
+    more after it sets `hurry`, which cuts the drain short (a second Ctrl-C: the turns still
+    running are cancelled at once, as when the drain's time is up). A SIGHUP this process was
+    started ignoring (`nohup agentd serve`) stays ignored.
+
+    A supervised worker counts only its supervisor's SIGTERMs: a terminal's Ctrl-C or hang-up
+    reaches the whole process group, workers too, and the supervisor passes it on as SIGTERM,
+    so counting both would make one Ctrl-C look like two."""
+
+    def received(signum: int) -> None:
+        if stop.is_set() and hurry is not None and not hurry.is_set():
+            log.warning("stop signal again: cancelling the turns still running",
+                        extra={"signal": signal.Signals(signum).name})
+            hurry.set()
+        stop.set()
+
     for signum in STOP_SIGNALS:
         if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
             continue
-        loop.add_signal_handler(signum, stop.set)
+        if supervised and signum != signal.SIGTERM:
+            loop.add_signal_handler(signum, _passed_on_by_the_supervisor)
+        else:
+            loop.add_signal_handler(signum, received, signum)
+
+
+def _passed_on_by_the_supervisor() -> None:
+    """A terminal's signal that reached a worker: its supervisor got it too and sends SIGTERM."""
 
 
 def worker_count(settings: Settings) -> int:
@@ -382,8 +405,10 @@ class Fleet:
                 with contextlib.suppress(ProcessLookupError):
                     worker.process.send_signal(signum)
 
-    async def stop(self, budget_s: float) -> bool:
-        """SIGTERM every live worker (each drains), wait up to `budget_s`, kill the rest.
+    async def stop(self, budget_s: float, hurry: asyncio.Event | None = None) -> bool:
+        """SIGTERM every live worker (each drains), wait up to `budget_s`, kill the rest. When
+        `hurry` is set meanwhile (a second stop signal), SIGTERM them again: each cuts its
+        drain short.
 
         True when each stopped cleanly: exited 0, or ended by a stop signal itself (a worker
         still starting has no handler yet, and holds no turn; a terminal's Ctrl-C or hang-up
@@ -395,7 +420,10 @@ class Fleet:
         self.signal_all(signal.SIGTERM)
         try:
             async with asyncio.timeout(budget_s):
-                codes = await asyncio.gather(*(w.process.wait() for w in live))
+                exits = asyncio.gather(*(w.process.wait() for w in live))
+                if hurry is not None and not await _first(asyncio.shield(exits), hurry):
+                    self.signal_all(signal.SIGTERM)
+                codes = await exits
         except TimeoutError:
             log.error("workers did not finish their drain in time: killing them",
                       extra={"seconds": budget_s})
@@ -431,9 +459,9 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
     )
     from agentd.tls import local_url, server_certificate
 
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
-    on_stop_signals(loop, stop)
+    on_stop_signals(loop, stop, hurry)
     sockets = bind_listen_sockets(settings.listen_host, settings.listen_port)
     try:
         # Made once here, so N workers starting together only ever load it.
@@ -462,7 +490,7 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
             finally:
                 await pool.close()
             return await _run_fleet(Fleet(settings, database.dsn, sockets, count, config),
-                                    stop, certificate.fingerprint if certificate else None,
+                                    stop, hurry, certificate.fingerprint if certificate else None,
                                     embedded=database.embedded is not None)
         finally:
             await asyncio.to_thread(database.close)
@@ -471,8 +499,8 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
             sock.close()
 
 
-async def _run_fleet(fleet: Fleet, stop: asyncio.Event, fingerprint: str | None, *,
-                     embedded: bool) -> int:
+async def _run_fleet(fleet: Fleet, stop: asyncio.Event, hurry: asyncio.Event,
+                     fingerprint: str | None, *, embedded: bool) -> int:
     """Start, keep and stop the workers; whatever happens, no worker outlives this (the
     database they write to is stopped right after)."""
     settings = fleet.settings
@@ -496,7 +524,7 @@ async def _run_fleet(fleet: Fleet, stop: asyncio.Event, fingerprint: str | None,
     finally:
         stopping(budget + DATABASE_STOP_S)
         begun = time.monotonic()
-        clean = await fleet.stop(budget)
+        clean = await fleet.stop(budget, hurry)
         log.info("workers stopped", extra={"clean": clean, "restarts": fleet.restarts,
                                            "seconds": round(time.monotonic() - begun, 3)})
     return code if clean else 1

@@ -4,6 +4,7 @@ budget, ends the rest `failed` (journaled, never re-queued), and exits 0 within 
 
 from __future__ import annotations
 
+import signal
 import time
 
 from agentd.dispatcher import DRAIN_FAILURE
@@ -22,6 +23,7 @@ from tests.support.journal import (
 
 DRAIN_S = 2.0
 EXIT_MARGIN_S = 3.0
+LONG_DRAIN_S = 120.0  # far longer than any wait below: an exit within it was cut short
 
 
 async def test_sigterm_drains_short_turns_fails_long_ones_and_exits_zero(spawn_daemon, pool):
@@ -93,3 +95,31 @@ async def test_sigterm_drains_short_turns_fails_long_ones_and_exits_zero(spawn_d
     assert (untouched["status"], untouched["worker_id"]) == (RunStatus.QUEUED, None)
     assert [e["type"] for e in await read_journal(pool, late.run_id)] == \
         [EventType.USER_MESSAGE, EventType.RUN_QUEUED]
+
+
+async def test_a_second_stop_signal_cuts_the_drain_short_and_exits_zero(spawn_daemon, pool):
+    """A second Ctrl-C: the turns still running end `failed` at once, as when the drain's
+    time is up, instead of after the whole `drain_s`."""
+    daemon = spawn_daemon(drain_s=LONG_DRAIN_S)
+    await daemon.wait_ready()
+    account = await new_account(pool)
+    turn = await enqueue_demo(pool, account, await new_conversation(pool, account), "long",
+                              tokens=3000, delay_ms=20)  # ~60 s
+    await poll_until(lambda: has_streamed(pool, turn.run_id), 10,
+                     what="the turn to have streamed some text")
+    daemon.terminate()
+    await daemon.wait_for_log("draining the turns in flight", 10)
+    assert (await run_row(pool, turn.run_id))["status"] == RunStatus.RUNNING
+    daemon.send_signal(signal.SIGINT)  # any stop signal counts as the second
+    assert await daemon.wait_exit(LONG_DRAIN_S / 4) == 0
+    row = await run_row(pool, turn.run_id)
+    assert (row["status"], row["error"], row["error_code"]) == \
+        (RunStatus.FAILED, DRAIN_FAILURE.message, "shutdown")
+    journal = await assert_journal_sound(pool, turn.run_id)
+    [kept] = await assistant_messages(pool, turn.run_id)
+    assert (kept["content"], kept["status"]) == (streamed_text(journal), "failed")
+    assert "stop signal again" in daemon.log_text()
+
+
+async def has_streamed(pool, run_id) -> bool:
+    return bool(of_type(await read_journal(pool, run_id), EventType.CONTENT_DELTA))

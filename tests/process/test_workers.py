@@ -2,7 +2,8 @@
 
 Kill one worker: the others go on serving (and reap its runs), the supervisor starts a new one,
 on the config the supervisor read. SIGTERM to the supervisor: every worker drains its turns, all
-exit, the supervisor exits 0 (also when it comes while they start, or while one is restarted).
+exit, the supervisor exits 0 (also when it comes while they start, or while one is restarted);
+a terminal's Ctrl-C is one stop, and a second one cuts every drain short.
 systemd hears READY once every worker serves. A fleet the server's connections cannot hold is
 refused, or, by default, made smaller.
 """
@@ -20,7 +21,7 @@ from agentd.db import connection_budget
 from agentd.settings import Settings
 from agentd.supervisor import worker_count
 from agentd.vocabulary import RunStatus
-from tests.process.helpers import wait_status
+from tests.process.helpers import database_now, wait_status
 from tests.remote.helpers import spawn_remote
 from tests.support.daemon import Daemon, poll_until
 from tests.support.factories import enqueue_demo, new_account, new_conversation
@@ -29,6 +30,7 @@ from tests.support.notify import notify_socket
 
 __all__ = ["spawn_remote"]
 
+LONG_DRAIN_S = 120.0  # far longer than any wait below: an exit within it was cut short
 FAST_REAP = {"lease_ttl_s": 2, "heartbeat_s": 0.5, "reap_interval_s": 0.2, "reap_grace_s": 0}
 
 
@@ -130,6 +132,48 @@ async def test_sigterm_drains_every_worker_and_the_supervisor_exits_zero(spawn_d
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
                    for pid in pids)
     assert "workers stopped" in daemon.log_text()
+
+
+async def test_a_terminals_ctrl_c_drains_the_workers_once(spawn_daemon, pool):
+    """Ctrl-C in a terminal reaches the whole process group, the workers too, and the
+    supervisor passes it on as SIGTERM: one Ctrl-C is one stop, and the turns in flight finish
+    their drain rather than being cut short as by a second one."""
+    daemon = spawn_daemon(workers=2, max_runs=2, drain_s=LONG_DRAIN_S)
+    await daemon.wait_ready()
+    await two_workers(daemon)
+    account = await new_account(pool)
+    runs = [await enqueue_demo(pool, account, await new_conversation(pool, account), f"c{n}",
+                               tokens=300, delay_ms=20) for n in range(4)]  # ~6 s each
+    await running_on_both(pool, runs)
+    signalled_at = await database_now(pool)
+    daemon.ctrl_c()
+    assert await daemon.wait_exit(LONG_DRAIN_S / 4) == 0
+    for run in runs:
+        row = await run_row(pool, run.run_id)
+        assert row["status"] == RunStatus.COMPLETED, row["error"]
+        assert row["finished_at"] > signalled_at, "finished before the stop: proves nothing"
+        [answer] = await assistant_messages(pool, run.run_id)
+        assert answer["content"] == run.expected
+    assert "stop signal again" not in daemon.log_text()
+
+
+async def test_a_second_ctrl_c_cuts_every_workers_drain_short(spawn_daemon, pool):
+    daemon = spawn_daemon(workers=2, max_runs=2, drain_s=LONG_DRAIN_S)
+    await daemon.wait_ready()
+    await two_workers(daemon)
+    account = await new_account(pool)
+    runs = [await enqueue_demo(pool, account, await new_conversation(pool, account), f"l{n}",
+                               tokens=3000, delay_ms=20) for n in range(4)]  # ~60 s each
+    await running_on_both(pool, runs)
+    daemon.ctrl_c()
+    await poll_until(lambda: daemon.log_text().count("draining the turns in flight") == 2, 20,
+                     what="both workers draining")
+    daemon.ctrl_c()
+    assert await daemon.wait_exit(LONG_DRAIN_S / 4) == 0
+    for run in runs:  # cut short on both workers: failed as when the drain's time is up
+        row = await run_row(pool, run.run_id)
+        assert (row["status"], row["error_code"]) == (RunStatus.FAILED, "shutdown"), row
+    assert "stop signal again" in daemon.log_text()
 
 
 async def test_workers_serve_tls_on_the_one_port(spawn_remote, pool):

@@ -178,6 +178,10 @@ class Daemon:
         """SIGTERM: the daemon drains and exits on its own."""
         self.send_signal(signal.SIGTERM)
 
+    def ctrl_c(self) -> None:
+        """SIGINT to the daemon's whole process group, as a terminal delivers its Ctrl-C."""
+        self._signal_group(signal.SIGINT)
+
     def kill(self) -> None:
         """SIGKILL the whole process group: a crash, nothing runs after it."""
         if self.running:
