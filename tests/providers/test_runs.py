@@ -149,6 +149,30 @@ async def test_nul_characters_in_model_text_are_dropped_not_fatal(
     assert (await answer(pool, row["id"]))[-1] == ("assistant", "before after", "complete")
 
 
+async def test_nul_characters_in_a_tool_calls_id_and_arguments_are_dropped_everywhere_alike(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+    """The call's id is written to the journal, the answer's tool calls and the tool result,
+    and sent back to the model: cleaned once, it is the same text in each."""
+    fake.script(sse(openai_tool_calls([("call\x00_9", "calculator",
+                                        ['{"expression": "6 * 7\\u0000"}'])])),
+                sse(openai_text("42.")))
+    settings = settings_for(tmp_path, openai_env(fake))
+    row, journal = await run_turn(dsn, pool, settings, "openai:fake")
+    assert row["status"] == RunStatus.COMPLETED, row["error"]
+    [call] = of_type(journal, EventType.TOOL_CALL)
+    [result] = of_type(journal, EventType.TOOL_RESULT)
+    assert (call["call_id"], call["arguments"]) == ("call_9", {"expression": "6 * 7"})
+    assert (result["call_id"], result["result"]["value"]) == ("call_9", 42)
+    sent = fake.received[1].body["messages"]
+    assert sent[-2]["tool_calls"][0]["id"] == "call_9"
+    assert sent[-1]["tool_call_id"] == "call_9"
+    tool_calls = await pool.fetchval(
+        "SELECT tool_calls FROM message WHERE role = 'assistant' AND tool_calls IS NOT NULL"
+        " AND conversation_id = (SELECT conversation_id FROM agent_run WHERE id = $1)",
+        row["id"])
+    assert [c["id"] for c in tool_calls] == ["call_9"]
+
+
 def failure_logged(caplog: pytest.LogCaptureFixture, run_id: Any) -> str:
     """The daemon log's line for a failed run, found by its run id (the detail lives there)."""
     lines = [r.getMessage() for r in caplog.records

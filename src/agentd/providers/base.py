@@ -10,6 +10,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from agentd.pgtext import clean, clean_text
+
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
@@ -23,6 +25,14 @@ class ToolCallRequest:
     # The decoded JSON object; the raw text when the model sent arguments that are not one
     # (the tool registry turns that into a tool error result the model can read and correct).
     arguments: dict[str, Any] | str
+
+    def __post_init__(self) -> None:
+        # What the model sent, made storable once (pgtext.py): the id and name are written to
+        # the journal, the answer's tool calls and the approval, and matched between them, so
+        # each must be the same text wherever it is stored.
+        object.__setattr__(self, "id", clean_text(self.id))
+        object.__setattr__(self, "name", clean_text(self.name))
+        object.__setattr__(self, "arguments", clean(self.arguments))
 
 
 @dataclass(frozen=True, slots=True)
