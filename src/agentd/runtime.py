@@ -3,7 +3,8 @@ HTTP, and back. The address is bound first, so a busy one fails before anything 
 
 SIGTERM, SIGINT and SIGHUP (unless started under nohup) run the two-phase drain: stop claiming at
 once, let in-flight turns finish within drain_s, cancel the rest (finalized failed, never
-re-queued), close, exit 0. Another stop signal during the drain cancels the rest at once.
+re-queued), close, exit 0. Another stop signal during the drain (a supervised worker's: SIGUSR1
+from its supervisor) cancels the rest at once.
 """
 
 from __future__ import annotations

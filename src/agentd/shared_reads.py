@@ -17,6 +17,7 @@ reconnect, a poll, a gap in what is held) reads the database as before.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from datetime import datetime
@@ -30,6 +31,8 @@ from agentd.queue import Event, read_events, read_events_many
 from agentd.vocabulary import EventType
 
 T = TypeVar("T")
+
+log = logging.getLogger("agentd.shared_reads")
 
 
 class _Flight:
@@ -240,8 +243,10 @@ class SharedReads:
             # One run's rows can fail a read that others share (a row this version cannot
             # read, such as an event type a newer agentd writes during a rolling deploy):
             # each run is read alone, so only that run's tails see the failure.
-            for one in flights:
-                await self._read_events(limit, [one])
+            await asyncio.gather(*(self._read_events(limit, [one]) for one in flights))
+            if not any(_failed(flight) for _, flight in flights):
+                log.warning("a shared journal read failed where each run read alone did not",
+                            exc_info=exc)
             return
         for (_, flight), events in zip(flights, results, strict=True):
             flight.future.set_result(events)
@@ -253,6 +258,11 @@ class SharedReads:
         return await self._shared(
             ("runs", conversation_id, watermark, opened),
             lambda: runs_since(self.pool, conversation_id, watermark, list(opened)))
+
+
+def _failed(flight: _Flight) -> bool:
+    future = flight.future
+    return future.done() and not future.cancelled() and future.exception() is not None
 
 
 def _fail(flight: _Flight, exc: BaseException) -> None:

@@ -40,6 +40,8 @@ SLOT_ENV = "AGENTD_WORKER_SLOT"  # 1..N, for its log lines
 CONFIG_ENV = "AGENTD_WORKER_CONFIG"
 READY = b"READY=1\n"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each starts the drain
+# From the supervisor to its workers: cut the drain short (a stop signal came twice).
+HURRY_SIGNAL = signal.SIGUSR1
 
 RESTART_MIN_S = 0.5
 RESTART_MAX_S = 30.0
@@ -58,16 +60,22 @@ def on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
                     hurry: asyncio.Event | None = None, *,
                     supervised: bool = False) -> None:
     """SIGTERM, SIGINT and SIGHUP (a closed terminal) set `stop`, which starts the drain; one
-    more after it sets `hurry`, which cuts the drain short (a second Ctrl-C: the turns still
-    running are cancelled at once, as when the drain's time is up). A SIGHUP this process was
-    started ignoring (`nohup agentd serve`) stays ignored.
+    that comes while the stop is under way sets `hurry`, which cuts the drain short (a second
+    Ctrl-C: the turns still running are cancelled at once, as when the drain's time is up). A
+    SIGHUP this process was started ignoring (`nohup agentd serve`) stays ignored.
 
-    A supervised worker counts only its supervisor's SIGTERMs: a terminal's Ctrl-C or hang-up
-    reaches the whole process group, workers too, and the supervisor passes it on as SIGTERM,
-    so counting both would make one Ctrl-C look like two."""
+    A supervised worker is hurried by its supervisor's HURRY_SIGNAL only, and takes any number
+    of stop signals as one stop: a stop often reaches a whole process group or cgroup (a
+    terminal's Ctrl-C, systemd's default KillMode, a container's init), so a worker gets it
+    both directly and from its supervisor, and cannot tell a second stop from a copy."""
 
     def received(signum: int) -> None:
-        if stop.is_set() and hurry is not None and not hurry.is_set():
+        if stop.is_set() and not supervised:
+            hurried(signum)
+        stop.set()
+
+    def hurried(signum: int) -> None:
+        if hurry is not None and not hurry.is_set():
             log.warning("stop signal again: cancelling the turns still running",
                         extra={"signal": signal.Signals(signum).name})
             hurry.set()
@@ -76,14 +84,9 @@ def on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
     for signum in STOP_SIGNALS:
         if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
             continue
-        if supervised and signum != signal.SIGTERM:
-            loop.add_signal_handler(signum, _passed_on_by_the_supervisor)
-        else:
-            loop.add_signal_handler(signum, received, signum)
-
-
-def _passed_on_by_the_supervisor() -> None:
-    """A terminal's signal that reached a worker: its supervisor got it too and sends SIGTERM."""
+        loop.add_signal_handler(signum, received, signum)
+    if supervised:
+        loop.add_signal_handler(HURRY_SIGNAL, hurried, HURRY_SIGNAL)
 
 
 def worker_count(settings: Settings) -> int:
@@ -406,14 +409,14 @@ class Fleet:
                     worker.process.send_signal(signum)
 
     async def stop(self, budget_s: float, hurry: asyncio.Event | None = None) -> bool:
-        """SIGTERM every live worker (each drains), wait up to `budget_s`, kill the rest. When
-        `hurry` is set meanwhile (a second stop signal), SIGTERM them again: each cuts its
-        drain short.
+        """SIGTERM every live worker (each drains), wait up to `budget_s`, kill the rest. Once
+        `hurry` is set (a second stop signal), HURRY_SIGNAL to each: it cuts its drain short.
 
-        True when each stopped cleanly: exited 0, or ended by a stop signal itself (a worker
-        still starting has no handler yet, and holds no turn; a terminal's Ctrl-C or hang-up
-        reaches the workers too, as they share its process group). A worker that had died
-        before the stop was already restarted or being restarted, and is not counted again."""
+        True when each stopped cleanly: exited 0, or ended by a stop signal or HURRY_SIGNAL
+        itself (a worker still starting has no handler yet, and holds no turn; a terminal's
+        Ctrl-C or hang-up reaches the workers too, as they share its process group). A worker
+        that had died before the stop was already restarted or being restarted, and is not
+        counted again."""
         for handing in list(self._handing):
             handing.cancel()
         live = [w for w in self.workers.values() if w.process.returncode is None]
@@ -422,7 +425,7 @@ class Fleet:
             async with asyncio.timeout(budget_s):
                 exits = asyncio.gather(*(w.process.wait() for w in live))
                 if hurry is not None and not await _first(asyncio.shield(exits), hurry):
-                    self.signal_all(signal.SIGTERM)
+                    self.signal_all(HURRY_SIGNAL)
                 codes = await exits
         except TimeoutError:
             log.error("workers did not finish their drain in time: killing them",
@@ -430,7 +433,7 @@ class Fleet:
             self.signal_all(signal.SIGKILL)
             await asyncio.gather(*(w.process.wait() for w in self.workers.values()))
             return False
-        return all(code == 0 or -code in STOP_SIGNALS for code in codes)
+        return all(code == 0 or -code in (*STOP_SIGNALS, HURRY_SIGNAL) for code in codes)
 
 
 
@@ -522,6 +525,7 @@ async def _run_fleet(fleet: Fleet, stop: asyncio.Event, hurry: asyncio.Event,
             await fleet.keep(stop)
         code = 0
     finally:
+        stop.set()  # also when a failure ends it: a stop signal from here on hurries the stop
         stopping(budget + DATABASE_STOP_S)
         begun = time.monotonic()
         clean = await fleet.stop(budget, hurry)

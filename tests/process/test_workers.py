@@ -3,7 +3,7 @@
 Kill one worker: the others go on serving (and reap its runs), the supervisor starts a new one,
 on the config the supervisor read. SIGTERM to the supervisor: every worker drains its turns, all
 exit, the supervisor exits 0 (also when it comes while they start, or while one is restarted);
-a terminal's Ctrl-C is one stop, and a second one cuts every drain short.
+a stop sent to the whole process group is one stop, and a second one cuts every drain short.
 systemd hears READY once every worker serves. A fleet the server's connections cannot hold is
 refused, or, by default, made smaller.
 """
@@ -134,19 +134,22 @@ async def test_sigterm_drains_every_worker_and_the_supervisor_exits_zero(spawn_d
     assert "workers stopped" in daemon.log_text()
 
 
-async def test_a_terminals_ctrl_c_drains_the_workers_once(spawn_daemon, pool):
-    """Ctrl-C in a terminal reaches the whole process group, the workers too, and the
-    supervisor passes it on as SIGTERM: one Ctrl-C is one stop, and the turns in flight finish
-    their drain rather than being cut short as by a second one."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+async def test_a_stop_sent_to_the_whole_group_drains_the_workers_once(spawn_daemon, pool,
+                                                                      signum):
+    """A terminal's Ctrl-C, systemd's default KillMode and a container's init signal the whole
+    process group, the workers too, and the supervisor passes the stop on as well: one stop is
+    still one, and the turns in flight finish their drain rather than being cut short as by a
+    second stop."""
     daemon = spawn_daemon(workers=2, max_runs=2, drain_s=LONG_DRAIN_S)
     await daemon.wait_ready()
     await two_workers(daemon)
     account = await new_account(pool)
     runs = [await enqueue_demo(pool, account, await new_conversation(pool, account), f"c{n}",
-                               tokens=300, delay_ms=20) for n in range(4)]  # ~6 s each
+                               tokens=600, delay_ms=20) for n in range(4)]  # ~12 s each
     await running_on_both(pool, runs)
     signalled_at = await database_now(pool)
-    daemon.ctrl_c()
+    daemon.signal_group(signum)
     assert await daemon.wait_exit(LONG_DRAIN_S / 4) == 0
     for run in runs:
         row = await run_row(pool, run.run_id)
@@ -165,10 +168,10 @@ async def test_a_second_ctrl_c_cuts_every_workers_drain_short(spawn_daemon, pool
     runs = [await enqueue_demo(pool, account, await new_conversation(pool, account), f"l{n}",
                                tokens=3000, delay_ms=20) for n in range(4)]  # ~60 s each
     await running_on_both(pool, runs)
-    daemon.ctrl_c()
+    daemon.signal_group(signal.SIGINT)  # Ctrl-C
     await poll_until(lambda: daemon.log_text().count("draining the turns in flight") == 2, 20,
                      what="both workers draining")
-    daemon.ctrl_c()
+    daemon.signal_group(signal.SIGINT)  # Ctrl-C again
     assert await daemon.wait_exit(LONG_DRAIN_S / 4) == 0
     for run in runs:  # cut short on both workers: failed as when the drain's time is up
         row = await run_row(pool, run.run_id)

@@ -178,9 +178,10 @@ class Daemon:
         """SIGTERM: the daemon drains and exits on its own."""
         self.send_signal(signal.SIGTERM)
 
-    def ctrl_c(self) -> None:
-        """SIGINT to the daemon's whole process group, as a terminal delivers its Ctrl-C."""
-        self._signal_group(signal.SIGINT)
+    def signal_group(self, signum: int) -> None:
+        """A signal to the daemon's whole process group, its workers too: as a terminal
+        delivers its Ctrl-C (SIGINT), or systemd's default KillMode its stop (SIGTERM)."""
+        self._signal_group(signum)
 
     def kill(self) -> None:
         """SIGKILL the whole process group: a crash, nothing runs after it."""

@@ -146,3 +146,16 @@ async def test_the_first_stop_signal_drains_and_the_next_cuts_the_drain_short() 
     finally:
         for signum in supervisor.STOP_SIGNALS:
             loop.remove_signal_handler(signum)
+
+
+async def test_a_supervised_worker_is_hurried_by_its_supervisors_signal() -> None:
+    loop = asyncio.get_running_loop()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+    try:
+        supervisor.on_stop_signals(loop, stop, hurry, supervised=True)
+        os.kill(os.getpid(), supervisor.HURRY_SIGNAL)  # may come before the SIGTERM it follows
+        await asyncio.wait_for(hurry.wait(), 10)
+        assert stop.is_set()
+    finally:
+        for signum in (*supervisor.STOP_SIGNALS, supervisor.HURRY_SIGNAL):
+            loop.remove_signal_handler(signum)
