@@ -52,8 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                            help="where the embedded PostgreSQL keeps its data")
 
     serve = commands.add_parser("serve", help="run the daemon in the foreground",
-                                description="Run agentd until SIGTERM, SIGINT or SIGHUP "
-                                            "(then drain).")
+                                description="Run agentd until SIGTERM, SIGINT or SIGHUP, "
+                                            "then drain: turns in flight get drain_s to "
+                                            "finish; a second signal (Ctrl-C again) cancels "
+                                            "them at once.")
     db_options(serve)
     serve.add_argument("--listen", metavar="HOST:PORT", help="HTTP address "
                        "(default 127.0.0.1:8740; any other than loopback serves HTTPS)")

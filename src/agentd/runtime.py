@@ -261,8 +261,8 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
             stopping(settings.drain_s + STOP_MARGIN_S + DATABASE_STOP_S)
         runtime.draining = True
         started = time.monotonic()
-        log.info("draining the turns in flight", extra={"turns": len(dispatcher.in_flight),
-                                                        "seconds": settings.drain_s})
+        log.info("draining the turns in flight (a second stop signal cancels them now)",
+                 extra={"turns": len(dispatcher.in_flight), "seconds": settings.drain_s})
         await dispatcher.stop_claiming()
         finished, cancelled = await dispatcher.drain(settings.drain_s, hurry)
         log.info("drained", extra={"finished": finished, "cancelled": cancelled,

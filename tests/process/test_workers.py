@@ -134,6 +134,18 @@ async def test_sigterm_drains_every_worker_and_the_supervisor_exits_zero(spawn_d
     assert "workers stopped" in daemon.log_text()
 
 
+async def two_workers_with_turns(spawn_daemon, pool, *, tokens: int) -> tuple[Daemon, list]:
+    """Two workers with a long drain, each running two demo turns of `tokens` at 20 ms."""
+    daemon = spawn_daemon(workers=2, max_runs=2, drain_s=LONG_DRAIN_S)
+    await daemon.wait_ready()
+    await two_workers(daemon)
+    account = await new_account(pool)
+    runs = [await enqueue_demo(pool, account, await new_conversation(pool, account), f"t{n}",
+                               tokens=tokens, delay_ms=20) for n in range(4)]
+    await running_on_both(pool, runs)
+    return daemon, runs
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 async def test_a_stop_sent_to_the_whole_group_drains_the_workers_once(spawn_daemon, pool,
                                                                       signum):
@@ -141,13 +153,7 @@ async def test_a_stop_sent_to_the_whole_group_drains_the_workers_once(spawn_daem
     process group, the workers too, and the supervisor passes the stop on as well: one stop is
     still one, and the turns in flight finish their drain rather than being cut short as by a
     second stop."""
-    daemon = spawn_daemon(workers=2, max_runs=2, drain_s=LONG_DRAIN_S)
-    await daemon.wait_ready()
-    await two_workers(daemon)
-    account = await new_account(pool)
-    runs = [await enqueue_demo(pool, account, await new_conversation(pool, account), f"c{n}",
-                               tokens=600, delay_ms=20) for n in range(4)]  # ~12 s each
-    await running_on_both(pool, runs)
+    daemon, runs = await two_workers_with_turns(spawn_daemon, pool, tokens=600)  # ~12 s each
     signalled_at = await database_now(pool)
     daemon.signal_group(signum)
     assert await daemon.wait_exit(LONG_DRAIN_S / 4) == 0
@@ -161,13 +167,7 @@ async def test_a_stop_sent_to_the_whole_group_drains_the_workers_once(spawn_daem
 
 
 async def test_a_second_ctrl_c_cuts_every_workers_drain_short(spawn_daemon, pool):
-    daemon = spawn_daemon(workers=2, max_runs=2, drain_s=LONG_DRAIN_S)
-    await daemon.wait_ready()
-    await two_workers(daemon)
-    account = await new_account(pool)
-    runs = [await enqueue_demo(pool, account, await new_conversation(pool, account), f"l{n}",
-                               tokens=3000, delay_ms=20) for n in range(4)]  # ~60 s each
-    await running_on_both(pool, runs)
+    daemon, runs = await two_workers_with_turns(spawn_daemon, pool, tokens=3000)  # ~60 s each
     daemon.signal_group(signal.SIGINT)  # Ctrl-C
     await poll_until(lambda: daemon.log_text().count("draining the turns in flight") == 2, 20,
                      what="both workers draining")
