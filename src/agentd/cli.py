@@ -54,8 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the daemon in the foreground",
                                 description="Run agentd until SIGTERM, SIGINT or SIGHUP, "
                                             "then drain: turns in flight get drain_s to "
-                                            "finish; a second signal (Ctrl-C again) cancels "
-                                            "them at once.")
+                                            "finish; Ctrl-C again, or SIGUSR1, cancels them "
+                                            "at once.")
     db_options(serve)
     serve.add_argument("--listen", metavar="HOST:PORT", help="HTTP address "
                        "(default 127.0.0.1:8740; any other than loopback serves HTTPS)")

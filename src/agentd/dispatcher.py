@@ -21,7 +21,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import asyncpg
 
@@ -42,6 +41,7 @@ from agentd.queue import (
 )
 from agentd.settings import Settings
 from agentd.vocabulary import Channel, RunErrorCode, RunStatus
+from agentd.waiting import ended_first
 
 log = logging.getLogger("agentd.dispatcher")
 
@@ -226,14 +226,9 @@ class Dispatcher:
         tasks = set(self.in_flight)
         if not tasks:
             return 0, 0
-        waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(asyncio.wait(tasks))}
-        if hurry is not None:
-            waits.add(asyncio.ensure_future(hurry.wait()))
-        try:
-            await asyncio.wait(waits, timeout=budget_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(budget_s):
+                await ended_first(asyncio.wait(tasks), hurry or asyncio.Event())
         pending = {task for task in tasks if not task.done()}
         done = tasks - pending
         for task in pending:

@@ -946,15 +946,23 @@ async def read_events(db: Db, run_id: UUID, *, after_seq: int = 0,
 
 
 async def read_events_many(db: Db, cursors: Sequence[tuple[UUID, int]],
-                           limit: int = 1000) -> list[list[Event]]:
-    """read_events for several (run, cursor) pairs in one query; one list per pair, in order."""
+                           limit: int = 1000) -> list[list[Event] | ValueError]:
+    """read_events for several (run, cursor) pairs in one query; one list per pair, in order.
+
+    A pair whose rows this version cannot read (an event type a newer agentd writes during a
+    rolling deploy) gets the error in place of its list: one run's row spoils no other's read."""
     rows = await db.fetch(*Q.read_events_after_many.bind(
         run_ids=[run_id for run_id, _ in cursors], after_seqs=[seq for _, seq in cursors],
         limit=limit))
-    out: list[list[Event]] = [[] for _ in cursors]
+    out: list[list[Event] | ValueError] = [[] for _ in cursors]
     for r in rows:
-        out[r["i"] - 1].append(Event(r["seq"], EventType(r["type"]), r["payload"],
-                                     r["created_at"]))
+        events = out[r["i"] - 1]
+        if isinstance(events, ValueError):
+            continue
+        try:
+            events.append(Event(r["seq"], EventType(r["type"]), r["payload"], r["created_at"]))
+        except ValueError as exc:
+            out[r["i"] - 1] = exc
     return out
 
 

@@ -3,8 +3,8 @@ HTTP, and back. The address is bound first, so a busy one fails before anything 
 
 SIGTERM, SIGINT and SIGHUP (unless started under nohup) run the two-phase drain: stop claiming at
 once, let in-flight turns finish within drain_s, cancel the rest (finalized failed, never
-re-queued), close, exit 0. Another stop signal during the drain (a supervised worker's: SIGUSR1
-from its supervisor) cancels the rest at once.
+re-queued), close, exit 0. A second Ctrl-C during the drain, or SIGUSR1 at any time, cancels the
+rest at once (supervisor.on_stop_signals).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ from agentd.vocabulary import Channel
 log = logging.getLogger("agentd.runtime")
 GC_YOUNG_THRESHOLD = 50_000  # allocations between collections of the youngest generation
 
-# Test-only: with this variable set to N seconds, SIGUSR1 blocks the event loop for N seconds
+# Test-only: with this variable set to N seconds, SIGUSR2 blocks the event loop for N seconds
 # (a worker that stops making progress while its process lives on, unlike SIGSTOP).
 BLOCK_LOOP_ENV = "AGENTD_TESTHOOK_BLOCK_LOOP_S"
 
@@ -261,8 +261,10 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
             stopping(settings.drain_s + STOP_MARGIN_S + DATABASE_STOP_S)
         runtime.draining = True
         started = time.monotonic()
-        log.info("draining the turns in flight (a second stop signal cancels them now)",
-                 extra={"turns": len(dispatcher.in_flight), "seconds": settings.drain_s})
+        log.info("draining the turns in flight", extra={
+            "turns": len(dispatcher.in_flight), "seconds": settings.drain_s,
+            "to_cancel_them_now": "Ctrl-C again, or SIGUSR1" if handoff is None
+            else "Ctrl-C again, or SIGUSR1 to the supervisor"})
         await dispatcher.stop_claiming()
         finished, cancelled = await dispatcher.drain(settings.drain_s, hurry)
         log.info("drained", extra={"finished": finished, "cancelled": cancelled,
@@ -351,7 +353,7 @@ def _watch_process(runtime: Runtime) -> None:
 
 
 def _install_test_hooks() -> None:
-    """SIGUSR1 blocks the event loop when the test-only variable asks for it (never otherwise)."""
+    """SIGUSR2 blocks the event loop when the test-only variable asks for it (never otherwise)."""
     seconds = float(os.environ.get(BLOCK_LOOP_ENV) or 0)
     if seconds <= 0:
         return
@@ -361,4 +363,4 @@ def _install_test_hooks() -> None:
         time.sleep(seconds)  # on purpose: the whole loop stops, as a runaway computation would
         log.warning("test hook: the event loop runs again")
 
-    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, block)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR2, block)

@@ -17,7 +17,6 @@ reconnect, a poll, a gap in what is held) reads the database as before.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from datetime import datetime
@@ -32,8 +31,6 @@ from agentd.vocabulary import EventType
 
 T = TypeVar("T")
 
-log = logging.getLogger("agentd.shared_reads")
-
 
 class _Flight:
     __slots__ = ("future", "joinable")
@@ -42,9 +39,6 @@ class _Flight:
         self.future = future
         self.joinable = True
 
-
-# Failures of the database or the connection, which reading each run alone would only repeat.
-_NOT_A_ROW = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 
 # One event read asked for: run, cursor, limit, its flight's key, its flight.
 _Ask = tuple[UUID, int, int, Hashable, _Flight]
@@ -146,7 +140,8 @@ class SharedReads:
             loop = asyncio.get_running_loop()
             flight = fresh = _Flight(loop.create_future())
             self._flights[key] = fresh
-            self._start(self._fly(key, fresh, query), lambda: self._abandon([(key, fresh)]))
+            self._start(self._fly(key, fresh, query), lambda ended: self._abandon(
+                [(key, fresh)], ended))
         # shield: one cancelled reader (a client gone) must not cancel the others' read.
         result: T = await asyncio.shield(flight.future)
         return result
@@ -164,14 +159,15 @@ class SharedReads:
             return
         flight.future.set_result(result)
 
-    def _start(self, read: Coroutine[Any, Any, None], abandon: Callable[[], None]) -> None:
+    def _start(self, read: Coroutine[Any, Any, None],
+               abandon: Callable[[asyncio.Task[None]], None]) -> None:
         """Send a read in a task of its own; `abandon` runs when the task ends, however it ends
         (a task cancelled before its first step runs none of its code, so a `finally` in it
         would not do)."""
         task = asyncio.get_running_loop().create_task(read)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(lambda _: abandon())
+        task.add_done_callback(abandon)
 
     def _close(self, key: Hashable, flight: _Flight) -> None:
         """No one joins the flight from now on (its query is about to go out)."""
@@ -179,14 +175,20 @@ class SharedReads:
         if self._flights.get(key) is flight:
             del self._flights[key]
 
-    def _abandon(self, flights: Sequence[tuple[Hashable, _Flight]]) -> None:
-        """The task that was to answer these flights has ended (cancelled, as when the loop
-        closes): close them and tell whoever still waits, who would otherwise wait for ever
-        while later askers joined them."""
+    def _abandon(self, flights: Sequence[tuple[Hashable, _Flight]],
+                 ended: asyncio.Task[None]) -> None:
+        """The task that was to answer these flights has ended: close them, and tell whoever
+        still waits (it was cancelled, as when the loop closes, or failed), who would otherwise
+        wait for ever while later askers joined them."""
+        failure = None if ended.cancelled() else ended.exception()
         for key, flight in flights:
             self._close(key, flight)
-            if not flight.future.done():
+            if flight.future.done():
+                continue
+            if failure is None:
                 flight.future.cancel()
+            else:
+                _fail(flight, failure)
 
     async def events(self, run_id: UUID, after_seq: int, limit: int) -> list[Event]:
         """The run's journal after `after_seq` (at most `limit` rows); a shared list: read only.
@@ -203,7 +205,8 @@ class SharedReads:
             batch = self._batch
             batch.append((run_id, after_seq, limit, key, flight))
             if len(batch) == 1:
-                self._start(self._fly_events(batch), lambda: self._abandon(self._seal(batch)))
+                self._start(self._fly_events(batch), lambda ended: self._abandon(
+                    self._seal(batch), ended))
         result: list[Event] = await asyncio.shield(flight.future)
         return result
 
@@ -229,6 +232,7 @@ class SharedReads:
         """Read the flights' journals in one query and answer each flight."""
         self.issued += 1
         cursors = [cursor for cursor, _ in flights]
+        results: list[list[Event] | ValueError]
         try:
             if len(cursors) == 1:
                 results = [await read_events(self.pool, cursors[0][0],
@@ -236,20 +240,14 @@ class SharedReads:
             else:
                 results = await read_events_many(self.pool, cursors, limit)
         except Exception as exc:
-            if len(flights) == 1 or isinstance(exc, _NOT_A_ROW):
-                for _, flight in flights:  # each reader sees the failure its own read would
-                    _fail(flight, exc)
-                return
-            # One run's rows can fail a read that others share (a row this version cannot
-            # read, such as an event type a newer agentd writes during a rolling deploy):
-            # each run is read alone, so only that run's tails see the failure.
-            await asyncio.gather(*(self._read_events(limit, [one]) for one in flights))
-            if not any(_failed(flight) for _, flight in flights):
-                log.warning("a shared journal read failed where each run read alone did not",
-                            exc_info=exc)
+            for _, flight in flights:  # each reader sees the failure its own read would
+                _fail(flight, exc)
             return
         for (_, flight), events in zip(flights, results, strict=True):
-            flight.future.set_result(events)
+            if isinstance(events, ValueError):  # this run's rows only (read_events_many)
+                _fail(flight, events)
+            else:
+                flight.future.set_result(events)
 
     async def runs(self, conversation_id: UUID, watermark: tuple[datetime, UUID],
                    open_run_ids: list[UUID]) -> list[asyncpg.Record]:
@@ -258,11 +256,6 @@ class SharedReads:
         return await self._shared(
             ("runs", conversation_id, watermark, opened),
             lambda: runs_since(self.pool, conversation_id, watermark, list(opened)))
-
-
-def _failed(flight: _Flight) -> bool:
-    future = flight.future
-    return future.done() and not future.cancelled() and future.exception() is not None
 
 
 def _fail(flight: _Flight, exc: BaseException) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from agentd.settings import ConfigSource, Settings, config_path
 from agentd.systemd import sd_notify, stopping
+from agentd.waiting import ended_first
 
 log = logging.getLogger("agentd.supervisor")
 
@@ -40,7 +41,7 @@ SLOT_ENV = "AGENTD_WORKER_SLOT"  # 1..N, for its log lines
 CONFIG_ENV = "AGENTD_WORKER_CONFIG"
 READY = b"READY=1\n"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # each starts the drain
-# From the supervisor to its workers: cut the drain short (a stop signal came twice).
+# Stop and cancel the turns still running: an operator's, or a supervisor's to its workers.
 HURRY_SIGNAL = signal.SIGUSR1
 
 RESTART_MIN_S = 0.5
@@ -59,24 +60,25 @@ CROWDED = "too many workers for the server's connections"
 def on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
                     hurry: asyncio.Event | None = None, *,
                     supervised: bool = False) -> None:
-    """SIGTERM, SIGINT and SIGHUP (a closed terminal) set `stop`, which starts the drain; one
-    that comes while the stop is under way sets `hurry`, which cuts the drain short (a second
-    Ctrl-C: the turns still running are cancelled at once, as when the drain's time is up). A
-    SIGHUP this process was started ignoring (`nohup agentd serve`) stays ignored.
+    """SIGTERM, SIGINT and SIGHUP (a closed terminal) set `stop`, which starts the drain. A SIGHUP
+    this process was started ignoring (`nohup agentd serve`) stays ignored.
 
-    A supervised worker is hurried by its supervisor's HURRY_SIGNAL only, and takes any number
-    of stop signals as one stop: a stop often reaches a whole process group or cgroup (a
-    terminal's Ctrl-C, systemd's default KillMode, a container's init), so a worker gets it
-    both directly and from its supervisor, and cannot tell a second stop from a copy."""
+    `hurry` cuts the drain short: the turns still running are cancelled at once, as when the
+    drain's time is up. HURRY_SIGNAL sets it (and `stop`) whenever it comes; so does a second
+    Ctrl-C, a SIGINT while the stop is under way, except in a supervised worker, whose
+    supervisor passes the hurry on as HURRY_SIGNAL. Repeated SIGTERMs and SIGHUPs never hurry:
+    one stop often reaches a process twice (a closing terminal's shell and its kernel both send
+    SIGHUP; systemd's default KillMode, a container's init or a terminal signal the whole group,
+    workers included, and the supervisor passes the stop on too)."""
 
     def received(signum: int) -> None:
-        if stop.is_set() and not supervised:
+        if signum == signal.SIGINT and stop.is_set() and not supervised:
             hurried(signum)
         stop.set()
 
     def hurried(signum: int) -> None:
         if hurry is not None and not hurry.is_set():
-            log.warning("stop signal again: cancelling the turns still running",
+            log.warning("cancelling the turns still running",
                         extra={"signal": signal.Signals(signum).name})
             hurry.set()
         stop.set()
@@ -85,8 +87,7 @@ def on_stop_signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
         if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
             continue
         loop.add_signal_handler(signum, received, signum)
-    if supervised:
-        loop.add_signal_handler(HURRY_SIGNAL, hurried, HURRY_SIGNAL)
+    loop.add_signal_handler(HURRY_SIGNAL, hurried, HURRY_SIGNAL)
 
 
 def worker_count(settings: Settings) -> int:
@@ -360,7 +361,7 @@ class Fleet:
         backoff = RESTART_MIN_S
         while not stop.is_set():
             worker = self.workers[slot]
-            if not await _first(worker.process.wait(), stop):
+            if not await ended_first(worker.process.wait(), stop):
                 return
             lived = time.monotonic() - worker.started
             served = worker.ready.done() and worker.ready.result()
@@ -374,7 +375,7 @@ class Fleet:
                 "after_s": backoff, "exits_in_a_row": self.failing.get(slot, 0)})
             self._report()
             while True:
-                if not await _first(asyncio.sleep(backoff), stop):
+                if not await ended_first(asyncio.sleep(backoff), stop):
                     return
                 backoff = min(RESTART_MAX_S, backoff * 2)
                 try:
@@ -424,7 +425,7 @@ class Fleet:
         try:
             async with asyncio.timeout(budget_s):
                 exits = asyncio.gather(*(w.process.wait() for w in live))
-                if hurry is not None and not await _first(asyncio.shield(exits), hurry):
+                if hurry is not None and not await ended_first(asyncio.shield(exits), hurry):
                     self.signal_all(HURRY_SIGNAL)
                 codes = await exits
         except TimeoutError:
@@ -435,19 +436,6 @@ class Fleet:
             return False
         return all(code == 0 or -code in (*STOP_SIGNALS, HURRY_SIGNAL) for code in codes)
 
-
-
-async def _first(work: Any, stop: asyncio.Event) -> bool:
-    """Await `work` unless `stop` is set first: True when the work ended first."""
-    task = asyncio.ensure_future(work)
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopping.cancel()
-        if not task.done():
-            task.cancel()
-    return task.done() and not task.cancelled() and not stop.is_set()
 
 
 async def supervise(settings: Settings, count: int, config: ConfigSource) -> int:

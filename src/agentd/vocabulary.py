@@ -39,7 +39,7 @@ class RunErrorCode(StrEnum):
     MODEL_UNAVAILABLE = "model_unavailable"  # the model cannot run on this daemon now
     TOOL_STEPS_EXCEEDED = "tool_steps_exceeded"  # more tool rounds than max_tool_steps
     LEASE_EXPIRED = "lease_expired"  # its worker stopped renewing the lease (crashed, frozen)
-    SHUTDOWN = "shutdown"  # the daemon stopped before the turn finished (drain budget)
+    SHUTDOWN = "shutdown"  # the daemon stopped before the turn finished (drain_s, or cut short)
     INTERNAL_ERROR = "internal_error"  # a bug: the log has the traceback
     STOPPED_BEFORE_START = "stopped_before_start"  # a stop cancelled it while queued
 

@@ -17,6 +17,8 @@ from tests.support.journal import wait_status
 Db = asyncpg.Pool | asyncpg.Connection
 TERMINAL = tuple(str(s) for s in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED))
 STARTED = (str(RunStatus.RUNNING), *TERMINAL)
+# A drain far longer than any wait of the tests that use it: an exit within it was cut short.
+LONG_DRAIN_S = 120.0
 __all__ = ["STARTED", "TERMINAL", "wait_status"]  # wait_status lives in tests/support/journal.py
 
 

@@ -4,7 +4,7 @@ loop runs again every write it still had in hand is fenced out.
 
 Unlike SIGSTOP (test_stop_cont.py), the process keeps running; only its loop stops, so nothing
 that beats from another thread could keep a lease alive for a worker that makes no progress.
-The block comes from a test-only hook: SIGUSR1 sleeps on the loop for AGENTD_TESTHOOK_BLOCK_LOOP_S.
+The block comes from a test-only hook: SIGUSR2 sleeps on the loop for AGENTD_TESTHOOK_BLOCK_LOOP_S.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ async def test_blocked_event_loop_loses_its_runs_and_its_late_writes_are_fenced_
     await reaper.wait_ready()
 
     blocked_at = time.monotonic()
-    stalled.send_signal(signal.SIGUSR1)
+    stalled.send_signal(signal.SIGUSR2)
     await stalled.wait_for_log("test hook: blocking the event loop", timeout=5)
     reaped = await wait_status(pool, turn.run_id, RunStatus.FAILED, timeout=BLOCK_S + 10)
     assert time.monotonic() - blocked_at < BLOCK_S, \

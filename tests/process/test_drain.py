@@ -7,9 +7,11 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
+
 from agentd.dispatcher import DRAIN_FAILURE
 from agentd.vocabulary import EventType, RunStatus
-from tests.process.helpers import database_now
+from tests.process.helpers import LONG_DRAIN_S, database_now, wait_streaming
 from tests.support.daemon import poll_until
 from tests.support.factories import enqueue_demo, new_account, new_conversation
 from tests.support.journal import (
@@ -23,7 +25,6 @@ from tests.support.journal import (
 
 DRAIN_S = 2.0
 EXIT_MARGIN_S = 3.0
-LONG_DRAIN_S = 120.0  # far longer than any wait below: an exit within it was cut short
 
 
 async def test_sigterm_drains_short_turns_fails_long_ones_and_exits_zero(spawn_daemon, pool):
@@ -97,20 +98,21 @@ async def test_sigterm_drains_short_turns_fails_long_ones_and_exits_zero(spawn_d
         [EventType.USER_MESSAGE, EventType.RUN_QUEUED]
 
 
-async def test_a_second_stop_signal_cuts_the_drain_short_and_exits_zero(spawn_daemon, pool):
-    """A second Ctrl-C: the turns still running end `failed` at once, as when the drain's
-    time is up, instead of after the whole `drain_s`."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1], ids=["ctrl-c", "sigusr1"])
+async def test_a_second_ctrl_c_or_sigusr1_cuts_the_drain_short_and_exits_zero(
+        spawn_daemon, pool, signum):
+    """The turns still running end `failed` at once, as when the drain's time is up, instead
+    of after the whole `drain_s`."""
     daemon = spawn_daemon(drain_s=LONG_DRAIN_S)
     await daemon.wait_ready()
     account = await new_account(pool)
     turn = await enqueue_demo(pool, account, await new_conversation(pool, account), "long",
                               tokens=3000, delay_ms=20)  # ~60 s
-    await poll_until(lambda: has_streamed(pool, turn.run_id), 10,
-                     what="the turn to have streamed some text")
+    await wait_streaming(pool, turn.run_id, timeout=10)
     daemon.terminate()
     await daemon.wait_for_log("draining the turns in flight", 10)
     assert (await run_row(pool, turn.run_id))["status"] == RunStatus.RUNNING
-    daemon.send_signal(signal.SIGINT)  # any stop signal counts as the second
+    daemon.send_signal(signum)
     assert await daemon.wait_exit(LONG_DRAIN_S / 4) == 0
     row = await run_row(pool, turn.run_id)
     assert (row["status"], row["error"], row["error_code"]) == \
@@ -118,8 +120,4 @@ async def test_a_second_stop_signal_cuts_the_drain_short_and_exits_zero(spawn_da
     journal = await assert_journal_sound(pool, turn.run_id)
     [kept] = await assistant_messages(pool, turn.run_id)
     assert (kept["content"], kept["status"]) == (streamed_text(journal), "failed")
-    assert "stop signal again" in daemon.log_text()
-
-
-async def has_streamed(pool, run_id) -> bool:
-    return bool(of_type(await read_journal(pool, run_id), EventType.CONTENT_DELTA))
+    assert "cancelling the turns still running" in daemon.log_text()

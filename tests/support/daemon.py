@@ -178,11 +178,6 @@ class Daemon:
         """SIGTERM: the daemon drains and exits on its own."""
         self.send_signal(signal.SIGTERM)
 
-    def signal_group(self, signum: int) -> None:
-        """A signal to the daemon's whole process group, its workers too: as a terminal
-        delivers its Ctrl-C (SIGINT), or systemd's default KillMode its stop (SIGTERM)."""
-        self._signal_group(signum)
-
     def kill(self) -> None:
         """SIGKILL the whole process group: a crash, nothing runs after it."""
         if self.running:
@@ -194,16 +189,17 @@ class Daemon:
 
         Returns once the kernel reports the process stopped (signal delivery is asynchronous).
         """
-        self._signal_group(signal.SIGSTOP)
+        self.signal_group(signal.SIGSTOP)
         self._await_state(lambda state: state == "T", "stopped")
 
     def cont(self) -> None:
         """SIGCONT: resumes a stopped process; returns once it is no longer stopped."""
-        self._signal_group(signal.SIGCONT)
+        self.signal_group(signal.SIGCONT)
         self._await_state(lambda state: state != "T", "resumed")
 
-    def _signal_group(self, signum: int) -> None:
-        """The daemon's whole process group: its workers too, when it runs several."""
+    def signal_group(self, signum: int) -> None:
+        """A signal to the daemon's whole process group, its workers too when it runs several:
+        as a terminal delivers its Ctrl-C (SIGINT), or systemd's default KillMode its stop."""
         assert self.running, f"{self.name} is not running (exit code {self.returncode})"
         os.killpg(self.pid, signum)
 

@@ -6,9 +6,7 @@ count the operator chose that does not fit is refused."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -132,30 +130,3 @@ def test_behind_a_transaction_pooler_only_a_workers_own_connections_count() -> N
     assert fit_workers(8, pooled, 20) == (8, None)
     assert fit_workers(8, pooled, 15)[0] == 0
 
-
-async def test_the_first_stop_signal_drains_and_the_next_cuts_the_drain_short() -> None:
-    loop = asyncio.get_running_loop()
-    stop, hurry = asyncio.Event(), asyncio.Event()
-    try:
-        supervisor.on_stop_signals(loop, stop, hurry)
-        os.kill(os.getpid(), signal.SIGTERM)
-        await asyncio.wait_for(stop.wait(), 10)
-        assert not hurry.is_set(), "one signal cut the drain short"
-        os.kill(os.getpid(), signal.SIGTERM)
-        await asyncio.wait_for(hurry.wait(), 10)
-    finally:
-        for signum in supervisor.STOP_SIGNALS:
-            loop.remove_signal_handler(signum)
-
-
-async def test_a_supervised_worker_is_hurried_by_its_supervisors_signal() -> None:
-    loop = asyncio.get_running_loop()
-    stop, hurry = asyncio.Event(), asyncio.Event()
-    try:
-        supervisor.on_stop_signals(loop, stop, hurry, supervised=True)
-        os.kill(os.getpid(), supervisor.HURRY_SIGNAL)  # may come before the SIGTERM it follows
-        await asyncio.wait_for(hurry.wait(), 10)
-        assert stop.is_set()
-    finally:
-        for signum in (*supervisor.STOP_SIGNALS, supervisor.HURRY_SIGNAL):
-            loop.remove_signal_handler(signum)

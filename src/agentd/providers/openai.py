@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from agentd.pgtext import clean_text
 from agentd.providers.base import (
     Finish,
     ProviderError,
@@ -62,7 +63,8 @@ class _PartialCall:
             self.name += fragment
 
     def finish(self, index: int, names: ToolNames) -> ToolCallRequest:
-        call_id = self.id or f"call_{index}_{uuid.uuid4().hex[:12]}"
+        # Cleaned before the fallback: an id of nothing but NULs is no id (pgtext.py).
+        call_id = clean_text(self.id) or f"call_{index}_{uuid.uuid4().hex[:12]}"
         return ToolCallRequest(call_id, names.local(self.name), decode_arguments(self.arguments))
 
 
