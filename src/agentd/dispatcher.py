@@ -218,7 +218,7 @@ class Dispatcher:
     async def drain(self, budget_s: float,
                     hurry: asyncio.Event | None = None) -> tuple[int, int]:
         """Phase 2: let in-flight turns finish within the budget, or until `hurry` is set (a
-        second stop signal), then cancel the rest.
+        second Ctrl-C, or SIGUSR1), then cancel the rest.
 
         Cancelled turns are finalized failed by the backstop (never re-queued); returns
         (finished in time, cancelled).

@@ -20,6 +20,7 @@ import asyncpg
 from agentd.accounts import revoked_devices_among
 from agentd.hub import Hub
 from agentd.vocabulary import Channel
+from agentd.waiting import ended_first
 
 log = logging.getLogger("agentd.revocation")
 
@@ -70,17 +71,9 @@ class RevocationWatch:
         with self.watch(device_id) as revoked:
             task = asyncio.ensure_future(work)
             if revoked.is_set():
-                task.cancel()
-            waiter = asyncio.create_task(revoked.wait())
-            try:
-                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                waiter.cancel()
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-            if revoked.is_set() and (task.cancelled() or not task.done()):
+                task.cancel()  # revoked already: the work never starts
+            await ended_first(task, revoked)
+            if revoked.is_set() and task.cancelled():
                 raise Revoked()
             return task.result()
 

@@ -148,16 +148,12 @@ class SharedReads:
 
     async def _fly(self, key: Hashable, flight: _Flight,
                    query: Callable[[], Awaitable[Any]]) -> None:
-        # One loop step for the other subscribers the same hint woke to join, then close.
+        # One loop step for the other subscribers the same hint woke to join, then close. A
+        # query that fails fails the task, and _abandon hands its error to every reader.
         await asyncio.sleep(0)
         self._close(key, flight)
         self.issued += 1
-        try:
-            result = await query()
-        except Exception as exc:  # every reader sees the failure as its own read would
-            _fail(flight, exc)
-            return
-        flight.future.set_result(result)
+        flight.future.set_result(await query())
 
     def _start(self, read: Coroutine[Any, Any, None],
                abandon: Callable[[asyncio.Task[None]], None]) -> None:

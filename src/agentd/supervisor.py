@@ -411,7 +411,7 @@ class Fleet:
 
     async def stop(self, budget_s: float, hurry: asyncio.Event | None = None) -> bool:
         """SIGTERM every live worker (each drains), wait up to `budget_s`, kill the rest. Once
-        `hurry` is set (a second stop signal), HURRY_SIGNAL to each: it cuts its drain short.
+        `hurry` is set (a second Ctrl-C, or SIGUSR1), HURRY_SIGNAL to each: it cuts its drain short.
 
         True when each stopped cleanly: exited 0, or ended by a stop signal or HURRY_SIGNAL
         itself (a worker still starting has no handler yet, and holds no turn; a terminal's
@@ -513,7 +513,7 @@ async def _run_fleet(fleet: Fleet, stop: asyncio.Event, hurry: asyncio.Event,
             await fleet.keep(stop)
         code = 0
     finally:
-        stop.set()  # also when a failure ends it: a stop signal from here on hurries the stop
+        stop.set()  # also when a failure ends it: a Ctrl-C from here on cuts the stop short
         stopping(budget + DATABASE_STOP_S)
         begun = time.monotonic()
         clean = await fleet.stop(budget, hurry)

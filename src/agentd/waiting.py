@@ -1,5 +1,6 @@
 """Waiting for some work unless an event comes first: a worker's exit or a restart's pause
-against the stop, a drain against a second stop signal that cuts it short."""
+against the stop, a drain against a second Ctrl-C that cuts it short, a request against its
+device's revocation."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any
 
 
 async def ended_first(work: Awaitable[Any], event: asyncio.Event) -> bool:
-    """Await `work` unless `event` is set first, then cancel what is left of it (shield work
-    that must go on): True when the work ended first."""
+    """Await `work` unless `event` is set first; then cancel what is left of it (shield work
+    that must go on) and wait until it has ended. True when the work ended first; its outcome
+    is left in `work` when that is a task."""
     task = asyncio.ensure_future(work)
     setting = asyncio.ensure_future(event.wait())
     try:
@@ -19,4 +21,7 @@ async def ended_first(work: Awaitable[Any], event: asyncio.Event) -> bool:
         setting.cancel()
         if not task.done():
             task.cancel()
-    return task.done() and not task.cancelled() and not event.is_set()
+            # Waited for, not awaited: its CancelledError stays in it, and this caller's own
+            # cancellation still reaches the caller.
+            await asyncio.wait({task})
+    return not task.cancelled() and not event.is_set()

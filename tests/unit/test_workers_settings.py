@@ -129,4 +129,3 @@ def test_behind_a_transaction_pooler_only_a_workers_own_connections_count() -> N
     pooled = Settings(workers=8, pool_max=50, pooler="transaction")
     assert fit_workers(8, pooled, 20) == (8, None)
     assert fit_workers(8, pooled, 15)[0] == 0
-
