@@ -74,6 +74,15 @@ async def test_two_devices_attached_one_approves_and_both_see_who(start_tools_ap
         run_id = run["run_id"]
         laptop_feed, desktop_feed = feed(api.a, conversation, run_id), \
             feed(desktop, conversation, run_id)
+
+        async def both_attached() -> bool:
+            # Attached after its snapshot, which holds the run while it waits for approval:
+            # from here each feed is owed the run's `complete`. A feed that attached only after
+            # the run ended would see it ended in its snapshot instead, and no `complete`.
+            state = (await api.a.get(f"/v1/conversations/{conversation}")).json()
+            return len(state["attached"]) == 2 or laptop_feed.done() or desktop_feed.done()
+
+        await poll_until(both_attached, 30, interval=0.05, what="both devices attached")
         call = await pending_call(desktop, run_id)
         assert call["tool"] == "calculator" and call["decision"] is None
         assert call["arguments"] == {"expression": "6 * 7"}
