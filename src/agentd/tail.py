@@ -20,7 +20,7 @@ from uuid import UUID
 
 import asyncpg
 
-from agentd.hub import RECONNECTED, Hub
+from agentd.hub import RECONNECTED, Hub, Subscription
 from agentd.queue import Event, read_events, run_status
 from agentd.shared_reads import SharedReads
 from agentd.vocabulary import Channel, EventType, RunStatus
@@ -137,12 +137,14 @@ class FeedCursor:
             raw = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
             stamp = datetime.fromisoformat(raw["w"][0])
             cursor = cls((stamp, UUID(raw["w"][1])),
-                         {UUID(k): int(v) for k, v in raw["o"].items()})
+                         {UUID(k): v for k, v in raw["o"].items()})
         except (ValueError, KeyError, TypeError, IndexError, binascii.Error,
                 UnicodeDecodeError, AttributeError):
             raise BadCursor("not a cursor this server issued") from None
+        # Positions are the seqs this server wrote: whole numbers, never a float such as
+        # Infinity (which JSON parsing here accepts) or a bool.
         if stamp.tzinfo is None or len(cursor.open) > 10_000 or any(
-                v < 0 for v in cursor.open.values()):
+                type(v) is not int or v < 0 for v in cursor.open.values()):
             raise BadCursor("not a cursor this server issued")
         return cursor
 
@@ -210,6 +212,12 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
                     held = None if stale else _held_events(reads, cursor)
                     runs = [] if held is not None else await reads.runs(
                         conversation_id, cursor.watermark, list(cursor.open))
+                    if held is None:
+                        # The cursor comes from the client: a run it names that is not one of
+                        # this conversation's (another account's, or gone) is dropped before
+                        # anything is handed out from the rows this process holds for it. The
+                        # first pass always reads, so no such run outlives it.
+                        _drop_strangers(sub, cursor, {row["id"] for row in runs})
                     for run_id, event in held or ():
                         cursor.open[run_id] = event.seq
                         progressed = True
@@ -290,6 +298,13 @@ async def conversation_feed(pool: asyncpg.Pool, hub: Hub, conversation_id: UUID,
             checking.cancel()
         elif checking is not None and not checking.cancelled():
             checking.exception()  # retrieved: the feed ended for another reason first
+
+
+def _drop_strangers(sub: Subscription, cursor: FeedCursor, found: set[UUID]) -> None:
+    """Stop following the open runs the conversation's read did not return."""
+    for run_id in [r for r in cursor.open if r not in found]:
+        del cursor.open[run_id]
+        sub.unlisten(Channel.RUN_EVENT, str(run_id))
 
 
 def _held_events(reads: SharedReads, cursor: FeedCursor) -> list[tuple[UUID, Event]] | None:

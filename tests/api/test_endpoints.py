@@ -630,6 +630,13 @@ BAD_INPUT: list[tuple[str, str, str, dict[str, Any], int, str | None]] = [
     ("feed: cursor seq beyond bigint", "GET", "/v1/conversations/{cid}/events",
      {"cursor": {"w": ["2020-01-01T00:00:00+00:00", str(uuid.UUID(int=0))],
                  "o": {"{rid}": 10**30}}}, 400, "invalid_cursor"),
+    # json.dumps writes Infinity, which Python's json (and so the cursor's decoding) reads.
+    ("feed: cursor seq Infinity", "GET", "/v1/conversations/{cid}/events",
+     {"cursor": {"w": ["2020-01-01T00:00:00+00:00", str(uuid.UUID(int=0))],
+                 "o": {"{rid}": float("inf")}}}, 400, "invalid_cursor"),
+    ("feed: cursor seq fractional", "GET", "/v1/conversations/{cid}/events",
+     {"cursor": {"w": ["2020-01-01T00:00:00+00:00", str(uuid.UUID(int=0))],
+                 "o": {"{rid}": 1.5}}}, 400, "invalid_cursor"),
     ("feed: cursor time out of range", "GET", "/v1/conversations/{cid}/events",
      {"cursor": {"w": ["0001-01-01T00:00:00+14:00", str(uuid.UUID(int=0))], "o": {}}}, 400,
      "invalid_cursor"),
