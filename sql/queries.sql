@@ -841,10 +841,15 @@ LIMIT $3::int;
 -- appends in ONE statement; a fence lower than the mark (a superseded execution) updates and
 -- inserts nothing (zero rows = rejected). The conflicting mark row is locked and re-checked, so
 -- concurrent writers serialize on it and an older fence can never slip in after a newer one.
--- The writing run's row is locked first, as every worker write and a conversation's delete take
--- it: a delete holding it is waited for (and then nothing is written), never deadlocked with.
+-- The writer must also still own its run, as for every worker write: running, lease live. This
+-- refuses an execution paused past its lease even before its successor wrote a note (when the
+-- mark alone cannot know it is stale). The run's row is locked first (FOR SHARE: an ending
+-- waits for the append, or the append for it), as every worker write and a conversation's
+-- delete take it: a delete holding it is waited for, never deadlocked with.
 WITH writer AS (
-    SELECT id FROM agent_run WHERE id = $3::uuid FOR KEY SHARE
+    SELECT id FROM agent_run
+    WHERE id = $3::uuid AND status = 'running' AND lease_expires_at > clock_timestamp()
+    FOR SHARE
 ), mark AS (
     INSERT INTO conversation_note_fence (conversation_id, fence, run_id)
     SELECT $1::uuid, $2::bigint, writer.id FROM writer

@@ -1,7 +1,9 @@
-"""The `notes` tool: seed 000's downstream fencing, against a real PostgreSQL.
+"""The `notes` tool: downstream fencing (docs/providers.md, "Fenced writes"), against a real
+PostgreSQL.
 
 A superseded execution (its lease expired, the run was reaped, a newer run claimed the
-conversation with a higher fence) must not write once the newer one did; the current one must.
+conversation with a higher fence) must not write once the newer one did, nor before it did, nor
+while its lease has run out unreaped; the current one must.
 """
 
 from __future__ import annotations
@@ -74,12 +76,13 @@ async def test_notes_write_from_a_superseded_run_is_rejected_and_writes_nothing(
 
 async def test_racing_fenced_writers_never_land_an_older_fence_after_a_newer_one(
         pool: asyncpg.Pool) -> None:
-    older, newer = await _superseded_and_current(pool)
+    _, newer = await _superseded_and_current(pool)
     tools = default_tools()
     store = DatabaseToolStore(pool)
     rejected = 0
     for round_no in range(1, 31):
-        low = ToolContext(older.run_id, older.conversation_id, older.account_id,
+        # Both writers on the live run, so that only the mark tells them apart.
+        low = ToolContext(newer.run_id, newer.conversation_id, newer.account_id,
                           10 * round_no + 1, store)
         high = ToolContext(newer.run_id, newer.conversation_id, newer.account_id,
                            10 * round_no + 2, store)
@@ -96,6 +99,37 @@ async def test_racing_fenced_writers_never_land_an_older_fence_after_a_newer_one
     assert len(rows) == 60 - rejected
     assert {r["fence"] for r in rows if r["text"] == "high"} == {
         10 * n + 2 for n in range(1, 31)}
+
+
+async def test_a_superseded_run_cannot_write_before_its_successor_did(
+        pool: asyncpg.Pool) -> None:
+    """The mark alone knows only fences it has seen: here the successor has written nothing."""
+    zombie, current = await _superseded_and_current(pool)
+    tools = default_tools()
+    with pytest.raises(StaleFence, match=r"no longer holds its turn.*nothing written"):
+        await tools.call("notes", {"action": "append", "text": "from zombie A"}, zombie)
+    assert await _notes(pool, current.conversation_id) == []
+    assert await pool.fetchval("SELECT count(*) FROM conversation_note_fence"
+                               " WHERE conversation_id = $1", current.conversation_id) == 0
+    await tools.call("notes", {"action": "append", "text": "from B"}, current)
+    assert [r["text"] for r in await _notes(pool, current.conversation_id)] == ["from B"]
+
+
+async def test_a_run_whose_lease_ran_out_cannot_write_before_it_is_reaped(
+        pool: asyncpg.Pool) -> None:
+    tenant = await new_tenant(pool)
+    await enqueue(pool, tenant.account_id, tenant.conversation_id, "first")
+    [claim] = await claim_runs(pool, worker_id=WORKER, lease_ttl_s=0.2)
+    paused = ToolContext(claim.run_id, claim.conversation_id, claim.account_id, claim.fence,
+                         DatabaseToolStore(pool))
+    tools = default_tools()
+    await tools.call("notes", {"action": "append", "text": "while live"}, paused)
+    await wait_lease_expired(pool, claim.run_id)
+    with pytest.raises(StaleFence, match="no longer holds its turn"):
+        await tools.call("notes", {"action": "append", "text": "after the lease"}, paused)
+    assert [r["text"] for r in await _notes(pool, tenant.conversation_id)] == ["while live"]
+    assert await pool.fetchval("SELECT status FROM agent_run WHERE id = $1",
+                               claim.run_id) == "running", "the test meant an unreaped run"
 
 
 async def test_notes_arguments_are_checked(pool: asyncpg.Pool) -> None:

@@ -3,7 +3,9 @@
 The downstream resource of fencing (docs/providers.md, "Fenced writes"): each append carries
 the run's fence, and the notebook rejects a fence lower than the highest it has seen for the
 conversation, so an execution that lost its lease (and was superseded) cannot write after its
-successor did. Reads are not fenced.
+successor did. Being in the daemon's own database, it also refuses a run that no longer holds
+its turn, as every worker write does, which covers the time before the successor wrote. Reads
+are not fenced.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ async def append_note(ctx: ToolContext, text: str) -> dict[str, Any]:
     if note is None:
         mark = await ctx.store.note_fence_mark(ctx.conversation_id)
         if mark is None or mark <= ctx.fence:
-            raise StaleFence("rejected: this run no longer exists (its conversation was "
-                             "deleted); nothing written")
+            raise StaleFence("rejected: this run no longer holds its turn (it ended, its "
+                             "lease ran out, or its conversation was deleted); nothing written")
         raise StaleFence(f"rejected: this run's fence {ctx.fence} is lower than {mark}, which a "
                          "newer execution of this conversation already used; nothing written")
     return {"note_id": note.id, "created_at": note.created_at.isoformat()}
