@@ -53,6 +53,7 @@ from agentd.queue import (
     LeaseLost,
     answer_open_tool_calls,
     check_lease,
+    ended_after_lost_answer,
     finish_run_journaled,
     insert_message,
     open_turn,
@@ -262,6 +263,8 @@ class TurnRunner:
         answer = turn.answer
         complete = status == RunStatus.COMPLETED
         turn.held.finishing = True  # a beat that finds the run ended from here on is no news
+        shown: tuple[str, str | None] = (str(status), ended.code if ended else None)
+        uncertain = False  # an attempt failed on the wire, and may have committed
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
                 await finish_run_journaled(
@@ -274,16 +277,26 @@ class TurnRunner:
                     error_code=ended.code if ended else None, usage=turn.usage,
                     finishes=self._finishes)
                 break
+            except LeaseLost:
+                # A retry refused after an attempt whose answer was lost: that attempt may
+                # have ended the run. Ended (by it or a finalizer), there is nothing to fence
+                # out and the ending's wake-ups, which the lost answer never sent, go now: the
+                # conversation's next turn and its readers need not wait for their polls.
+                ending = await ended_after_lost_answer(self._pool, turn.claim, self._hint) \
+                    if uncertain else None
+                if ending is None:
+                    raise
+                shown = (str(ending.status), ending.error_code)
+                break
             except TRANSIENT:
                 # Rolled back, or committed with the answer lost on the wire: a retry either
-                # lands or is refused by its fence (then the run has ended, by us or a
-                # finalizer, and the dispatcher's backstop finds nothing to do).
+                # lands or is refused by its fence (above).
                 if attempt == len(RETRY_DELAYS_S):
                     raise
+                uncertain = True
                 await asyncio.sleep(RETRY_DELAYS_S[attempt])
-        self._metrics.run_seconds.labels(status=str(status)).observe(turn.elapsed())
-        log.info("run finished", extra={**ctx, "status": str(status),
-                                        "error_code": ended.code if ended else None,
+        self._metrics.run_seconds.labels(status=shown[0]).observe(turn.elapsed())
+        log.info("run finished", extra={**ctx, "status": shown[0], "error_code": shown[1],
                                         "journal_rows": turn.emitter.rows_written})
         return True
 

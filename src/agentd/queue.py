@@ -656,6 +656,18 @@ FinishOutcome = UUID | None | Exception
 Finishes = Batcher["Finish", "UUID | None"]  # the process's shared terminal writes
 
 
+async def ended_after_lost_answer(db: Db, claim: Claim, hint: Hint | None) -> RunEnding | None:
+    """For a terminal write whose answer was lost on the wire and whose retry was refused: the
+    run's ending if it has ended, by that first write (which did commit) or by a finalizer
+    meanwhile, with the ending's wake hints sent (the lost answer kept them from going out;
+    if a finalizer sent them too, a second wake costs a read); None if it has not ended."""
+    ending = await run_status(db, claim.run_id)
+    if ending is None or not ending.status.terminal:
+        return None
+    await _send_hints(db, hint, _finish_hints(claim))
+    return ending
+
+
 def _finish_hints(claim: Claim) -> list[tuple[Channel, str]]:
     """Who hears of an ending: the run's tails, the conversation's feeds, and the dispatchers
     (the conversation's next turn may start)."""

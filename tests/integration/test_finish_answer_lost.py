@@ -1,0 +1,78 @@
+"""A turn's terminal write that commits but whose answer is lost on the wire (the connection
+drops right after the commit): its retry is refused by the fence, since the run has ended.
+The turn is then counted as finished, not as a lost lease, and the ending's wake-ups, which the
+lost answer kept from going out, are sent: the conversation's next turn starts at once instead
+of at the dispatcher's next tick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import asyncpg
+
+from agentd.executor import TurnRunner
+from agentd.group_commit import Batcher
+from agentd.heartbeat import LeaseKeeper
+from agentd.hub import Hub
+from agentd.metrics import Metrics
+from agentd.providers import ProviderRegistry
+from agentd.queue import Finish, FinishOutcome, WorkerReport, claim_runs, finish_runs
+from agentd.settings import load_settings
+from agentd.tools import default_tools
+from agentd.vocabulary import Channel, RunStatus
+from tests.support.factories import enqueue, new_tenant
+
+WORKER = "lost-answer-worker"
+
+
+async def test_a_terminal_write_whose_answer_was_lost_ends_the_turn_and_wakes_its_readers(
+        dsn: str, pool: asyncpg.Pool, tmp_path: Path) -> None:
+    config = tmp_path / "agentd.toml"
+    config.write_text("")
+    settings = load_settings(config, env={"AGENTD_HEARTBEAT_S": "1", "AGENTD_FLUSH_MS": "20"})
+    calls = 0
+
+    async def committed_then_lost(items: Sequence[Finish]) -> list[FinishOutcome]:
+        nonlocal calls
+        calls += 1
+        outcomes = await finish_runs(pool, items)
+        if calls == 1:
+            # What asyncpg raises when the connection dies between the commit and its answer.
+            raise asyncpg.exceptions.ConnectionDoesNotExistError(
+                "connection was closed in the middle of operation")
+        return outcomes
+
+    hints: list[tuple[Channel, str]] = []
+    hub = Hub(dsn)
+    await hub.start()
+    metrics = Metrics()
+    keeper = LeaseKeeper(dsn, hub, settings, metrics,
+                         report=lambda: WorkerReport(WORKER, "test", 0))
+    keeper.start()
+    providers = ProviderRegistry(settings)
+    try:
+        runner = TurnRunner(pool, hub, keeper, settings, providers, default_tools(),
+                            hint=lambda channel, payload: hints.append((channel, payload)),
+                            metrics=metrics, finishes=Batcher(pool, committed_then_lost))
+        tenant = await new_tenant(pool)
+        run = await enqueue(pool, tenant.account_id, tenant.conversation_id, "go",
+                            request={"content": "go", "model": "demo",
+                                     "params": {"tokens": 5, "delay_ms": 0}})
+        [claim] = await claim_runs(pool, worker_id=WORKER, lease_ttl_s=30)
+        assert claim.run_id == run.run_id
+        assert await runner.run(claim), "the turn ended, but the runner says it lost its lease"
+    finally:
+        await keeper.close()
+        await providers.close()
+        await hub.close()
+    assert calls == 2, "the terminal write was not retried after its lost answer"
+    row = await pool.fetchrow("SELECT r.status, m.content FROM agent_run r JOIN message m"
+                              " ON m.run_id = r.id AND m.role = 'assistant'"
+                              " WHERE r.id = $1", run.run_id)
+    assert row["status"] == RunStatus.COMPLETED and row["content"]
+    conversation = str(tenant.conversation_id)
+    assert (Channel.RUN_ENQUEUED, conversation) in hints, "the next turn was never woken"
+    assert (Channel.CONVERSATION, conversation) in hints, "the feeds never heard of the end"
+    assert metrics.registry.get_sample_value("agentd_fenced_writes_total") == 0
