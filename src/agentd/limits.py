@@ -235,8 +235,13 @@ class GuardedSite(web.BaseSite):
     """aiohttp's TCPSite, with every connection passed through a ConnectionGuard first."""
 
     def __init__(self, runner: web.BaseRunner, sock: socket.socket, *,
-                 guard: ConnectionGuard, ssl_context: Any = None, backlog: int = 128) -> None:
+                 guard: ConnectionGuard, ssl_context: Any = None, backlog: int = 128,
+                 handlers: Callable[[web.Server], Callable[[], RequestHandler]] | None = None,
+                 ) -> None:
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        # How each connection's aiohttp protocol is built from the runner's server (None:
+        # aiohttp's own); the API answers parser errors in JSON through it.
+        self._handlers = handlers
         # Bound before anything else started (agentd.listen), so a busy address touched nothing.
         self._sock = sock
         self._host, self._port = sock.getsockname()[:2]
@@ -258,5 +263,6 @@ class GuardedSite(web.BaseSite):
             # A client that connects and never finishes its handshake is a slow head too.
             extra["ssl_handshake_timeout"] = max(1.0, math.ceil(self._guard.header_timeout_s))
         self._server = await loop.create_server(
-            self._guard.protocol_factory(server), sock=self._sock,
+            self._guard.protocol_factory(server if self._handlers is None
+                                         else self._handlers(server)), sock=self._sock,
             ssl=self._ssl_context, backlog=self._backlog, **extra)

@@ -1,4 +1,5 @@
-"""Revocation that bites live streams: a revoked device's open streams end within a keepalive.
+"""Revocation that bites live streams: a revoked device's open streams (and long waits on a
+run) end within a keepalive.
 
 One watcher per process keeps the devices that hold streams here. It re-reads their state on the
 `agentd_device` hint that revoke_device sends (so a revocation usually lands in milliseconds),

@@ -239,8 +239,11 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                                       certificate.fingerprint if certificate else None,
                                       create=database.embedded is not None)
         ssl_context = server_context(certificate) if certificate else None
+        from agentd.api.errors import json_error_handlers  # as build_app imports the API
+
         sites = [GuardedSite(app_runner, sock, guard=runtime.connection_guard,
-                             ssl_context=ssl_context) for sock in sockets]
+                             ssl_context=ssl_context, handlers=json_error_handlers)
+                 for sock in sockets]
         for site in sites:
             await site.start()
         dispatcher.start()

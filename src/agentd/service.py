@@ -47,6 +47,7 @@ LAST = "last"  # retry_of: the conversation's latest turn
 # A full queue drains as turns finish; a client that waits this long finds room more often than
 # not, and never hammers the daemon.
 QUEUE_FULL_RETRY_AFTER_S = 10
+MAX_TOOL_NAME = 200  # as the demo model's params check allows
 
 
 class ClaimSlot(Protocol):
@@ -257,7 +258,13 @@ class Service:
     async def conversation_state(self, who: Principal, conversation_id: UUID,
                                  db: queue.Db | None = None, *,
                                  limit: int | None = None) -> convs.ConversationState:
-        state = await convs.conversation_state(db or self.pool, who.account_id, conversation_id,
+        """The server's authority on a conversation, read from ONE snapshot (a run listed has
+        its question in the transcript, an answer is never beside its run still running)."""
+        if db is None:
+            async with self.pool.acquire() as conn, conn.transaction(
+                    isolation="repeatable_read", readonly=True):
+                return await self.conversation_state(who, conversation_id, conn, limit=limit)
+        state = await convs.conversation_state(db, who.account_id, conversation_id,
                                                limit=limit)
         if state is None:
             raise not_found("conversation")
@@ -471,7 +478,13 @@ class Service:
         try:
             tool = await self.tools.find(name)
         except ToolError as exc:
-            raise ServiceError(422, "tool_unavailable", str(exc)) from None
+            # Why a server is unavailable can name environment variables, paths or the server's
+            # own words: that stays in the log (and `agentd doctor`); the client learns only
+            # that the tool it named cannot be used now.
+            log.warning("a run named a tool whose MCP server is unavailable",
+                        extra={"tool": name[:200], "error": str(exc)})
+            raise ServiceError(422, "tool_unavailable", _unavailable_tool(name),
+                               tool=name) from None
         if tool is None:
             raise ServiceError(422, "invalid_params", f"params.tool: no tool named {name!r}")
 
@@ -484,6 +497,12 @@ class Service:
         one new run and one 409, and a client that has not seen a newer turn cannot replace it.
         """
         named = ask.retry_of if isinstance(ask.retry_of, UUID) else None  # None: "last"
+        # A tool is checked before the conversation's row is locked, as a post's is: starting
+        # its MCP server can take start_timeout_s, and the conversation's stops, posts and
+        # deletes must not queue behind that lock meanwhile (they would answer 503).
+        checked = await self._retry_tool(who, conversation_id, ask, named)
+        if checked is not None:
+            await self._check_tool(checked)
         async with self.pool.acquire() as conn, conn.transaction():
             locked = await convs.lock_conversation(conn, who.account_id, conversation_id)
             if locked is None:
@@ -506,7 +525,9 @@ class Service:
                 if inherited and exc.code == "invalid_params":
                     exc.message += " (the retried turn's params; send params to replace them)"
                 raise
-            if "tool" in req.params:
+            if "tool" in req.params and req.params["tool"] != checked:
+                # The latest turn changed between the read above and the lock (a turn posted
+                # and ended meanwhile): rare enough to check its tool here, under the lock.
                 await self._check_tool(req.params["tool"])
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
                                           beside=slot)
@@ -517,6 +538,23 @@ class Service:
             # before this mark hid the retried exchange: its executor reads it again.
             return dataclasses.replace(created, started=tuple(
                 dataclasses.replace(claim, transcript=None) for claim in created.started))
+
+    async def _retry_tool(self, who: Principal, conversation_id: UUID, ask: RunAsk,
+                          named: UUID | None) -> str | None:
+        """The tool a retry's run will name (its own params, else the retried turn's), read
+        without a lock: only to check the tool early; the locked read decides the retry."""
+        params = ask.params
+        if params is None:
+            async with self.pool.acquire() as conn:
+                # Authorized first: another account's conversation is a 404, whatever its tool.
+                if await convs.get_conversation(conn, who.account_id, conversation_id) is None:
+                    raise not_found("conversation")
+                target = await convs.retry_target(conn, conversation_id, named)
+            params = (target["request"] or {}).get("params") if target["id"] is not None \
+                else None
+        tool = params.get("tool") if isinstance(params, dict) else None
+        # A name the params' own check refuses is left to it (under the lock, as before).
+        return tool if isinstance(tool, str) and 0 < len(tool) <= MAX_TOOL_NAME else None
 
     async def _replay_retry(self, conn: Conn, who: Principal,
                             conversation_id: UUID, key: str, ask: RunAsk,
@@ -685,6 +723,14 @@ class Service:
         else:
             self._seen(who, meta.conversation)
         return meta
+
+
+def _unavailable_tool(name: str) -> str:
+    """What a client reads when the tool it named cannot be used now: the tool and its server,
+    both names it sent, and nothing of why (the log and `agentd doctor` say that)."""
+    server = name.partition(".")[0]
+    return (f"tool {name!r} is unavailable: its MCP server {server!r} could not be started or "
+            f"reached; try again later (the daemon's log and `agentd doctor` say why)")
 
 
 def _model_name(model: ModelRef | None) -> str | None:

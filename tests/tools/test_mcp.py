@@ -175,9 +175,11 @@ async def test_bad_servers_and_schemas_are_clear_errors_and_runs_still_work(
     }
     async with start_tools_api(servers) as api:
         conversation = await create_conversation(api.a)
+        # Why a server is unavailable stays in the log and `agentd doctor`
+        # (test_tool_checks_at_enqueue.py); the client is told which tool it cannot use.
         for tool, code, words in (
-                ("noexec.anything", "tool_unavailable", "not executable"),
-                ("junk.anything", "tool_unavailable", "not JSON-RPC"),
+                ("noexec.anything", "tool_unavailable", "tool 'noexec.anything' is unavailable"),
+                ("junk.anything", "tool_unavailable", "tool 'junk.anything' is unavailable"),
                 ("t.broken", "invalid_params", "no tool named 't.broken'"),
                 ("t.nonexistent", "invalid_params", "no tool named")):
             response = await api.a.post(f"/v1/conversations/{conversation}/runs", json={

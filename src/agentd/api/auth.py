@@ -81,3 +81,9 @@ async def trusted(request: web.Request) -> bool:
 def _unauthorized(message: str) -> web.Response:
     return error_response(401, "unauthorized", message,
                           headers={"WWW-Authenticate": 'Bearer realm="agentd"'})
+
+
+def device_revoked(message: str) -> web.Response:
+    """A request the device's revocation cut short (a long wait): the code streams end with."""
+    return error_response(401, "device_revoked", message,
+                          headers={"WWW-Authenticate": 'Bearer realm="agentd"'})

@@ -35,6 +35,9 @@ MAX_CALL_ID = 200
 PAGE_LIMIT = 100  # messages per transcript page unless asked otherwise
 MAX_PAGE_LIMIT = 1000
 PAGING_FIELDS = {"before", "limit", "until"}
+# Deeper JSON serves no request, and Python's recursive encoders (the request hash, jsonb)
+# fail on what its decoder still accepts: refused at the door, with a code of its own.
+MAX_JSON_DEPTH = 64
 
 
 async def json_body(request: web.Request, *, optional: bool = False) -> Any:
@@ -52,12 +55,39 @@ async def json_body(request: web.Request, *, optional: bool = False) -> Any:
         raise ServiceError(400, "invalid_body", "a JSON body is required")
     try:
         body = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, UnicodeDecodeError, RecursionError):
+    except RecursionError:
+        raise _too_deep() from None
+    except (ValueError, UnicodeDecodeError):
         raise ServiceError(400, "invalid_json", "the body is not valid JSON") from None
+    if _depth(body) > MAX_JSON_DEPTH:
+        raise _too_deep()
     if not _storable(body):
         raise ServiceError(400, "invalid_json", "the body's strings must be valid Unicode "
                            "without NUL characters")
     return body
+
+
+def _too_deep() -> ServiceError:
+    return ServiceError(400, "json_too_deep", f"the body nests arrays and objects more than "
+                        f"{MAX_JSON_DEPTH} levels deep")
+
+
+def _depth(value: Any) -> int:
+    """How deep arrays and objects nest in `value` (a scalar: 0), without recursing."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_JSON_DEPTH:  # one level past the bound is enough to refuse it
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _reject_constant(name: str) -> Any:

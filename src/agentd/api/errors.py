@@ -9,11 +9,15 @@ generic 500 body.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 import asyncpg
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.typedefs import Handler
+from aiohttp.web_request import BaseRequest
 
 from agentd.api import RUNTIME
 from agentd.api.sse import OPEN_STREAM
@@ -31,7 +35,8 @@ _UNAVAILABLE = (OSError, asyncpg.CannotConnectNowError, asyncpg.ConnectionDoesNo
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
                415: "unsupported_media_type", 422: "unprocessable", 429: "too_many_requests",
-               503: "unavailable"}
+               431: "request_head_too_large", 500: "internal", 503: "unavailable",
+               504: "timeout"}
 
 
 def error_response(status: int, code: str, message: str,
@@ -97,3 +102,46 @@ def _count_throttled(request: web.Request, reason: str) -> None:
     runtime = request.app.get(RUNTIME)
     if runtime is not None:
         runtime.metrics.throttled.labels(reason=reason).inc()
+
+
+class JsonErrorRequestHandler(web.RequestHandler):
+    """aiohttp's protocol, answering what it refuses before any handler runs — a request head
+    it cannot parse, a request line or header over its limits — with the JSON error envelope
+    instead of its text/plain answer quoting the parser. The middleware above never sees these:
+    aiohttp answers them from `handle_error`, which this overrides (it offers no other hook)."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        # aiohttp's own: it logs the error, and raises when an answer was already begun.
+        super().handle_error(request, status, exc, message)
+        if isinstance(exc, LineTooLong) or (
+                isinstance(exc, BadHttpMessage) and exc.message.startswith("Too many headers")):
+            answer = error_response(
+                431, _HTTP_CODES[431], f"the request head is too large: at most "
+                f"{max(self.max_line_size, self.max_field_size)} bytes in the request line and "
+                f"in each header, and at most {self.max_headers} headers")
+        elif status == 400:
+            answer = error_response(400, _HTTP_CODES[400], "the request is not valid HTTP")
+        elif status == 500:
+            answer = error_response(500, _HTTP_CODES[500], "internal error")
+        else:
+            answer = error_response(status, _HTTP_CODES.get(status, "http_error"),
+                                    HTTPStatus(status).phrase.lower())
+        answer.force_close()  # the connection's framing is lost: it ends with this answer
+        return answer
+
+
+def json_error_handlers(server: web.Server) -> Callable[[], web.RequestHandler]:
+    """A protocol factory for `server` (a GuardedSite's) whose handlers answer in JSON."""
+
+    def make() -> web.RequestHandler:
+        handler = server()
+        # Built by aiohttp with every setting the runner gave it (none of which we repeat),
+        # then given the subclass that only overrides handle_error: same slots, same state.
+        handler.__class__ = JsonErrorRequestHandler
+        return handler
+
+    return make

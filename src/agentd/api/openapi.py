@@ -501,7 +501,8 @@ def build_spec() -> dict[str, Any]:
                               "422": _error("unknown or unusable model, a model name over 200 "
                                             "characters, invalid params for the model, an "
                                             "unknown tool (invalid_params) or a tool whose MCP "
-                                            "server is unavailable (tool_unavailable)"),
+                                            "server is unavailable (tool_unavailable: names "
+                                            "the tool, not why)"),
                               "429": {**_TOO_MANY, "description": "queue_full: the account "
                                       "is at its queued limit; nothing was written"},
                               **_ERRORS}}},
@@ -533,7 +534,9 @@ def build_spec() -> dict[str, Any]:
                     "type": "number", "minimum": 0, "maximum": 300}}],
                 "responses": {"200": _json(_ref("Run"), "the run (check status)"),
                               "400": _error("bad timeout"), "404": _error("no such run"),
-                              **_ERRORS}}},
+                              **_ERRORS,
+                              "401": _error("missing, unknown or revoked token; a device "
+                                            "revoked while it waits: device_revoked")}}},
             "/v1/runs/{id}/cancel": {"post": {
                 "summary": "cancel one run: a queued one ends at once and its text comes back "
                            "as a draft (to the device that asked it); a running one is asked "

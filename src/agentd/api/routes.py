@@ -13,7 +13,7 @@ from uuid import UUID
 from aiohttp import web
 
 from agentd.api import RUNTIME, sse, wire
-from agentd.api.auth import auth_middleware, principal
+from agentd.api.auth import auth_middleware, device_revoked, principal
 from agentd.api.bodies import (
     MAX_CALL_ID,
     json_body,
@@ -30,6 +30,7 @@ from agentd.api.stream_guard import open_device_stream
 from agentd.export import conversation_markdown
 from agentd.providers.catalog import offers
 from agentd.queue import Event
+from agentd.revocation import Revoked
 from agentd.service import NOT_ALLOWED, Service, ServiceError, model_allowed, not_found, parse_uuid
 from agentd.tail import (
     EPOCH,
@@ -228,7 +229,15 @@ async def wait_run(request: web.Request) -> web.Response:
             from None
     if not 0 <= timeout <= MAX_WAIT_S:
         raise ServiceError(400, "invalid_timeout", f"timeout must be in [0, {MAX_WAIT_S:g}]")
-    run = await _service(request).wait_run(principal(request), run_id, timeout)
+    who = principal(request)
+    waiting = _service(request).wait_run(who, run_id, timeout)
+    watch = request.app[RUNTIME].revocations
+    try:
+        # A wait lasts minutes, as a stream does: a revocation ends it as it ends streams.
+        run = await (waiting if watch is None else watch.run_unless_revoked(who.device_id,
+                                                                            waiting))
+    except Revoked:
+        return device_revoked("this device's token was revoked while it waited")
     return web.json_response(wire.run(run))
 
 
