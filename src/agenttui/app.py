@@ -187,7 +187,9 @@ class AgentTUI(App[None]):
         try:
             pairing = await self.client.create_pairing()
         except ApiError as exc:
-            self.notify(f"Could not get a pairing code: {describe(exc)}", severity="error")
+            # Literal: an error quotes the OS ("[Errno 111] …"), which is not markup.
+            self.notify(f"Could not get a pairing code: {describe(exc)}", severity="error",
+                        markup=False)
             return
         await self.push_screen(PairingScreen(pairing))
 

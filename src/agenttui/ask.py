@@ -106,7 +106,7 @@ class Approver:
 
     async def decide(self, payload: dict[str, Any], err: TextIO) -> tuple[str, str | None]:
         """(approve | deny, note) for one approval_requested payload."""
-        tool = str(payload.get("tool"))
+        tool = without_controls(str(payload.get("tool")))
         arguments = json.dumps(payload.get("arguments"), ensure_ascii=True, sort_keys=True)
         if self.approve_all:
             print(f"agenttui: APPROVING {tool} {arguments} without asking (--approve-all)",
@@ -230,8 +230,8 @@ async def _answer(client: AgentClient, run_id: str, payload: dict[str, Any],
     decision, note = await approver.decide(payload, err)
     try:
         await client.decide_approval(run_id, call_id, decision, note)
-    except Conflict as exc:
-        print(f"agenttui: {payload.get('tool')}: {exc.message}", file=err)
+    except Conflict as exc:  # names the device that decided first: its name is not ours
+        print(without_controls(f"agenttui: {payload.get('tool')}: {exc.message}"), file=err)
     except ApiError as exc:
         print(f"agenttui: the decision was not recorded: {describe(exc)}", file=err)
 
@@ -283,8 +283,9 @@ async def _follow_events(client: AgentClient, run_id: str, out: TextIO, err: Tex
             if prompt is not None and not prompt.done():
                 prompt.cancel()  # decided elsewhere while we were asking
                 err.write("\n")
-            print(f"agenttui: {item.payload.get('tool')} {_decided(item.payload)}", file=err,
-                  flush=True)
+            # Another device's name and note, and a tool server's tool name: printable only.
+            print(without_controls(f"agenttui: {item.payload.get('tool')} "
+                                   f"{_decided(item.payload)}"), file=err, flush=True)
         elif item.type == EventType.COMPLETE:
             status = item.payload.get("status")
             try:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from textual.binding import Binding
+
 from agentd.vocabulary import RunStatus
+from agenttui.screens.main import MainScreen
 from tests.support.daemon import SpawnDaemon
 from tests.support.factories import Device
 from tests.tui.conftest import READY_TIMEOUT_S
@@ -52,7 +55,7 @@ async def test_both_devices_prompt_one_approves_and_both_show_who(
             # The arguments literally, the escape character spelled out, never interpreted.
             assert '"expression": "6 * 7\\u001b[31m"' in text, text
             assert {"approve_tool", "deny_tool"} <= footer_keys(app)
-        await their_pilot.press("alt+a")  # the laptop approves the desk's call
+        await their_pilot.press("ctrl+t")  # the laptop approves the desk's call
         for app, pilot in ((mine, my_pilot), (theirs, their_pilot)):
             await wait_for(pilot, lambda app=app: "approved by laptop" in panel_text(app),
                            "every device to show who decided")
@@ -64,3 +67,12 @@ async def test_both_devices_prompt_one_approves_and_both_show_who(
             assert panel_text(app) == ""  # the turn ended: nothing left to answer
             step = next(iter(app.main.model.turn_list()[-1].tools.values()))
             assert "approved by laptop" in step.summary()
+
+
+def test_no_key_that_answers_a_tool_call_begins_with_esc() -> None:
+    # A terminal sends Alt+<key> as Esc then <key>: Esc (Stop) and a letter typed quickly after
+    # it, or read together over SSH, must not be able to approve or deny a tool call.
+    keys = [key.strip() for b in MainScreen.BINDINGS if isinstance(b, Binding)
+            and b.id in ("approve_tool", "deny_tool") for key in b.key.split(",")]
+    assert len(keys) >= 2
+    assert not [k for k in keys if k.startswith(("alt+", "meta+", "escape"))], keys

@@ -8,10 +8,11 @@ import os
 import pty
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from tests.support.daemon import Daemon, SpawnDaemon, poll_until
-from tests.support.factories import Device
+from tests.support.factories import Device, new_device
 from tests.tui.conftest import READY_TIMEOUT_S
 from tests.tui.helpers import client_for
 from tests.tui.test_cli import RUN_S, agenttui, finished
@@ -88,3 +89,38 @@ async def test_on_a_terminal_it_asks_and_takes_the_answer(asking_daemon: Daemon,
     assert "calculator approved by desk" in errors.read_text()
     assert json.dumps({"expression": "6 * 7", "value": 42}) in out
     assert await decisions(asking_daemon, desk) == [("approve", "desk")]
+
+
+async def test_another_devices_decision_is_printed_without_control_characters(
+        asking_daemon: Daemon, desk: Device, pool: asyncpg.Pool, tmp_path: Path) -> None:
+    # A device name and a note are other people's words: they must not retitle the window or
+    # clear the screen of the terminal `ask` writes to.
+    other = await new_device(pool, "team", "lap\x1b[31mtop")
+    note = "fine\x1b]0;pwned\x07 by me\x1b[2J"
+    master, slave = pty.openpty()
+    errors = tmp_path / "stderr.txt"
+    try:
+        with errors.open("wb") as sink:
+            proc = agenttui("ask", *PARAMS, "compute", url=asking_daemon.url,
+                            token=desk.token, stdin=slave, stderr=sink)
+
+            async def asked() -> bool:
+                assert proc.poll() is None, errors.read_text()
+                return "Allow it? [y/N]" in errors.read_text()
+
+            await poll_until(asked, RUN_S, interval=0.05, what="the question on the terminal")
+            async with client_for(asking_daemon, other) as api:
+                [conversation] = await api.list_conversations()
+                state = await api.get_conversation(conversation.id)
+                run_id = state.messages[0].run_id or ""
+                [pending] = (await api._json("GET", f"/v1/runs/{run_id}/approvals"))[
+                    "approvals"]
+                await api.decide_approval(run_id, pending["call_id"], "approve", note)
+            code = await finished(proc)
+    finally:
+        os.close(master)
+        os.close(slave)
+    err = errors.read_text()
+    assert code == 0, err
+    assert "calculator approved by lap[31mtop: fine]0;pwned by me[2J" in err, err
+    assert "\x1b" not in err and "\x07" not in err, err

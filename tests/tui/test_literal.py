@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import asyncpg
+import httpx
 import pytest
 from textual.widgets import Input
 
@@ -113,4 +114,27 @@ async def test_search_palette_and_rename_show_text_as_typed(
         await pilot.pause()
         shown = screen_text(app)
         assert f"agenttui — {renamed}" in shown and shown.count(renamed) == 2  # header, list
+        assert app.is_running
+
+
+# What an OS error says, then what a proxy or a DNS name may put in one: all of it markup-like.
+REFUSED = "[Errno 111] Connection refused by [b]gw[/b] [@click=app.quit]q[/]"
+
+
+class _Refused(httpx.AsyncBaseTransport):
+    """Every request fails as a refused connection does, with brackets in its text."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError(REFUSED, request=request)
+
+
+async def test_an_app_toast_quoting_an_os_error_shows_its_brackets(
+        desk: Device, agenttui_dirs: Path) -> None:
+    async with running_tui("http://127.0.0.1:9", desk, agenttui_dirs, transport=_Refused(),
+                           notifications=True) as (app, pilot):
+        app.action_pair_device()
+        shown = await wait_for(pilot, lambda: [t for t in toasts(app)
+                                               if "Could not get a pairing code" in t],
+                               "the pairing error's toast")
+        assert f"ConnectError: {REFUSED}" in shown[0], shown
         assert app.is_running

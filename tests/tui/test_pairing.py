@@ -3,6 +3,7 @@ line's code really attaches a new device; and how the status line shows the link
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 from textual.widgets import Static
@@ -33,6 +34,8 @@ async def test_the_palette_pairs_another_device(daemon: Daemon, desk: Device,
         await pilot.press("c")
         await wait_for(pilot, lambda: clipboard_file().exists()
                        and clipboard_file().read_text() == line, "the line on the clipboard")
+        # The one-time code is in that file: readable by this user only.
+        assert stat.S_IMODE(clipboard_file().stat().st_mode) == 0o600
         await pilot.press("escape")
         await wait_for(pilot, lambda: not isinstance(app.screen, PairingScreen), "it to close")
 

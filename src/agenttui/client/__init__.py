@@ -12,15 +12,18 @@ from agenttui.client.errors import (
     CertificateMismatch,
     Conflict,
     NotFound,
+    RateLimited,
     Unauthorized,
     Unavailable,
     describe,
+    outcome_unknown,
 )
 from agenttui.client.http import (
     DEFAULT_URL,
     KEEPALIVE_S,
     UNSET,
     AgentClient,
+    new_idempotency_key,
     token_problem,
     url_problem,
 )
@@ -60,7 +63,8 @@ __all__ = [
     "Conflict", "ConnectionState", "ConnectionStatus", "Conversation", "ConversationChanged",
     "ConversationDeleted", "ConversationState", "ConversationStream", "CreatedRun", "Draft",
     "FeedItem", "Lease", "LeaseChanged", "Me", "MessagePage", "Models", "NotFound",
-    "PresenceChanged", "Run",
+    "PresenceChanged", "RateLimited", "Run",
     "RunEvent", "RunStateChanged", "RunStream", "SearchHit", "Snapshot", "StopResult",
-    "Unauthorized", "Unavailable", "describe", "token_problem", "url_problem",
+    "Unauthorized", "Unavailable", "describe", "new_idempotency_key", "outcome_unknown",
+    "token_problem", "url_problem",
 ]

@@ -5,7 +5,9 @@ certificate that is not the pinned one; and `describe`, the one-line reason for 
 from __future__ import annotations
 
 import contextlib
+import email.utils
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -25,6 +27,7 @@ class ApiError(Exception):
         self.code = code
         self.message = message
         self.details = dict(details or {})
+        self.retry_after: float | None = None  # seconds the server asked to wait (Retry-After)
 
 
 class Unauthorized(ApiError):
@@ -42,6 +45,11 @@ class Conflict(ApiError):
 
 class Unavailable(ApiError):
     """The daemon could not be reached, or answered 502/503/504: worth retrying."""
+
+
+class RateLimited(ApiError):
+    """429: over a limit for now (too many streams, a full queue); `retry_after` says when to
+    try again. Worth retrying, after that wait."""
 
 
 class CertificateMismatch(ApiError):
@@ -71,10 +79,34 @@ def error_from_response(response: httpx.Response) -> ApiError:
         code = str(body.get("code", code))
         message = str(body.get("message", message))
         details = {k: v for k, v in body.items() if k not in ("code", "message")}
-    kind = {401: Unauthorized, 404: NotFound, 409: Conflict}.get(response.status_code)
+    kind = {401: Unauthorized, 404: NotFound, 409: Conflict,
+            429: RateLimited}.get(response.status_code)
     if kind is None:
         kind = Unavailable if response.status_code in RETRYABLE_STATUS else ApiError
-    return kind(response.status_code, code, message, details)
+    error = kind(response.status_code, code, message, details)
+    error.retry_after = retry_after(response.headers.get("retry-after"))
+    return error
+
+
+def retry_after(value: str | None) -> float | None:
+    """A Retry-After header in seconds from now (it is either seconds or an HTTP date)."""
+    if not value:
+        return None
+    with contextlib.suppress(ValueError):
+        return max(0.0, float(value.strip()))
+    with contextlib.suppress(TypeError, ValueError, IndexError):
+        when = email.utils.parsedate_to_datetime(value)
+        return max(0.0, (when - datetime.now(UTC)).total_seconds())
+    return None
+
+
+def outcome_unknown(exc: ApiError) -> bool:
+    """Whether a POST that failed with `exc` may still have been carried out: the daemon was
+    reached (or may have been) but its answer was lost or was a server error. A refusal (4xx) or
+    a certificate that is not the pinned one means nothing was done."""
+    if isinstance(exc, CertificateMismatch):
+        return False
+    return isinstance(exc, Unavailable) or exc.status == 0 or exc.status >= 500
 
 
 def describe(exc: BaseException) -> str:

@@ -49,6 +49,12 @@ KEEPALIVE_S = 50.0
 UNSET: Any = object()  # "not given", where None is a value (a conversation's model)
 
 
+def new_idempotency_key() -> str:
+    """A fresh Idempotency-Key for one new run. A caller that may post the same run again (after
+    a lost answer) keeps the key and passes it back, so the daemon replays instead of adding."""
+    return f"agenttui-{uuid.uuid4()}"
+
+
 def url_problem(url: str) -> str | None:
     """Why `url` cannot address a daemon (None: it can), checked before any connection."""
     example = "e.g. https://desk.lan:8740"
@@ -295,7 +301,7 @@ class AgentClient:
     async def _post_run(self, conversation_id: str, body: dict[str, Any],
                         idempotency_key: str | None) -> CreatedRun:
         """POST a run under one Idempotency-Key, retried on network errors: never twice."""
-        key = idempotency_key or f"agenttui-{uuid.uuid4()}"
+        key = idempotency_key or new_idempotency_key()
         response = await self._send("POST", f"/v1/conversations/{quote_id(conversation_id)}/runs",
                                     json=body, headers={"Idempotency-Key": key}, retries=3)
         return CreatedRun.from_wire(response.json(), replayed=bool(

@@ -1,7 +1,9 @@
 """Streams that survive disconnects: `ConversationStream` and `RunStream` reconnect by
 themselves with backoff and resume from the last event id, so a consumer sees every journal event
 exactly once, in order, whatever the network does: duplicates are dropped by (run, seq), a gap is
-filled from the run's own journal. Also the items they yield and the reconnect policy.
+filled from the run's own journal. Also the items they yield and the reconnect policy: the backoff
+starts over only after a connection proved itself (new events, or up for a while), never merely
+because the server accepted it.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -20,7 +23,14 @@ import httpx
 from httpx_sse import ServerSentEvent, SSEError
 
 from agentd.vocabulary import STREAM_ERROR_EVENT, EventType
-from agenttui.client.errors import ApiError, BadCursor, Unauthorized, Unavailable, describe
+from agenttui.client.errors import (
+    ApiError,
+    BadCursor,
+    RateLimited,
+    Unauthorized,
+    Unavailable,
+    describe,
+)
 from agenttui.models import (
     Attached,
     ConversationState,
@@ -35,12 +45,19 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
-    """Exponential backoff with jitter; attempt 1 waits about `initial` seconds."""
+    """Exponential backoff with jitter; attempt 1 waits about `initial` seconds.
+
+    A stream starts the backoff over once a connection has stayed up `healthy_after` seconds
+    (or delivered new events): one the server accepts and then drops at once counts as failed.
+    A server's Retry-After (429) is honoured up to `retry_after_cap` seconds.
+    """
 
     initial: float = 0.25
     factor: float = 2.0
     maximum: float = 5.0
     jitter: float = 0.2
+    healthy_after: float = 10.0
+    retry_after_cap: float = 60.0
 
     def delay(self, attempt: int) -> float:
         base = min(self.maximum, self.initial * self.factor ** max(0, attempt - 1))
@@ -155,6 +172,7 @@ class _ResumableStream:
         self.reconnects = 0
         self.duplicates_dropped = 0
         self.gaps_filled = 0
+        self.new_events = 0  # journal events seen for the first time: proof a connection works
 
     def _resume_id(self) -> str | None:
         raise NotImplementedError
@@ -174,29 +192,32 @@ class _ResumableStream:
         return status
 
     async def __aiter__(self) -> AsyncGenerator[FeedItem, None]:
+        backoff = self._client.backoff
         attempt = 0
         error: str | None = None
+        wait_at_least = 0.0  # a 429's Retry-After
         yield self._status(ConnectionStatus(ConnectionState.CONNECTING))
         while not self._done:
             if attempt:
-                delay = self._client.backoff.delay(attempt)
+                delay = max(backoff.delay(attempt), wait_at_least)
                 yield self._status(ConnectionStatus(ConnectionState.RECONNECTING, attempt,
                                                     error, delay))
                 await asyncio.sleep(delay)
+            wait_at_least = 0.0
             sent = self._resume_id()
+            connected_at: float | None = None
+            events_before = self.new_events
             try:
                 async with self._client.open_sse(self._path, last_event_id=sent,
                                                  params=self._params) as source:
+                    connected_at = time.monotonic()
                     if attempt:
                         self.reconnects += 1
                     opened = self._opened(sent is not None)
                     if opened is not None:
-                        attempt = 0
                         yield self._status(opened)
                     async for sse in source.aiter_sse():
                         async for item in self._handle(sse, sent is not None):
-                            if isinstance(item, ConnectionStatus) and item.connected:
-                                attempt = 0
                             yield item
                         if self._done:
                             return
@@ -204,18 +225,27 @@ class _ResumableStream:
             except BadCursor:
                 self._forget_cursor()  # start over from a fresh snapshot, at once
                 continue
+            except RateLimited as exc:  # over a limit for now: wait as long as it asks
+                error = describe(exc)
+                wait_at_least = min(exc.retry_after or 0.0, backoff.retry_after_cap)
             except ApiError as exc:
-                if isinstance(exc, Unavailable) or exc.status >= 500:
-                    error = describe(exc)
-                    attempt += 1
-                    continue
-                yield self._status(ConnectionStatus(ConnectionState.CLOSED, attempt,
-                                                    describe(exc)))
-                raise
+                if not (isinstance(exc, Unavailable) or exc.status >= 500):
+                    yield self._status(ConnectionStatus(ConnectionState.CLOSED, attempt,
+                                                        describe(exc)))
+                    raise
+                error = describe(exc)
+            except TimeoutError:  # a gap's backfill that did not answer in stream_timeout
+                error = "the server did not answer in time"
             except (httpx.TransportError, SSEError, _ProtocolError) as exc:
                 error = describe(exc)
             except (KeyError, TypeError, ValueError) as exc:  # a frame this client cannot read
                 error = f"unexpected data from the server: {describe(exc)}"
+            # Accepted is not enough to start the backoff over: a server that takes the
+            # connection and drops it straight away would be hammered every `initial` seconds.
+            if connected_at is not None and (
+                    self.new_events > events_before or
+                    time.monotonic() - connected_at >= backoff.healthy_after):
+                attempt = 0
             attempt += 1
 
 
@@ -233,6 +263,9 @@ class ConversationStream(_ResumableStream):
         self.conversation_id = conversation_id
         self.cursor = cursor
         self._seqs: dict[str, int] = {}
+        # The highest seq ever yielded per run: a fresh snapshot replays active runs from their
+        # start, and replayed events are not progress.
+        self._highest: dict[str, int] = {}
         self.last_seq: int | None = None
 
     def _resume_id(self) -> str | None:
@@ -305,11 +338,18 @@ class ConversationStream(_ResumableStream):
             for missing in await self._backfill(event.run_id, last, event.seq - 1):
                 self._seqs[missing.run_id] = missing.seq
                 self.gaps_filled += 1
+                self._note_progress(missing)
                 yield missing
         self._seqs[event.run_id] = event.seq
         self.last_seq = event.seq
         self.cursor = sse.id or self.cursor
+        self._note_progress(event)
         yield event
+
+    def _note_progress(self, event: RunEvent) -> None:
+        if event.seq > self._highest.get(event.run_id, 0):
+            self._highest[event.run_id] = event.seq
+            self.new_events += 1
 
     async def _backfill(self, run_id: str, after: int, upto: int) -> list[RunEvent]:
         found: list[RunEvent] = []
@@ -366,6 +406,7 @@ class RunStream(_ResumableStream):
             raise _ProtocolError(f"run {self.run_id}: expected seq {self.last_seq + 1}, "
                                  f"got {event.seq}")  # reconnect from last_seq
         self.last_seq = event.seq
+        self.new_events += 1
         yield event
         if event.type == EventType.COMPLETE:
             self._done = True

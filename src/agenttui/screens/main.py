@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -19,6 +20,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, OptionList
+from textual.worker import Worker
 
 from agentd.vocabulary import EventType
 from agenttui.client import (
@@ -32,9 +34,11 @@ from agenttui.client import (
     Snapshot,
     Unauthorized,
     describe,
+    new_idempotency_key,
+    outcome_unknown,
 )
 from agenttui.conversation import Changes, ConversationModel
-from agenttui.locations import clipboard_file
+from agenttui.locations import clipboard_file, write_private
 from agenttui.models import Conversation, Me, RunEvent, SearchHit
 from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.prompt import TextPrompt
@@ -53,6 +57,7 @@ TITLE_CHARS = 60
 SNAPSHOT_MESSAGES = 100  # the feed's snapshot: the newest messages only (older ones paged in)
 PAGE_MESSAGES = 100  # an older page, fetched when the reader scrolls past what is loaded
 LIST_REFRESH_S = 30.0
+RESEND_KEYS = 50  # messages put back after a lost answer whose Idempotency-Key is kept
 CODE_FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.DOTALL | re.MULTILINE)
 
 
@@ -69,6 +74,14 @@ def title_from(text: str) -> str:
 def export_name(title: str, conversation_id: str) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40] or "conversation"
     return f"{slug}-{conversation_id[:8]}.md"
+
+
+@dataclass
+class NewConversation:
+    """Where messages typed while no conversation is open go: the first of them to be sent
+    creates the conversation, and the others typed with it follow it there."""
+
+    conversation_id: str | None = None
 
 
 class MainScreen(LifecycleScreen):
@@ -106,9 +119,12 @@ class MainScreen(LifecycleScreen):
         Binding("ctrl+pagedown", "switch(1)", "Next conversation", id="next_conversation",
                 show=False),
         # Shown only while a tool call waits for approval; priority: the composer keeps focus.
-        Binding("alt+a", "decide_tool(True)", "Approve tool", id="approve_tool",
+        # Never an alt+ key: a terminal sends Alt+A as Esc then "a", so Esc (Stop) and a letter
+        # typed quickly, or arriving in one read over SSH, would approve a tool. Control keys are
+        # one byte, and these two are not the composer's own editing keys.
+        Binding("ctrl+t", "decide_tool(True)", "Approve tool", id="approve_tool",
                 priority=True),
-        Binding("alt+d", "decide_tool(False)", "Deny tool", id="deny_tool", priority=True),
+        Binding("ctrl+r", "decide_tool(False)", "Deny tool", id="deny_tool", priority=True),
     ]
 
     app: AgentTUI
@@ -123,6 +139,12 @@ class MainScreen(LifecycleScreen):
         # order): messages typed in one burst are queued in the order they were typed.
         self._send_lock = asyncio.Lock()
         self._jump_to: str | None = None  # a message to show once its conversation is open
+        self._new_conversation: NewConversation | None = None  # Enter with none open
+        self._feed: Worker[None] | None = None  # the open conversation's feed
+        # (conversation id, text) -> the Idempotency-Key of a send whose answer was lost: the
+        # same text sent again to the same conversation reuses it, so the daemon replays the
+        # run it may already have instead of adding a second one.
+        self._resend_keys: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     def notify(self, message: str, *, title: str = "",
                markup: bool = False, **kwargs: Any) -> None:
@@ -228,15 +250,17 @@ class MainScreen(LifecycleScreen):
     async def open_conversation(self, conversation_id: str) -> None:
         if self.me is None:
             return
-        if self.model is not None and self.model.conversation_id == conversation_id:
-            return
+        if self.model is not None and self.model.conversation_id == conversation_id and \
+                self._feed is not None and not self._feed.is_finished:
+            return  # already open and followed (a feed that gave up starts again below)
         self.model = ConversationModel(self.me, conversation_id,
                                        is_consumed=self.app.drafts.__contains__)
+        self._new_conversation = None  # Enter now sends to this one
         self.conversation_list.mark_current(conversation_id)
         async with self._render_lock:
             await self.transcript.reset()
         self.bar.show(self.model)
-        self.follow(self.model)
+        self._feed = self.follow(self.model)
 
     @work(group="follow", exclusive=True, exit_on_error=False)
     async def follow(self, model: ConversationModel) -> None:
@@ -382,14 +406,22 @@ class MainScreen(LifecycleScreen):
 
     @on(Composer.Submitted)
     def _submitted(self, event: Composer.Submitted) -> None:
-        self.send(event.text)  # the composer cleared itself, in key order
+        # The conversation is the one open now, at Enter: an earlier send may still be waiting
+        # for the daemon when the user moves to another conversation.
+        if self.model is not None:
+            target: str | NewConversation = self.model.conversation_id
+        else:
+            if self._new_conversation is None:
+                self._new_conversation = NewConversation()
+            target = self._new_conversation
+        self.send(event.text, target)  # the composer cleared itself, in key order
 
     @work(group="send", exit_on_error=False)
-    async def send(self, text: str) -> None:
+    async def send(self, text: str, target: str | NewConversation) -> None:
         async with self._send_lock:
-            await self._send(text)
+            await self._send(text, target)
 
-    async def _send(self, text: str) -> None:
+    async def _send(self, text: str, target: str | NewConversation) -> None:
         settings = self.app.settings
         if self.me is None:
             self.composer.put_back(text)
@@ -397,20 +429,44 @@ class MainScreen(LifecycleScreen):
                         severity="warning")
             return
         try:
-            if self.model is None:
+            if isinstance(target, NewConversation) and target.conversation_id is None:
                 # Its runs use the model chosen here (F9), else this device's `model` setting.
                 created = await self.client.create_conversation(
                     title_from(text), model=self.next_model or settings.model)
-                await self.open_conversation(created.id)
+                target.conversation_id = created.id
+                if self.model is None:  # not if the user opened another one meanwhile
+                    await self.open_conversation(created.id)
                 await self._refresh_list()
-            model = self.model
-            assert model is not None
-            run = await self.client.create_run(model.conversation_id, text,
-                                               params=settings.params)
         except ApiError as exc:
             self.composer.put_back(text)
             self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
             return
+        conversation_id = target if isinstance(target, str) else target.conversation_id
+        assert conversation_id is not None
+        resend = (conversation_id, text)
+        key = self._resend_keys.pop(resend, None) or new_idempotency_key()
+        try:
+            run = await self.client.create_run(conversation_id, text, params=settings.params,
+                                               idempotency_key=key)
+        except ApiError as exc:
+            self.composer.put_back(text)
+            if not outcome_unknown(exc):
+                self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
+                return
+            self._resend_keys[resend] = key
+            while len(self._resend_keys) > RESEND_KEYS:
+                self._resend_keys.popitem(last=False)
+            self.notify(f"Your message may not have been sent: {describe(exc)}. It is back in "
+                        f"the composer; sending it unchanged will not post it twice.",
+                        severity="error", title="Send uncertain")
+            return
+        if run.replayed:
+            self.notify("Your message had reached the daemon after all: it was not posted "
+                        "again.")
+        model = self.model
+        if model is None or model.conversation_id != conversation_id:
+            self.notify("Your message was sent to the conversation it was typed in.")
+            return  # the user has moved on: that conversation's feed is not followed here
         model.note_created(run.run_id)
         if not self.transcript.following:  # read far up: the new turn shows at the bottom
             await self._show_newest()
@@ -552,8 +608,8 @@ class MainScreen(LifecycleScreen):
         self.app.copy_to_clipboard(text)
         path = clipboard_file()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, "utf-8")
+            # Only this user may read it: a copy can be a pairing line or a private answer.
+            write_private(path, text)
         except OSError:
             self.notify(f"Copied {what} ({len(text)} characters).")
             return

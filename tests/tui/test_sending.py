@@ -1,0 +1,164 @@
+"""Sending from the TUI when the network is slow or loses answers, against a live daemon: a
+message lands in the conversation it was typed in, a send whose answer was lost is resent
+without a duplicate, and a feed that gave up starts again when its conversation is selected."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+
+from agenttui.client import ConnectionState
+from tests.support.daemon import Daemon, poll_until
+from tests.support.factories import Device
+from tests.tui.helpers import WAIT_S, client_for, is_stream, running_tui, wait_for
+
+QUICK = {"tokens": 3, "delay_ms": 0}
+
+
+def is_post_run(request: httpx.Request) -> bool:
+    return request.method == "POST" and request.url.path.endswith("/runs")
+
+
+class Posts(httpx.AsyncBaseTransport):
+    """A real transport to the daemon that can hold posted turns back, lose the daemon's answer
+    to them after it has handled them, or refuse a conversation feed once."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.released = asyncio.Event()
+        self.released.set()
+        self.held = 0  # posts waiting for release()
+        self.lose_answers = False
+        self.keys: list[str] = []  # the Idempotency-Key of every post, in order
+        self.refuse_feeds = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if is_stream(request) and self.refuse_feeds:
+            self.refuse_feeds -= 1
+            return httpx.Response(403, json={"error": {"code": "forbidden",
+                                                       "message": "refused by the test"}})
+        if not is_post_run(request):
+            return await self.inner.handle_async_request(request)
+        self.keys.append(request.headers["idempotency-key"])
+        if not self.released.is_set():
+            self.held += 1
+            await self.released.wait()  # a slow daemon (or create_run's own retries)
+        response = await self.inner.handle_async_request(request)
+        if self.lose_answers:
+            await response.aread()  # the daemon did the work; its answer never arrives
+            await response.aclose()
+            raise httpx.ReadError("the answer was lost (test)")
+        return response
+
+    def hold(self) -> None:
+        self.released.clear()
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def user_messages(daemon: Daemon, device: Device, conversation_id: str) -> list[str]:
+    async with client_for(daemon, device) as api:
+        state = await api.get_conversation(conversation_id)
+    return [m.content for m in state.messages if m.role == "user"]
+
+
+async def test_a_message_goes_where_it_was_typed_though_a_slow_send_outlasts_a_switch(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    async with client_for(daemon, desk) as api:
+        first = (await api.create_conversation("typed here")).id
+        second = (await api.create_conversation("moved on to")).id
+    posts = Posts()
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=first,
+                           transport=posts, params=QUICK) as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.model and screen.model.snapshots, "the feed")
+        posts.hold()
+        screen.composer.text = "one"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: posts.held == 1, "the first send to wait on the daemon")
+        screen.composer.text = "two"  # typed in the same conversation, sent behind "one"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "", "the second Enter")
+        screen.action_open(second)
+        await wait_for(pilot, lambda: screen.model.conversation_id == second and
+                       screen.model.snapshots, "the other conversation")
+        posts.release()
+
+        async def both_posted() -> bool:
+            return len(await user_messages(daemon, desk, first)) + \
+                len(await user_messages(daemon, desk, second)) >= 2
+
+        await poll_until(both_posted, WAIT_S, interval=0.05, what="both messages posted")
+        assert await user_messages(daemon, desk, first) == ["one", "two"]
+        assert await user_messages(daemon, desk, second) == []
+        await wait_for(pilot, lambda: any("sent to the conversation it was typed in" in n
+                                          for n in screen.notices), "the notice")
+
+
+async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    async with client_for(daemon, desk) as api:
+        conversation = (await api.create_conversation("lost answers")).id
+    posts = Posts()
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation,
+                           transport=posts, params=QUICK) as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.model and screen.model.snapshots, "the feed")
+        posts.lose_answers = True
+        screen.composer.text = "only once"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "only once" and
+                       any("may not have been sent" in n for n in screen.notices),
+                       "the text back, with a warning that says it may have been sent")
+        assert not any(n.startswith("Not sent") for n in screen.notices)
+        assert await user_messages(daemon, desk, conversation) == ["only once"]  # it was
+
+        posts.lose_answers = False
+        await pilot.press("enter")  # the same text, unchanged
+        await wait_for(pilot, lambda: any("had reached the daemon" in n
+                                          for n in screen.notices), "the replayed send")
+        assert screen.composer.text == ""
+        assert await user_messages(daemon, desk, conversation) == ["only once"]
+        assert len(posts.keys) >= 2 and len(set(posts.keys)) == 1, posts.keys
+
+        # Another text is another message: a key of its own.
+        screen.composer.text = "something else"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(posts.keys) > 1 and posts.keys[-1] != posts.keys[0],
+                       "the next post")
+
+        async def posted() -> list[str] | None:
+            messages = await user_messages(daemon, desk, conversation)
+            return messages if len(messages) >= 2 else None
+
+        assert await poll_until(posted, WAIT_S, interval=0.05, what="the second message") == [
+            "only once", "something else"]
+
+
+async def test_selecting_a_conversation_whose_feed_gave_up_starts_it_again(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    async with client_for(daemon, desk) as api:
+        conversation = (await api.create_conversation("refused once")).id
+    posts = Posts()
+    posts.refuse_feeds = 1
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation,
+                           transport=posts) as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.model and
+                       screen.model.connection.state == ConnectionState.CLOSED and
+                       "✗ disconnected: refused by the test" in screen.bar.plain,
+                       "the feed to give up")
+        await wait_for(pilot, lambda: screen.conversation_list.conversations, "the list")
+        await pilot.press("ctrl+l")  # the list, on the open conversation
+        assert screen.conversation_list.current == conversation
+        await pilot.press("enter")  # selected again
+        await wait_for(pilot, lambda: screen.model.connection.connected and
+                       screen.model.snapshots and "● live" in screen.bar.plain,
+                       "the feed to follow the conversation again")
+        assert screen.model.conversation_id == conversation

@@ -1,0 +1,60 @@
+"""agenttui's clipboard file holds pairing lines and private answers: only its user may read it,
+from the first byte on, whatever the umask and whatever file was there before."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agenttui import locations
+from agenttui.locations import write_private
+
+
+@pytest.fixture
+def open_umask() -> Iterator[None]:
+    """The most permissive umask: a file made with default modes would be 0666, a dir 0777."""
+    previous = os.umask(0)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_the_clipboard_file_and_its_new_directory_are_private(tmp_path: Path) -> None:
+    path = tmp_path / "cache" / "agenttui" / "clipboard.txt"
+    write_private(path, "agenttui login https://desk:8740 --code 7K3QX-M9V2D")
+    assert path.read_text("utf-8") == "agenttui login https://desk:8740 --code 7K3QX-M9V2D"
+    assert mode(path) == 0o600
+    assert mode(path.parent) == 0o700
+    assert sorted(p.name for p in path.parent.iterdir()) == ["clipboard.txt"]  # no temp left
+
+
+@pytest.mark.usefixtures("open_umask")
+def test_a_world_readable_file_from_before_is_replaced_not_rewritten(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "clipboard.txt"
+    path.write_text("an old copy", "utf-8")
+    path.chmod(0o644)
+    old_inode = path.stat().st_ino
+    seen: list[tuple[int, str]] = []
+    replace = os.replace
+
+    def checked_replace(source: str, target: Path) -> None:
+        # The moment before the new text becomes the file: it must already be private.
+        seen.append((mode(Path(source)), Path(source).read_text("utf-8")))
+        replace(source, target)
+
+    monkeypatch.setattr(locations.os, "replace", checked_replace)
+    write_private(path, "a private answer")
+    assert seen == [(0o600, "a private answer")]
+    assert path.read_text("utf-8") == "a private answer" and mode(path) == 0o600
+    assert path.stat().st_ino != old_inode  # the open file was never rewritten in place
