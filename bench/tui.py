@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -59,9 +60,11 @@ async def conversation(pool: Any, account_id: uuid.UUID, turns: int, title: str)
 
 
 def drive(url: str, token: str, conversation_id: str, turns: int, *flags: str) -> dict[str, Any]:
-    command = [sys.executable, str(DRIVER), "--url", url, "--token", token, "--conversation",
+    command = [sys.executable, str(DRIVER), "--url", url, "--conversation",
                conversation_id, "--last-line", last_line(turns), *flags]
-    proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
+    # The token goes by the environment, as agenttui's does: never on a command line.
+    proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False,
+                          env={**os.environ, "AGENTTUI_TOKEN": token})
     if proc.returncode != 0:
         raise SystemExit(f"the driver failed with exit code {proc.returncode}")
     return json.loads(proc.stdout)

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -199,7 +200,6 @@ async def measure_memory(args: argparse.Namespace, state: Path) -> dict[str, Any
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--url", required=True)
-    parser.add_argument("--token", required=True)
     parser.add_argument("--conversation", required=True)
     parser.add_argument("--last-line", required=True)
     parser.add_argument("--mode", choices=("latency", "memory"), default="latency")
@@ -210,6 +210,7 @@ async def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=3000)
     parser.add_argument("--pageups", type=int, default=150)
     args = parser.parse_args()
+    args.token = os.environ["AGENTTUI_TOKEN"]  # a device token is never on a command line
     with tempfile.TemporaryDirectory(prefix="agenttui-bench-") as tmp:
         state = Path(tmp)
         result: dict[str, Any] = {}

@@ -46,8 +46,11 @@ def _common(parser: argparse.ArgumentParser, *, sub: bool) -> None:
     parser.add_argument("--url", default=default,
                         help="agentd's address (default: from the config, "
                              "else http://127.0.0.1:8740)")
+    # Kept only to refuse it clearly: a token given here would be visible to every local user
+    # (in the process list) and kept in shell history.
     parser.add_argument("--token", default=default,
-                        help="device bearer token (default: from the config / $AGENTTUI_TOKEN)")
+                        help="not accepted: the device token comes from the config (`agenttui "
+                             "login`) or $AGENTTUI_TOKEN, never from the command line")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -164,7 +167,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return load_settings(url=getattr(args, "url", None), token=getattr(args, "token", None),
+    if getattr(args, "token", None) is not None:
+        raise SettingsError("a token on the command line would be visible to every local user "
+                            "and kept in shell history: set AGENTTUI_TOKEN, or store it with "
+                            "`agenttui login URL --token -`")
+    return load_settings(url=getattr(args, "url", None),
                          conversation=getattr(args, "conversation", None),
                          theme=getattr(args, "theme", None))
 

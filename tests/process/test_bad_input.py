@@ -118,47 +118,52 @@ def test_agentd_answers_bad_input_with_one_line(case: str, dsn: str, tmp_path: P
         assert not (tmp_path / "config" / "systemd").exists()  # refused before writing
 
 
-AGENTTUI_OFFLINE_CASES = {
-    "ask-unreachable": (["ask", "--url", "http://127.0.0.1:{unreachable}", "--token", "x",
-                         "hi"], 4, ["cannot reach"]),
-    "models-unreachable": (["models", "--url", "http://127.0.0.1:{unreachable}", "--token",
-                            "x"], 4, ["cannot reach"]),
+# case: (arguments, $AGENTTUI_TOKEN or None, exit code, words the one line must hold). A token
+# is never taken from the command line (the process list shows it to every local user).
+AGENTTUI_OFFLINE_CASES: dict[str, tuple[list[str], str | None, int, list[str]]] = {
+    "ask-unreachable": (["ask", "--url", "http://127.0.0.1:{unreachable}", "hi"], "x", 4,
+                        ["cannot reach"]),
+    "models-unreachable": (["models", "--url", "http://127.0.0.1:{unreachable}"], "x", 4,
+                           ["cannot reach"]),
     "login-unreachable": (["login", "http://127.0.0.1:{unreachable}", "--code",
-                           "ABCDE-FGHIJ"], 4, ["cannot reach"]),
-    "ask-not-a-url": (["ask", "--url", "not a url", "--token", "x", "hi"], 2,
-                      ["not a daemon URL"]),
-    "ask-bad-ipv6": (["ask", "--url", "http://[::1", "--token", "x", "hi"], 2,
-                     ["not a daemon URL"]),
-    "models-bad-port": (["models", "--url", "http://127.0.0.1:99999", "--token", "x"], 2,
-                        ["port"]),
-    "tui-not-a-url": (["--url", "ftp://example.org", "--token", "x"], 2, ["not a daemon URL"]),
-    "ask-non-ascii-token": (["ask", "--url", "http://127.0.0.1:1", "--token", "tøken", "hi"],
-                            2, ["token"]),
-    "ask-bad-param": (["ask", "--url", "http://127.0.0.1:1", "--token", "x", "--param", "=1",
-                       "hi"], 2, ["KEY=VALUE"]),
-    "ask-nothing": (["ask", "--url", "http://127.0.0.1:1", "--token", "x"], 2,
-                    ["nothing to ask"]),
-    "ask-no-token": (["ask", "--url", "http://127.0.0.1:1", "hi"], 2,
+                           "ABCDE-FGHIJ"], None, 4, ["cannot reach"]),
+    "ask-not-a-url": (["ask", "--url", "not a url", "hi"], "x", 2, ["not a daemon URL"]),
+    "ask-bad-ipv6": (["ask", "--url", "http://[::1", "hi"], "x", 2, ["not a daemon URL"]),
+    "models-bad-port": (["models", "--url", "http://127.0.0.1:99999"], "x", 2, ["port"]),
+    "tui-not-a-url": (["--url", "ftp://example.org"], "x", 2, ["not a daemon URL"]),
+    "ask-non-ascii-token": (["ask", "--url", "http://127.0.0.1:1", "hi"], "tøken", 2,
+                            ["token"]),
+    "ask-bad-param": (["ask", "--url", "http://127.0.0.1:1", "--param", "=1", "hi"], "x", 2,
+                      ["KEY=VALUE"]),
+    "ask-nothing": (["ask", "--url", "http://127.0.0.1:1"], "x", 2, ["nothing to ask"]),
+    "ask-no-token": (["ask", "--url", "http://127.0.0.1:1", "hi"], None, 2,
                      ["no device token", "agenttui login"]),
-    "models-no-token": (["models", "--url", "http://127.0.0.1:1"], 2, ["no device token"]),
-    "ask-unknown-option": (["ask", "--frobnicate"], 2, ["--frobnicate"]),
-    "login-no-url": (["login", "--code", "ABCDE-FGHIJ"], 2, ["URL"]),
-    "login-not-a-url": (["login", "ftp://example.org", "--code", "ABCDE-FGHIJ"], 2,
+    "models-no-token": (["models", "--url", "http://127.0.0.1:1"], None, 2,
+                        ["no device token"]),
+    "ask-token-argument": (["ask", "--url", "http://127.0.0.1:1", "--token", "secret", "hi"],
+                           None, 2, ["command line", "AGENTTUI_TOKEN"]),
+    "models-token-argument": (["models", "--token", "secret"], None, 2, ["AGENTTUI_TOKEN"]),
+    "tui-token-argument": (["--url", "http://127.0.0.1:1", "--token", "secret"], None, 2,
+                           ["AGENTTUI_TOKEN"]),
+    "ask-unknown-option": (["ask", "--frobnicate"], None, 2, ["--frobnicate"]),
+    "login-no-url": (["login", "--code", "ABCDE-FGHIJ"], None, 2, ["URL"]),
+    "login-not-a-url": (["login", "ftp://example.org", "--code", "ABCDE-FGHIJ"], None, 2,
                         ["not a daemon URL"]),
-    "login-token-argument": (["login", "http://127.0.0.1:1", "--token", "secret"], 2,
+    "login-token-argument": (["login", "http://127.0.0.1:1", "--token", "secret"], None, 2,
                              ["--token -"]),
     "login-bad-fingerprint": (["login", "https://127.0.0.1:1", "--code", "ABCDE-FGHIJ",
-                               "--fingerprint", "bogus"], 2, ["fingerprint"]),
-    "no-such-command": (["frobnicate"], 2, ["frobnicate"]),
+                               "--fingerprint", "bogus"], None, 2, ["fingerprint"]),
+    "no-such-command": (["frobnicate"], None, 2, ["frobnicate"]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(AGENTTUI_OFFLINE_CASES))
 def test_agenttui_answers_bad_input_with_one_line(case: str, tmp_path: Path) -> None:
-    args, code, words = AGENTTUI_OFFLINE_CASES[case]
+    args, token, code, words = AGENTTUI_OFFLINE_CASES[case]
     result = run("agenttui", *[arg.format(unreachable=free_port()) for arg in args],
-                 home=tmp_path)
+                 home=tmp_path, env=None if token is None else {"AGENTTUI_TOKEN": token})
     assert_one_line(result, "agenttui", code, *words)
+    assert "secret" not in result.stderr, "the refused token was echoed back"
 
 
 async def test_agenttui_answers_refused_input_with_one_line(
@@ -168,15 +173,15 @@ async def test_agenttui_answers_refused_input_with_one_line(
     token, _ = await create_device_token(pool, account="acme", device="desk")
     url = daemon.url
     cases = [
-        (["ask", "--url", url, "--token", "agd_wrong", "hi"], 4, ["refused the token"]),
-        (["models", "--url", url, "--token", "agd_wrong"], 4, ["unknown or revoked"]),
-        (["ask", "--url", url, "--token", token, "--conversation", str(uuid.UUID(int=7)),
-          "hi"], 2, ["not found"]),
-        (["ask", "--url", url, "--token", token, "--model", "nope:nothing", "hi"], 2,
-         ["nope:nothing"]),
-        (["ask", "--url", url, "--token", token, "--param", "tokens=-1", "hi"], 2,
-         ["tokens"]),
-        (["login", url, "--code", "ABCDE-FGHIJ"], 4, ["refused the pairing code"]),
+        (["ask", "--url", url, "hi"], "agd_wrong", 4, ["refused the token"]),
+        (["models", "--url", url], "agd_wrong", 4, ["unknown or revoked"]),
+        (["ask", "--url", url, "--conversation", str(uuid.UUID(int=7)), "hi"], token, 2,
+         ["not found"]),
+        (["ask", "--url", url, "--model", "nope:nothing", "hi"], token, 2, ["nope:nothing"]),
+        (["ask", "--url", url, "--param", "tokens=-1", "hi"], token, 2, ["tokens"]),
+        (["login", url, "--code", "ABCDE-FGHIJ"], None, 4, ["refused the pairing code"]),
     ]
-    for args, code, words in cases:
-        assert_one_line(run("agenttui", *args, home=tmp_path), "agenttui", code, *words)
+    for args, given, code, words in cases:
+        env = None if given is None else {"AGENTTUI_TOKEN": given}
+        assert_one_line(run("agenttui", *args, home=tmp_path, env=env), "agenttui", code,
+                        *words)
