@@ -61,12 +61,28 @@ def load_settings(*, config: Mapping[str, Any] | None = None,
         if raw is not None and raw != "":
             values.update(_coerce(name, raw, f"${ENV_PREFIX}{name.upper()}"))
     settings = Settings(**values).with_flags(**flags)
+    settings = _credentials_for_their_daemon(settings, config, env)
     problem = url_problem(settings.url)
     if problem is None and settings.token is not None:
         problem = token_problem(settings.token)
     if problem is not None:
         raise SettingsError(problem)
     return settings
+
+
+def _credentials_for_their_daemon(settings: Settings, config: Mapping[str, Any],
+                                  env: Mapping[str, str]) -> Settings:
+    """The config file's token and pin belong to the daemon it names (`login` stored them
+    together): another URL given in the environment or on the command line does not get them,
+    or an `http://` URL would carry that daemon's token in clear text to whoever answers it.
+    A token from $AGENTTUI_TOKEN is the user's choice for whatever URL is in use."""
+    stored = config.get("url")
+    if not isinstance(stored, str) or stored.rstrip("/") == settings.url.rstrip("/"):
+        return settings
+    from_env = {name: bool(env.get(ENV_PREFIX + name.upper())) for name in
+                ("token", "fingerprint", "device")}
+    return replace(settings, **{name: None for name, given in from_env.items() if not given
+                                and config.get(name) == getattr(settings, name)})
 
 
 def _coerce(name: str, value: Any, source: str) -> dict[str, Any]:

@@ -32,6 +32,22 @@ def test_precedence_defaults_config_env_flags() -> None:
     assert load_settings(config={}, env={}).url == DEFAULT_URL
 
 
+def test_the_stored_token_and_pin_go_only_to_the_daemon_they_were_stored_for() -> None:
+    config = {"url": "https://desk:8740", "token": "agd_desk", "device": "laptop",
+              "fingerprint": "SHA256:" + "ab" * 32}
+    same = load_settings(config=config, env={}, url="https://desk:8740/")
+    assert (same.token, same.fingerprint) == ("agd_desk", config["fingerprint"])
+    # Another URL, by a flag or the environment: http:// would carry the token in clear text.
+    for flags, env in (({"url": "http://desk:8740"}, {}),
+                       ({}, {"AGENTTUI_URL": "https://elsewhere:8740"})):
+        other = load_settings(config=config, env=env, **flags)
+        assert (other.token, other.fingerprint, other.device) == (None, None, None), flags
+    # A token the user gives for that URL is theirs to send.
+    chosen = load_settings(config=config, env={"AGENTTUI_TOKEN": "agd_mine"},
+                           url="http://desk:8740")
+    assert (chosen.token, chosen.fingerprint) == ("agd_mine", None)
+
+
 @pytest.mark.parametrize(("config", "env", "named"), [
     ({"url": 5}, {}, "url in the config file"),
     ({}, {"AGENTTUI_TIMEOUT_S": "soon"}, "timeout_s in $AGENTTUI_TIMEOUT_S"),
