@@ -81,8 +81,9 @@ def _credentials_for_their_daemon(settings: Settings, config: Mapping[str, Any],
         return settings
     from_env = {name: bool(env.get(ENV_PREFIX + name.upper())) for name in
                 ("token", "fingerprint", "device")}
-    return replace(settings, **{name: None for name, given in from_env.items() if not given
-                                and config.get(name) == getattr(settings, name)})
+    dropped: dict[str, Any] = {name: None for name, given in from_env.items() if not given
+                               and config.get(name) == getattr(settings, name)}
+    return replace(settings, **dropped)
 
 
 def _coerce(name: str, value: Any, source: str) -> dict[str, Any]:
