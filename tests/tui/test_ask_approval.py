@@ -3,9 +3,12 @@ denies without one, and approves everything only when told to, loudly."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
+import subprocess
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
@@ -39,6 +42,29 @@ async def decisions(daemon: Daemon, desk: Device) -> list[tuple[str, str | None]
     return [(a["decision"], a["device"]) for a in approvals]
 
 
+@contextlib.asynccontextmanager
+async def asked_on_a_terminal(daemon: Daemon, device: Device, tmp_path: Path,
+                              ) -> AsyncIterator[tuple[subprocess.Popen[bytes], Path, int]]:
+    """`ask` on a real pseudo-terminal, once its question shows: (the process, the file its
+    stderr goes to, the terminal's end to type on)."""
+    master, slave = pty.openpty()
+    errors = tmp_path / "stderr.txt"
+    try:
+        with errors.open("wb") as sink:
+            proc = agenttui("ask", *PARAMS, "compute", url=daemon.url, token=device.token,
+                            stdin=slave, stderr=sink)
+
+            async def asked() -> bool:
+                assert proc.poll() is None, errors.read_text()
+                return "Allow it? [y/N]" in errors.read_text()
+
+            await poll_until(asked, RUN_S, interval=0.05, what="the question on the terminal")
+            yield proc, errors, master
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
 async def test_without_a_terminal_the_call_is_denied(asking_daemon: Daemon,
                                                      desk: Device) -> None:
     proc = agenttui("ask", *PARAMS, "compute", url=asking_daemon.url, token=desk.token)
@@ -65,26 +91,12 @@ async def test_approve_all_approves_and_says_so_on_stderr(asking_daemon: Daemon,
 
 async def test_on_a_terminal_it_asks_and_takes_the_answer(asking_daemon: Daemon, desk: Device,
                                                           tmp_path: Path) -> None:
-    master, slave = pty.openpty()
-    errors = tmp_path / "stderr.txt"
-    try:
-        with errors.open("wb") as sink:
-            proc = agenttui("ask", *PARAMS, "compute", url=asking_daemon.url,
-                            token=desk.token, stdin=slave, stderr=sink)
-
-            async def asked() -> bool:
-                assert proc.poll() is None, errors.read_text()
-                return "Allow it? [y/N]" in errors.read_text()
-
-            await poll_until(asked, RUN_S, interval=0.05, what="the question on the terminal")
-            assert "run calculator" in errors.read_text() and "asked from desk" in \
-                errors.read_text()
-            os.write(master, b"y\n")
-            code = await finished(proc)
+    async with asked_on_a_terminal(asking_daemon, desk, tmp_path) as (proc, errors, master):
+        assert "run calculator" in errors.read_text() and "asked from desk" in \
+            errors.read_text()
+        os.write(master, b"y\n")
+        code = await finished(proc)
         out = proc.stdout.read().decode() if proc.stdout else ""
-    finally:
-        os.close(master)
-        os.close(slave)
     assert code == 0, errors.read_text()
     assert "calculator approved by desk" in errors.read_text()
     assert json.dumps({"expression": "6 * 7", "value": 42}) in out
@@ -97,29 +109,15 @@ async def test_another_devices_decision_is_printed_without_control_characters(
     # clear the screen of the terminal `ask` writes to.
     other = await new_device(pool, "team", "lap\x1b[31mtop")
     note = "fine\x1b]0;pwned\x07 by me\x1b[2J"
-    master, slave = pty.openpty()
-    errors = tmp_path / "stderr.txt"
-    try:
-        with errors.open("wb") as sink:
-            proc = agenttui("ask", *PARAMS, "compute", url=asking_daemon.url,
-                            token=desk.token, stdin=slave, stderr=sink)
-
-            async def asked() -> bool:
-                assert proc.poll() is None, errors.read_text()
-                return "Allow it? [y/N]" in errors.read_text()
-
-            await poll_until(asked, RUN_S, interval=0.05, what="the question on the terminal")
-            async with client_for(asking_daemon, other) as api:
-                [conversation] = await api.list_conversations()
-                state = await api.get_conversation(conversation.id)
-                run_id = state.messages[0].run_id or ""
-                [pending] = (await api._json("GET", f"/v1/runs/{run_id}/approvals"))[
-                    "approvals"]
-                await api.decide_approval(run_id, pending["call_id"], "approve", note)
-            code = await finished(proc)
-    finally:
-        os.close(master)
-        os.close(slave)
+    async with asked_on_a_terminal(asking_daemon, desk, tmp_path) as (proc, errors, _):
+        async with client_for(asking_daemon, other) as api:
+            [conversation] = await api.list_conversations()
+            state = await api.get_conversation(conversation.id)
+            run_id = state.messages[0].run_id or ""
+            [pending] = (await api._json("GET", f"/v1/runs/{run_id}/approvals"))[
+                "approvals"]
+            await api.decide_approval(run_id, pending["call_id"], "approve", note)
+        code = await finished(proc)
     err = errors.read_text()
     assert code == 0, err
     assert "calculator approved by lap[31mtop: fine]0;pwned by me[2J" in err, err
