@@ -74,6 +74,8 @@ from agentd.vocabulary import (
 
 log = logging.getLogger("agentd.executor")
 
+# Errors after which a write certainly did not commit: nothing answered is in doubt.
+_ROLLED_BACK = (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.CannotConnectNowError)
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 # What the model reads for a call a stop caught while it waited for a device's approval.
 NOT_RUN_STOPPED = "not run: the turn was stopped while the call waited for approval"
@@ -246,6 +248,15 @@ class TurnRunner:
             return await self._finish(turn, RunStatus.FAILED, ended, ctx)
         return await self._finish(turn, RunStatus.COMPLETED, None, ctx)
 
+    async def _ended_by_lost_write(self, claim: Claim, shown: tuple[str, str | None]) -> bool:
+        """Whether the run ended with the status and error code a terminal write whose answer
+        was lost meant to give it (its ending's wake-ups are sent if it ended at all)."""
+        try:
+            ending = await ended_after_lost_answer(self._pool, claim, self._hint)
+        except _DB_ERRORS:
+            return False  # nothing known: the refusal stands
+        return ending is not None and (str(ending.status), ending.error_code) == shown
+
     async def _disowned(self, claim: Claim) -> bool:
         """Whether this execution no longer owns its run (a failed read says nothing)."""
         try:
@@ -279,21 +290,19 @@ class TurnRunner:
                 break
             except LeaseLost:
                 # A retry refused after an attempt whose answer was lost: that attempt may
-                # have ended the run. Ended (by it or a finalizer), there is nothing to fence
-                # out and the ending's wake-ups, which the lost answer never sent, go now: the
-                # conversation's next turn and its readers need not wait for their polls.
-                ending = await ended_after_lost_answer(self._pool, turn.claim, self._hint) \
-                    if uncertain else None
-                if ending is None:
+                # have ended the run. If the run ended as this write ends it, it did: the turn
+                # is finished, and the ending's wake-ups, which the lost answer never sent, go
+                # now (the conversation's next turn and its readers need not wait for their
+                # polls). Ended otherwise (a finalizer), the lease was lost, as reported.
+                if not (uncertain and await self._ended_by_lost_write(turn.claim, shown)):
                     raise
-                shown = (str(ending.status), ending.error_code)
                 break
-            except TRANSIENT:
+            except TRANSIENT as exc:
                 # Rolled back, or committed with the answer lost on the wire: a retry either
                 # lands or is refused by its fence (above).
                 if attempt == len(RETRY_DELAYS_S):
                     raise
-                uncertain = True
+                uncertain = uncertain or not isinstance(exc, _ROLLED_BACK)
                 await asyncio.sleep(RETRY_DELAYS_S[attempt])
         self._metrics.run_seconds.labels(status=shown[0]).observe(turn.elapsed())
         log.info("run finished", extra={**ctx, "status": shown[0], "error_code": shown[1],
