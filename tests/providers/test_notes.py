@@ -119,12 +119,14 @@ async def test_a_run_whose_lease_ran_out_cannot_write_before_it_is_reaped(
         pool: asyncpg.Pool) -> None:
     tenant = await new_tenant(pool)
     await enqueue(pool, tenant.account_id, tenant.conversation_id, "first")
-    [claim] = await claim_runs(pool, worker_id=WORKER, lease_ttl_s=0.2)
+    [claim] = await claim_runs(pool, worker_id=WORKER, lease_ttl_s=30)
     paused = ToolContext(claim.run_id, claim.conversation_id, claim.account_id, claim.fence,
                          DatabaseToolStore(pool))
     tools = default_tools()
     await tools.call("notes", {"action": "append", "text": "while live"}, paused)
-    await wait_lease_expired(pool, claim.run_id)
+    # The execution pauses past its lease (a frozen VM): the lease runs out unrenewed.
+    await pool.execute("UPDATE agent_run SET lease_expires_at = clock_timestamp()"
+                       " WHERE id = $1", claim.run_id)
     with pytest.raises(StaleFence, match="no longer holds its turn"):
         await tools.call("notes", {"action": "append", "text": "after the lease"}, paused)
     assert [r["text"] for r in await _notes(pool, tenant.conversation_id)] == ["while live"]
