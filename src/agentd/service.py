@@ -8,6 +8,7 @@ docs/architecture.md): other accounts' objects are 404s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import fnmatch
 import logging
@@ -47,7 +48,6 @@ LAST = "last"  # retry_of: the conversation's latest turn
 # A full queue drains as turns finish; a client that waits this long finds room more often than
 # not, and never hammers the daemon.
 QUEUE_FULL_RETRY_AFTER_S = 10
-MAX_TOOL_NAME = 200  # as the demo model's params check allows
 
 
 class ClaimSlot(Protocol):
@@ -497,12 +497,12 @@ class Service:
         one new run and one 409, and a client that has not seen a newer turn cannot replace it.
         """
         named = ask.retry_of if isinstance(ask.retry_of, UUID) else None  # None: "last"
-        # A tool is checked before the conversation's row is locked, as a post's is: starting
-        # its MCP server can take start_timeout_s, and the conversation's stops, posts and
-        # deletes must not queue behind that lock meanwhile (they would answer 503).
-        checked = await self._retry_tool(who, conversation_id, ask, named)
-        if checked is not None:
-            await self._check_tool(checked)
+        # The tool's MCP server is started before the conversation's row is locked: starting
+        # it can take start_timeout_s, and the conversation's stops, posts and deletes must not
+        # queue behind the lock meanwhile (they would answer 503). The check itself stays under
+        # the lock, after the replay and the 409s, and answers at once by then: a server that
+        # could not start is unavailable until its next attempt is due.
+        await self._start_tool(await self._retry_tool(who, conversation_id, ask, named))
         async with self.pool.acquire() as conn, conn.transaction():
             locked = await convs.lock_conversation(conn, who.account_id, conversation_id)
             if locked is None:
@@ -525,9 +525,7 @@ class Service:
                 if inherited and exc.code == "invalid_params":
                     exc.message += " (the retried turn's params; send params to replace them)"
                 raise
-            if "tool" in req.params and req.params["tool"] != checked:
-                # The latest turn changed between the read above and the lock (a turn posted
-                # and ended meanwhile): rare enough to check its tool here, under the lock.
+            if "tool" in req.params:
                 await self._check_tool(req.params["tool"])
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
                                           beside=slot)
@@ -542,19 +540,27 @@ class Service:
     async def _retry_tool(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                           named: UUID | None) -> str | None:
         """The tool a retry's run will name (its own params, else the retried turn's), read
-        without a lock: only to check the tool early; the locked read decides the retry."""
+        without a lock, only to start its server early; the locked read decides the retry."""
         params = ask.params
-        if params is None:
-            async with self.pool.acquire() as conn:
-                # Authorized first: another account's conversation is a 404, whatever its tool.
-                if await convs.get_conversation(conn, who.account_id, conversation_id) is None:
-                    raise not_found("conversation")
+        if params is not None and not (isinstance(params, dict) and "tool" in params):
+            return None
+        async with self.pool.acquire() as conn:
+            # Authorized first: nothing is started for another account's conversation (a 404).
+            if await convs.get_conversation(conn, who.account_id, conversation_id) is None:
+                raise not_found("conversation")
+            if params is None:
                 target = await convs.retry_target(conn, conversation_id, named)
-            params = (target["request"] or {}).get("params") if target["id"] is not None \
-                else None
+                params = (target["request"] or {}).get("params") \
+                    if target["id"] is not None else None
         tool = params.get("tool") if isinstance(params, dict) else None
-        # A name the params' own check refuses is left to it (under the lock, as before).
-        return tool if isinstance(tool, str) and 0 < len(tool) <= MAX_TOOL_NAME else None
+        return tool if isinstance(tool, str) else None
+
+    async def _start_tool(self, name: str | None) -> None:
+        """Start the server of the tool named, if any, and wait for it; whatever comes of it is
+        for the check under the lock to answer."""
+        if name is not None:
+            with contextlib.suppress(ToolError):
+                await self.tools.find(name)
 
     async def _replay_retry(self, conn: Conn, who: Principal,
                             conversation_id: UUID, key: str, ask: RunAsk,
