@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from agentd import __version__
+from agentd.files import replace_file
 from agentd.settings import Settings, SettingsError, load_settings, read_config
 
 EPILOG = """Every setting also has a config-file key and an AGENTD_* environment variable
@@ -438,7 +439,7 @@ def _write_service_files(extra: list[str], variables: dict[str, str]) -> tuple[P
     data_root.mkdir(parents=True, exist_ok=True, mode=0o700)
     env_path = systemd.environment_file_path()
     env_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _write_private(env_path, systemd.environment_file_text(variables))
+    replace_file(env_path, systemd.environment_file_text(variables))
     path = systemd.user_unit_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(systemd.unit_text(["serve", *extra], env_file=env_path,
@@ -470,11 +471,3 @@ def _data_root(serve_args: list[str], variables: dict[str, str]) -> Path:
     return default_data_root()
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Created 0600 before a byte is written, replaced whole."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)

@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from agentd.files import replace_file
 from agentd.fingerprints import fingerprint
 from agentd.settings import Settings, is_loopback_host
 
@@ -234,24 +235,8 @@ def _generate(cert_path: Path, key_path: Path, names: list[str]) -> None:
     key_pem = key.private_bytes(serialization.Encoding.PEM,
                                 serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
-    _write_private(key_path, key_pem, 0o600)
-    _write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-
-
-def _write_private(path: Path, data: bytes, mode: int) -> None:
-    """Write whole or not at all, created with its final mode (never briefly readable)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    replace_file(key_path, key_pem)
+    replace_file(cert_path, cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
 
 
 def _load_cert(path: Path) -> x509.Certificate:

@@ -6,9 +6,7 @@ file's reader and writer live in agentd.client_config, since agentd writes that 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from pathlib import Path
 
 import platformdirs
@@ -22,7 +20,7 @@ from agentd.client_config import (
 )
 
 __all__ = ["cache_dir", "clipboard_file", "config_dir", "config_file", "drafts_state_file",
-           "read_config", "state_dir", "write_client_config", "write_private"]
+           "read_config", "state_dir", "write_client_config"]
 
 
 def cache_dir() -> Path:
@@ -38,24 +36,6 @@ def state_dir() -> Path:
 def clipboard_file() -> Path:
     """Where a copy also lands, for terminals that ignore OSC 52 clipboard requests."""
     return cache_dir() / "clipboard.txt"
-
-
-def write_private(path: Path, text: str) -> None:
-    """Replace `path` with `text`, readable by this user only, never by others even briefly.
-
-    A directory it creates is 0700; the text goes into a new 0600 file (mkstemp) that is then
-    renamed over `path`, so an older, more open file is replaced, not rewritten in place.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
 
 
 def drafts_state_file() -> Path:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agenttui import locations
-from agenttui.locations import write_private
+from agentd import files
+from agentd.files import replace_file
 
 
 @pytest.fixture
@@ -30,11 +30,11 @@ def mode(path: Path) -> int:
 
 @pytest.mark.usefixtures("open_umask")
 def test_the_clipboard_file_and_its_new_directory_are_private(tmp_path: Path) -> None:
-    path = tmp_path / "cache" / "agenttui" / "clipboard.txt"
-    write_private(path, "agenttui login https://desk:8740 --code 7K3QX-M9V2D")
+    path = tmp_path / "cache" / "agenttui" / "clipboard.txt"  # neither directory exists yet
+    replace_file(path, "agenttui login https://desk:8740 --code 7K3QX-M9V2D", private_dirs=True)
     assert path.read_text("utf-8") == "agenttui login https://desk:8740 --code 7K3QX-M9V2D"
     assert mode(path) == 0o600
-    assert mode(path.parent) == 0o700
+    assert mode(path.parent) == 0o700 and mode(path.parent.parent) == 0o700
     assert sorted(p.name for p in path.parent.iterdir()) == ["clipboard.txt"]  # no temp left
 
 
@@ -53,8 +53,8 @@ def test_a_world_readable_file_from_before_is_replaced_not_rewritten(
         seen.append((mode(Path(source)), Path(source).read_text("utf-8")))
         replace(source, target)
 
-    monkeypatch.setattr(locations.os, "replace", checked_replace)
-    write_private(path, "a private answer")
+    monkeypatch.setattr(files.os, "replace", checked_replace)
+    replace_file(path, "a private answer")
     assert seen == [(0o600, "a private answer")]
     assert path.read_text("utf-8") == "a private answer" and mode(path) == 0o600
     assert path.stat().st_ino != old_inode  # the open file was never rewritten in place

@@ -38,6 +38,7 @@ from agentd.embedded_pg.account import Account, create_account, first_unreachabl
 from agentd.embedded_pg.binaries import PgBinaries, find_binaries
 from agentd.embedded_pg.errors import EmbeddedPgError
 from agentd.embedded_pg.pidfile import PidFile, is_our_postgres, processes_in, read_pid_file
+from agentd.files import replace_file
 
 log = logging.getLogger("agentd.embedded_pg")
 
@@ -596,15 +597,7 @@ class EmbeddedPostgres:
                 os.chmod(self.password_file, 0o600)  # libpq and asyncpg ignore a readable one
             return fields[4], False
         password = secrets.token_urlsafe(32)  # no ':' or '\\', which pgpass would escape
-        tmp = self.password_file.with_name(f".{self.password_file.name}.{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(f"*:*:*:{SUPERUSER}:{password}\n")
-            os.replace(tmp, self.password_file)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        replace_file(self.password_file, f"*:*:*:{SUPERUSER}:{password}\n")
         return password, True
 
     @contextmanager
@@ -750,17 +743,7 @@ def _write_hba(path: Path, method: str, account: Account | None) -> None:
     if method != "trust":  # the temporary trust of a password reset is for the socket only
         text += (f"host    all          all   127.0.0.1/32  {method}\n"
                  f"host    all          all   ::1/128       {method}\n")
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        if account is not None:
-            os.chown(tmp, account.uid, account.gid)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    replace_file(path, text, owner=None if account is None else (account.uid, account.gid))
 
 
 def _in_own_loop(make: Callable[[], Coroutine[Any, Any, None]]) -> None:

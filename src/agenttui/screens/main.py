@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections import OrderedDict, deque
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -22,6 +23,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Header, OptionList
 from textual.worker import Worker
 
+from agentd.files import replace_file
 from agentd.vocabulary import EventType
 from agenttui.client import (
     AgentClient,
@@ -38,7 +40,7 @@ from agenttui.client import (
     outcome_unknown,
 )
 from agenttui.conversation import Changes, ConversationModel
-from agenttui.locations import clipboard_file, write_private
+from agenttui.locations import clipboard_file
 from agenttui.models import Conversation, Me, RunEvent, SearchHit
 from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.prompt import TextPrompt
@@ -57,7 +59,9 @@ TITLE_CHARS = 60
 SNAPSHOT_MESSAGES = 100  # the feed's snapshot: the newest messages only (older ones paged in)
 PAGE_MESSAGES = 100  # an older page, fetched when the reader scrolls past what is loaded
 LIST_REFRESH_S = 30.0
-RESEND_KEYS = 50  # messages put back after a lost answer whose Idempotency-Key is kept
+# A message put back after a lost answer keeps its Idempotency-Key this long: sent again exactly
+# as it was, at once, it is the same message; typed again much later, a new one.
+RESEND_WINDOW_S = 600.0
 CODE_FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.DOTALL | re.MULTILINE)
 
 
@@ -74,6 +78,15 @@ def title_from(text: str) -> str:
 def export_name(title: str, conversation_id: str) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")[:40] or "conversation"
     return f"{slug}-{conversation_id[:8]}.md"
+
+
+@dataclass(frozen=True)
+class UncertainSend:
+    """A send whose answer was lost: it may or may not have been posted."""
+
+    text: str
+    key: str  # its Idempotency-Key
+    at: float  # time.monotonic() when its answer was lost
 
 
 @dataclass
@@ -141,10 +154,10 @@ class MainScreen(LifecycleScreen):
         self._jump_to: str | None = None  # a message to show once its conversation is open
         self._new_conversation: NewConversation | None = None  # Enter with none open
         self._feed: Worker[None] | None = None  # the open conversation's feed
-        # (conversation id, text) -> the Idempotency-Key of a send whose answer was lost: the
-        # same text sent again to the same conversation reuses it, so the daemon replays the
-        # run it may already have instead of adding a second one.
-        self._resend_keys: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # conversation id -> its latest send whose answer was lost: the same text sent there
+        # again within RESEND_WINDOW_S reuses its Idempotency-Key, so the daemon replays the run
+        # it may already have instead of adding a second one. The next send there ends it.
+        self._uncertain: dict[str, UncertainSend] = {}
 
     def notify(self, message: str, *, title: str = "",
                markup: bool = False, **kwargs: Any) -> None:
@@ -443,8 +456,9 @@ class MainScreen(LifecycleScreen):
             return
         conversation_id = target if isinstance(target, str) else target.conversation_id
         assert conversation_id is not None
-        resend = (conversation_id, text)
-        key = self._resend_keys.pop(resend, None) or new_idempotency_key()
+        earlier = self._uncertain.pop(conversation_id, None)
+        key = earlier.key if earlier is not None and earlier.text == text and \
+            time.monotonic() - earlier.at < RESEND_WINDOW_S else new_idempotency_key()
         try:
             run = await self.client.create_run(conversation_id, text, params=settings.params,
                                                idempotency_key=key)
@@ -453,11 +467,15 @@ class MainScreen(LifecycleScreen):
             if not outcome_unknown(exc):
                 self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
                 return
-            self._resend_keys[resend] = key
-            while len(self._resend_keys) > RESEND_KEYS:
-                self._resend_keys.popitem(last=False)
-            self.notify(f"Your message may not have been sent: {describe(exc)}. It is back in "
-                        f"the composer; sending it unchanged will not post it twice.",
+            now = time.monotonic()
+            self._uncertain = {c: u for c, u in self._uncertain.items()
+                               if now - u.at < RESEND_WINDOW_S}
+            self._uncertain[conversation_id] = UncertainSend(text, key, now)
+            here = self.model is not None and self.model.conversation_id == conversation_id
+            self.notify(f"Your message{'' if here else ' to another conversation'} may not "
+                        f"have been sent: {describe(exc)}. It is back in the composer. Sent "
+                        f"again exactly as it is to the same conversation, within "
+                        f"{RESEND_WINDOW_S / 60:.0f} minutes, it will not be posted twice.",
                         severity="error", title="Send uncertain")
             return
         if run.replayed:
@@ -609,7 +627,7 @@ class MainScreen(LifecycleScreen):
         path = clipboard_file()
         try:
             # Only this user may read it: a copy can be a pairing line or a private answer.
-            write_private(path, text)
+            replace_file(path, text, private_dirs=True)
         except OSError:
             self.notify(f"Copied {what} ({len(text)} characters).")
             return

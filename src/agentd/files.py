@@ -1,0 +1,58 @@
+"""Files written whole, with their mode from the first byte.
+
+Secrets (tokens, keys, passwords, the client's config) and anything another local user must not
+read go through `replace_file`: a new file is created with its final mode before a byte is
+written, so it is never briefly readable whatever the umask, and then renamed over the old one,
+so a reader sees the old file or the new one, never half of one, and an old file that was
+readable is replaced rather than rewritten in place. Python's standard library has no such
+call (`tempfile` makes the file but does not replace the target), hence these few lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+PRIVATE = 0o600
+PRIVATE_DIR = 0o700
+
+
+def replace_file(path: Path, data: str | bytes, *, mode: int = PRIVATE,
+                 owner: tuple[int, int] | None = None, private_dirs: bool = False) -> None:
+    """Replace `path` with `data` (text is UTF-8). `owner`: (uid, gid) to give it before it
+    takes the place of the old file. `private_dirs`: first create its missing directories,
+    each 0700 (make_private_dirs)."""
+    if private_dirs:
+        make_private_dirs(path.parent)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, mode)  # os.open's mode is narrowed by the umask: this is the one meant
+        if owner is not None:
+            os.chown(temporary, *owner)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise
+
+
+def make_private_dirs(directory: Path) -> None:
+    """Create `directory` and each missing parent with mode 0700 (mkdir's `parents` gives the
+    parents the umask's mode); directories that exist are left as they are."""
+    missing: list[Path] = []
+    while not directory.exists():
+        missing.append(directory)
+        directory = directory.parent
+    for created in reversed(missing):
+        try:
+            created.mkdir(mode=PRIVATE_DIR)
+        except FileExistsError:
+            continue  # made meanwhile by someone else: theirs to set
+        os.chmod(created, PRIVATE_DIR)  # mkdir's mode is narrowed by the umask too
