@@ -8,8 +8,10 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import pytest
 
 from agenttui.client import ConnectionState
+from agenttui.screens import main as main_screen
 from tests.support.daemon import Daemon, poll_until
 from tests.support.factories import Device
 from tests.tui.helpers import WAIT_S, client_for, is_stream, running_tui, wait_for
@@ -102,7 +104,8 @@ async def test_a_message_goes_where_it_was_typed_though_a_slow_send_outlasts_a_s
 
 
 async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
-        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+        daemon: Daemon, desk: Device, agenttui_dirs: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     async with client_for(daemon, desk) as api:
         conversation = (await api.create_conversation("lost answers")).id
     posts = Posts()
@@ -139,6 +142,17 @@ async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
 
         assert await poll_until(posted, WAIT_S, interval=0.05, what="the second message") == [
             "only once", "something else"]
+
+        # The same text typed again long after a lost answer is a new message: its own key.
+        posts.lose_answers = True
+        screen.composer.text = "later"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "later", "the text back")
+        lost_key = posts.keys[-1]
+        posts.lose_answers = False
+        monkeypatch.setattr(main_screen, "RESEND_WINDOW_S", 0.0)  # the window has passed
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: posts.keys[-1] != lost_key, "a post with a new key")
 
 
 async def test_selecting_a_conversation_whose_feed_gave_up_starts_it_again(
