@@ -138,13 +138,14 @@ async def test_delete_racing_the_worker_the_claimer_and_an_attaching_device_leav
             runs = [(await enqueue(setup, tenant.account_id, conv, f"turn {i}")).run_id
                     for i in range(3)]
             [current] = await claim_runs(setup, worker_id="worker", lease_ttl_s=LONG_S)
+            # Written while its turn held the conversation: a mark to delete.
+            await append_note(ToolContext(current.run_id, conv, tenant.account_id,
+                                          current.fence, DatabaseToolStore(setup)),
+                              "a mark to delete")
             # The first turn just finished: the second is claimable while the delete runs.
             await finish_run(setup, current, RunStatus.COMPLETED, seq=current.last_seq + 1,
                              content="done")
             [streaming] = await claim_runs(setup, worker_id="worker", lease_ttl_s=LONG_S)
-            await append_note(ToolContext(current.run_id, conv, tenant.account_id,
-                                          current.fence, DatabaseToolStore(setup)),
-                              "a mark to delete")
             tool = ToolContext(streaming.run_id, conv, tenant.account_id, streaming.fence,
                                DatabaseToolStore(noter))
             deleted, appended, written, beaten, claimed, attached, noted = await race(
@@ -163,7 +164,7 @@ async def test_delete_racing_the_worker_the_claimer_and_an_attaching_device_leav
             assert deleted is True, context
             assert claimed == [], context  # the streaming turn holds the conversation
             writes = (appended, written, beaten)
-            assert not isinstance(noted, StaleFence) or "no longer exists" in str(noted)
+            assert not isinstance(noted, StaleFence) or "no longer holds its turn" in str(noted)
             refused += any(isinstance(r, LeaseLost) for r in writes)
             landed += any(not isinstance(r, LeaseLost) for r in writes)
             assert attached is None or isinstance(attached, UUID), context
