@@ -5,6 +5,7 @@ without a duplicate, and a feed that gave up starts again when its conversation 
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -33,6 +34,7 @@ class Posts(httpx.AsyncBaseTransport):
         self.released.set()
         self.held = 0  # posts waiting for release()
         self.lose_answers = False
+        self.lose_for: set[str] = set()  # lose the answers to posts of these texts only
         self.keys: list[str] = []  # the Idempotency-Key of every post, in order
         self.refuse_feeds = 0
 
@@ -48,7 +50,7 @@ class Posts(httpx.AsyncBaseTransport):
             self.held += 1
             await self.released.wait()  # a slow daemon (or create_run's own retries)
         response = await self.inner.handle_async_request(request)
-        if self.lose_answers:
+        if self.lose_answers or json.loads(request.content).get("content") in self.lose_for:
             await response.aread()  # the daemon did the work; its answer never arrives
             await response.aclose()
             raise httpx.ReadError("the answer was lost (test)")
@@ -153,6 +155,39 @@ async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
         monkeypatch.setattr(main_screen, "RESEND_WINDOW_S", 0.0)  # the window has passed
         await pilot.press("enter")
         await wait_for(pilot, lambda: posts.keys[-1] != lost_key, "a post with a new key")
+
+
+async def test_a_message_sent_behind_an_uncertain_one_leaves_it_its_resend(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    async with client_for(daemon, desk) as api:
+        conversation = (await api.create_conversation("one behind the other")).id
+    posts = Posts()
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation,
+                           transport=posts, params=QUICK) as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.model and screen.model.snapshots, "the feed")
+        posts.hold()
+        posts.lose_for = {"first"}
+        screen.composer.text = "first"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: posts.held == 1, "the first send to wait on the daemon")
+        screen.composer.text = "second"  # queued behind "first", sent once it is settled
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "", "the second Enter")
+        posts.release()
+
+        async def both() -> bool:
+            return len(await user_messages(daemon, desk, conversation)) >= 2
+
+        await poll_until(both, WAIT_S, interval=0.05, what="both messages posted")
+        await wait_for(pilot, lambda: screen.composer.text == "first" and
+                       any("may not have been sent" in n for n in screen.notices),
+                       "the first text back, uncertain")
+        posts.lose_for = set()
+        await pilot.press("enter")  # "first" again, exactly as it was
+        await wait_for(pilot, lambda: any("had reached the daemon" in n
+                                          for n in screen.notices), "the replayed send")
+        assert await user_messages(daemon, desk, conversation) == ["first", "second"]
 
 
 async def test_selecting_a_conversation_whose_feed_gave_up_starts_it_again(

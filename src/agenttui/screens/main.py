@@ -156,7 +156,7 @@ class MainScreen(LifecycleScreen):
         self._feed: Worker[None] | None = None  # the open conversation's feed
         # conversation id -> its latest send whose answer was lost: the same text sent there
         # again within RESEND_WINDOW_S reuses its Idempotency-Key, so the daemon replays the run
-        # it may already have instead of adding a second one. The next send there ends it.
+        # it may already have instead of adding a second one.
         self._uncertain: dict[str, UncertainSend] = {}
 
     def notify(self, message: str, *, title: str = "",
@@ -456,9 +456,15 @@ class MainScreen(LifecycleScreen):
             return
         conversation_id = target if isinstance(target, str) else target.conversation_id
         assert conversation_id is not None
-        earlier = self._uncertain.pop(conversation_id, None)
-        key = earlier.key if earlier is not None and earlier.text == text and \
-            time.monotonic() - earlier.at < RESEND_WINDOW_S else new_idempotency_key()
+        earlier = self._uncertain.get(conversation_id)
+        if earlier is not None and earlier.text == text and \
+                time.monotonic() - earlier.at < RESEND_WINDOW_S:
+            key = earlier.key  # the same message again: the daemon replays it if it has it
+            del self._uncertain[conversation_id]
+        else:
+            # Another message (one queued behind the uncertain send, say) leaves that send's
+            # key for its own resend.
+            key = new_idempotency_key()
         try:
             run = await self.client.create_run(conversation_id, text, params=settings.params,
                                                idempotency_key=key)
