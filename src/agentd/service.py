@@ -8,7 +8,6 @@ docs/architecture.md): other accounts' objects are 404s.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import fnmatch
 import logging
@@ -497,12 +496,12 @@ class Service:
         one new run and one 409, and a client that has not seen a newer turn cannot replace it.
         """
         named = ask.retry_of if isinstance(ask.retry_of, UUID) else None  # None: "last"
-        # The tool's MCP server is started before the conversation's row is locked: starting
-        # it can take start_timeout_s, and the conversation's stops, posts and deletes must not
-        # queue behind the lock meanwhile (they would answer 503). The check itself stays under
-        # the lock, after the replay and the 409s, and answers at once by then: a server that
-        # could not start is unavailable until its next attempt is due.
-        await self._start_tool(await self._retry_tool(who, conversation_id, ask, named))
+        # The tool is checked before the conversation's row is locked: starting its MCP server
+        # can take start_timeout_s, and the conversation's stops, posts and deletes must not
+        # queue behind the lock meanwhile (they would answer 503). A refusal is given only
+        # under the lock, after the replay and the 409s have had their say.
+        early = await self._retry_tool(who, conversation_id, ask, named)
+        refusal = await self._tool_refusal(early) if early is not None else None
         async with self.pool.acquire() as conn, conn.transaction():
             locked = await convs.lock_conversation(conn, who.account_id, conversation_id)
             if locked is None:
@@ -525,8 +524,13 @@ class Service:
                 if inherited and exc.code == "invalid_params":
                     exc.message += " (the retried turn's params; send params to replace them)"
                 raise
-            if "tool" in req.params:
-                await self._check_tool(req.params["tool"])
+            tool = req.params.get("tool")
+            if tool is not None and tool != early:
+                # The latest turn changed between the read above and the lock (a turn posted
+                # and ended meanwhile): rare enough to check its tool here, under the lock.
+                await self._check_tool(tool)
+            elif tool is not None and refusal is not None:
+                raise refusal
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
                                           beside=slot)
             assert created.user_message_id is not None
@@ -555,12 +559,14 @@ class Service:
         tool = params.get("tool") if isinstance(params, dict) else None
         return tool if isinstance(tool, str) else None
 
-    async def _start_tool(self, name: str | None) -> None:
-        """Start the server of the tool named, if any, and wait for it; whatever comes of it is
-        for the check under the lock to answer."""
-        if name is not None:
-            with contextlib.suppress(ToolError):
-                await self.tools.find(name)
+    async def _tool_refusal(self, name: str) -> ServiceError | None:
+        """What checking the tool named would answer (None: it may be used), kept to be raised
+        later."""
+        try:
+            await self._check_tool(name)
+        except ServiceError as exc:
+            return exc
+        return None
 
     async def _replay_retry(self, conn: Conn, who: Principal,
                             conversation_id: UUID, key: str, ask: RunAsk,
