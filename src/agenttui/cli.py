@@ -13,9 +13,9 @@ from typing import Any, NoReturn
 
 from agenttui import __version__
 from agenttui.ask import EXIT_UNREACHABLE, EXIT_USAGE, Approver, ask, report
-from agenttui.client import AgentClient, ApiError, Unauthorized, describe
-from agenttui.locations import config_file
-from agenttui.settings import Settings, SettingsError, load_settings
+from agenttui.client import DEFAULT_URL, AgentClient, ApiError, Unauthorized, describe
+from agenttui.locations import config_file, read_config
+from agenttui.settings import Settings, SettingsError, load_settings, same_daemon
 
 DESCRIPTION = """\
 agenttui — a terminal client for agentd. Several devices can attach to one conversation: each
@@ -185,6 +185,14 @@ def _client(settings: Settings) -> AgentClient:
 def _need_token(settings: Settings) -> bool:
     if settings.token:
         return True
+    stored = read_config()
+    if stored.get("token") and not same_daemon(str(stored.get("url", DEFAULT_URL)),
+                                               settings.url):
+        print(f"agenttui: the stored token is for {stored.get('url', DEFAULT_URL)}, not "
+              f"{settings.url} (a token goes only to the daemon it was stored for): run "
+              f"`agenttui login {settings.url} …` for this one, or set AGENTTUI_TOKEN",
+              file=sys.stderr)
+        return False
     print(f"agenttui: no device token for {settings.url}: run the `agenttui login URL --code "
           f"CODE --fingerprint SHA256:…` line that `agentd pair --account A --device D` prints "
           f"on the daemon's host, or start agentd on this machine once (it writes "

@@ -6,12 +6,15 @@ TUI on the same machine needs no setup; `agenttui login` writes it for remote da
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from agenttui.client import DEFAULT_URL, token_problem, url_problem
 from agenttui.locations import read_config
@@ -76,14 +79,35 @@ def _credentials_for_their_daemon(settings: Settings, config: Mapping[str, Any],
     together): another URL given in the environment or on the command line does not get them,
     or an `http://` URL would carry that daemon's token in clear text to whoever answers it.
     A token from $AGENTTUI_TOKEN is the user's choice for whatever URL is in use."""
-    stored = config.get("url")
-    if not isinstance(stored, str) or stored.rstrip("/") == settings.url.rstrip("/"):
+    stored = config.get("url", DEFAULT_URL)  # a config without one is the default's
+    if not isinstance(stored, str) or same_daemon(stored, settings.url):
         return settings
     from_env = {name: bool(env.get(ENV_PREFIX + name.upper())) for name in
                 ("token", "fingerprint", "device")}
     dropped: dict[str, Any] = {name: None for name, given in from_env.items() if not given
                                and config.get(name) == getattr(settings, name)}
     return replace(settings, **dropped)
+
+
+def same_daemon(one: str, other: str) -> bool:
+    """Whether two URLs reach one daemon: the same scheme, host and port once spelled alike
+    (case, a default port, a trailing slash); loopback names (localhost, 127.0.0.1, ::1) are one
+    host, since what they carry never leaves the machine."""
+    try:
+        a, b = httpx.URL(one), httpx.URL(other)
+    except (httpx.InvalidURL, TypeError, ValueError):
+        return False  # not a URL: its own check says so
+    return (a.scheme, a.port) == (b.scheme, b.port) and (
+        a.host == b.host or (_loopback(a.host) and _loopback(b.host)))
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _coerce(name: str, value: Any, source: str) -> dict[str, Any]:

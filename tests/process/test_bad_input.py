@@ -166,6 +166,17 @@ def test_agenttui_answers_bad_input_with_one_line(case: str, tmp_path: Path) -> 
     assert "secret" not in result.stderr, "the refused token was echoed back"
 
 
+def test_a_token_stored_for_another_daemon_is_not_sent_and_the_line_says_why(
+        tmp_path: Path) -> None:
+    config = tmp_path / "agenttui" / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('url = "https://desk:8740"\ntoken = "agd_secret"\n', "utf-8")
+    result = run("agenttui", "ask", "--url", "http://127.0.0.1:1", "hi", home=tmp_path)
+    assert_one_line(result, "agenttui", 2, "stored token is for https://desk:8740",
+                    "AGENTTUI_TOKEN")
+    assert "agd_secret" not in result.stderr
+
+
 async def test_agenttui_answers_refused_input_with_one_line(
         spawn_daemon, pool: asyncpg.Pool, tmp_path: Path) -> None:
     daemon = spawn_daemon()

@@ -42,6 +42,19 @@ def test_the_stored_token_and_pin_go_only_to_the_daemon_they_were_stored_for() -
                        ({}, {"AGENTTUI_URL": "https://elsewhere:8740"})):
         other = load_settings(config=config, env=env, **flags)
         assert (other.token, other.fingerprint, other.device) == (None, None, None), flags
+    # The same daemon spelled another way keeps them: case, a default port, a trailing slash,
+    # and any loopback name for a daemon on this machine.
+    assert load_settings(config=config, env={}, url="https://DESK:8740/").token == "agd_desk"
+    assert load_settings(config={**config, "url": "https://desk"}, env={},
+                         url="https://desk:443").token == "agd_desk"
+    local = {"url": "http://127.0.0.1:8740", "token": "agd_local"}
+    for url in ("http://localhost:8740", "http://[::1]:8740", "http://127.0.0.1:8740/"):
+        assert load_settings(config=local, env={}, url=url).token == "agd_local", url
+    assert load_settings(config=local, env={}, url="http://127.0.0.1:8741").token is None
+    # A config that names no URL holds the default daemon's token, and only its.
+    bare = {"token": "agd_bare"}
+    assert load_settings(config=bare, env={}).token == "agd_bare"
+    assert load_settings(config=bare, env={}, url="http://elsewhere:8740").token is None
     # A token the user gives for that URL is theirs to send.
     chosen = load_settings(config=config, env={"AGENTTUI_TOKEN": "agd_mine"},
                            url="http://desk:8740")
