@@ -41,6 +41,17 @@ def replace_file(path: Path, data: str | bytes, *, mode: int = PRIVATE,
         with contextlib.suppress(OSError):
             temporary.unlink()
         raise
+    _sync_directory(path.parent)
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make the rename itself durable: after a power loss the new file is there, not the old."""
+    with contextlib.suppress(OSError):  # a filesystem that cannot sync a directory: as before
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def make_private_dirs(directory: Path) -> None:
