@@ -11,6 +11,7 @@ import logging
 import resource
 import socket
 import time
+import tomllib
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -69,7 +70,22 @@ async def ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | N
     Over TLS it also pins this daemon's certificate, as `agenttui login` would; a config that
     already points at this port on loopback follows a switch to or from TLS, or a new
     certificate (this daemon is the authority on its own certificate, on its own machine).
+
+    A config file it cannot read or write is the local TUI's loss, never the daemon's: it is
+    logged and agentd serves on (the TUI then needs `agenttui login`). A token is minted in the
+    transaction that writes the file, so a file that cannot be written leaves no token behind.
     """
+    from agentd.client_config import config_file
+
+    try:
+        await _ensure_local_client(pool, url, fingerprint, create=create)
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        log.warning("could not keep the local client's config: agenttui on this machine needs "
+                    "`agenttui login`", extra={"path": str(config_file()), "reason": str(exc)})
+
+
+async def _ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | None, *,
+                               create: bool) -> None:
     from agentd.client_config import config_file, read_config, write_client_config
 
     if config_file().exists():
@@ -89,12 +105,12 @@ async def ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | N
         return
     if not create:
         return
-    token, _ = await create_device_token(pool, account=LOCAL_ACCOUNT,
-                                         device=socket.gethostname() or "local")
-    path = write_client_config(url, token, device=socket.gethostname(),
-                               fingerprint=fingerprint)
+    async with pool.acquire() as conn, conn.transaction():
+        token, _ = await create_device_token(conn, account=LOCAL_ACCOUNT,
+                                             device=socket.gethostname() or "local")
+        path = write_client_config(url, token, device=socket.gethostname(),
+                                   fingerprint=fingerprint)
     log.info("wrote a device token for the local client", extra={"path": str(path)})
-
 
 
 def raise_open_files_limit(wanted: int) -> None:
