@@ -134,6 +134,11 @@ class AgentTUI(App[None]):
             self.idle_gc.touch()
         await super().on_event(event)
 
+    async def action_quit(self) -> None:
+        # Drafts handed back and still in the composer stay offered for the next start.
+        self.main.settle_drafts(quitting=True)
+        await super().action_quit()
+
     async def on_unmount(self) -> None:
         self.idle_gc.stop()
         if self._close_client:

@@ -3,7 +3,9 @@ a stop from the other device, and a daemon killed under an open stream."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -212,6 +214,47 @@ async def test_drafts_return_in_the_order_they_were_queued_before_what_was_typed
                        "the stop to land")
         await pilot.pause()
         assert screen.composer.text == "one\n\ntwo\nlines\n\nthree\n\ntyped meanwhile"
+
+
+async def test_a_draft_handed_back_stays_offered_until_it_is_sent_or_deleted(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    async with client_for(daemon, desk) as api:
+        conversation = await api.create_conversation("drafts kept")
+    draft = "do not lose me"
+
+    def open_tui() -> contextlib.AbstractAsyncContextManager[Any]:
+        return running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation.id,
+                           params={"tokens": 5, "delay_ms": 60_000})
+
+    async with open_tui() as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.model and screen.model.snapshots, "attach")
+        for text in ("think for a minute", draft):
+            screen.composer.text = text
+            await pilot.press("enter")
+            await wait_for(pilot, lambda text=text: turns(app) and
+                           turns(app)[-1].question == text, f"{text!r} to queue")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: screen.composer.text == draft, "the draft back")
+        # The terminal goes away (no quit): nothing says the draft was dealt with.
+    async with open_tui() as (app, pilot):
+        await wait_for(pilot, lambda: app.main.composer.text == draft, "the draft offered again")
+        await pilot.press("ctrl+q")  # quit with the draft still in the composer: kept
+        await wait_for(pilot, lambda: app.return_code is not None or not app.is_running,
+                       "the quit")
+    async with open_tui() as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.composer.text == draft, "the draft once more")
+        screen.composer.text = ""  # deleted: the user does not want it
+        await pilot.press("ctrl+q")
+        await wait_for(pilot, lambda: app.return_code is not None or not app.is_running,
+                       "the quit")
+    async with open_tui() as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.model and screen.model.snapshots and
+                       len(turns(app)) == 2, "the conversation")
+        await pilot.pause()
+        assert screen.composer.text == "", "a deleted draft came back"
 
 
 async def api_state(daemon: Daemon, device: Device, conversation_id: str):

@@ -153,6 +153,8 @@ class MainScreen(LifecycleScreen):
         self._send_lock = asyncio.Lock()
         self._jump_to: str | None = None  # a message to show once its conversation is open
         self._new_conversation: NewConversation | None = None  # Enter with none open
+        # Handed-back drafts put in the composer, not yet sent nor deleted: id -> text.
+        self._drafts_shown: dict[str, str] = {}
         self._feed: Worker[None] | None = None  # the open conversation's feed
         # conversation id -> its latest send whose answer was lost: the same text sent there
         # again within RESEND_WINDOW_S reuses its Idempotency-Key, so the daemon replays the run
@@ -267,7 +269,7 @@ class MainScreen(LifecycleScreen):
                 self._feed is not None and not self._feed.is_finished:
             return  # already open and followed (a feed that gave up starts again below)
         self.model = ConversationModel(self.me, conversation_id,
-                                       is_consumed=self.app.drafts.__contains__)
+                                       is_consumed=self._draft_settled)
         self._new_conversation = None  # Enter now sends to this one
         self.conversation_list.mark_current(conversation_id)
         async with self._render_lock:
@@ -411,14 +413,32 @@ class MainScreen(LifecycleScreen):
             return
         for draft in drafts:  # in queue order: each lands after the one before
             self.composer.put_back(draft.content)
-        self.app.drafts.consume(d.message_id for d in drafts)
+            self._drafts_shown[draft.message_id] = draft.content
         self.notify("A stop handed your queued message back: it is in the composer.",
                     title="Draft returned")
+
+    def _draft_settled(self, message_id: str) -> bool:
+        """A draft not to offer again: settled on this device, or in the composer already."""
+        return message_id in self.app.drafts or message_id in self._drafts_shown
+
+    def settle_drafts(self, *, quitting: bool = False) -> None:
+        """Handed-back drafts are offered again until they were sent (the composer submitted
+        with them) or deleted (not in the composer when the user quits): a crash, a closed
+        terminal or a dropped SSH link loses none of them."""
+        if not self._drafts_shown:
+            return
+        text = self.composer.text
+        settled = [message_id for message_id, content in self._drafts_shown.items()
+                   if not quitting or content.strip() not in text]
+        self.app.drafts.consume(settled)
+        for message_id in settled:
+            del self._drafts_shown[message_id]
 
     # -- sending -----------------------------------------------------------------------------
 
     @on(Composer.Submitted)
     def _submitted(self, event: Composer.Submitted) -> None:
+        self.settle_drafts()  # sent with this text, or deleted before it
         # The conversation is the one open now, at Enter: an earlier send may still be waiting
         # for the daemon when the user moves to another conversation.
         if self.model is not None:
