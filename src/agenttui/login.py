@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import getpass
-import ipaddress
 import socket
 import sys
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from agenttui.client import (
 )
 from agenttui.locations import read_config, write_client_config
 from agenttui.pinning import server_fingerprint
+from agenttui.settings import literal_loopback
 
 TRUST_CAS = "ca"  # --fingerprint ca: a CA-signed certificate (e.g. a reverse proxy's), no pin
 
@@ -161,10 +161,4 @@ async def _settle_pin(url: str, request: LoginRequest, stdin: TextIO,
 
 
 def _loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return literal_loopback(urlsplit(url).hostname or "")

@@ -98,10 +98,11 @@ def same_daemon(one: str, other: str) -> bool:
     except (httpx.InvalidURL, TypeError, ValueError):
         return False  # not a URL: its own check says so
     return (a.scheme, a.port) == (b.scheme, b.port) and (
-        a.host == b.host or (_loopback(a.host) and _loopback(b.host)))
+        a.host == b.host or (literal_loopback(a.host) and literal_loopback(b.host)))
 
 
-def _loopback(host: str) -> bool:
+def literal_loopback(host: str) -> bool:
+    """Whether `host` is `localhost` or a loopback address, as written (nothing is resolved)."""
     if host == "localhost":
         return True
     try:

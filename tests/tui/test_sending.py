@@ -5,8 +5,11 @@ without a duplicate, and a feed that gave up starts again when its conversation 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -72,6 +75,21 @@ async def user_messages(daemon: Daemon, device: Device, conversation_id: str) ->
     return [m.content for m in state.messages if m.role == "user"]
 
 
+@contextlib.asynccontextmanager
+async def sending_tui(daemon: Daemon, device: Device, dirs: Path, title: str,
+                      ) -> AsyncIterator[tuple[str, Posts, Any, Any]]:
+    """A TUI attached to a new conversation, its posts through a Posts transport: (the
+    conversation's id, the transport, the main screen, the pilot)."""
+    async with client_for(daemon, device) as api:
+        conversation = (await api.create_conversation(title)).id
+    posts = Posts()
+    async with running_tui(daemon.url, device, dirs, conversation=conversation,
+                           transport=posts, params=QUICK) as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.model and screen.model.snapshots, "the feed")
+        yield conversation, posts, screen, pilot
+
+
 async def test_a_message_goes_where_it_was_typed_though_a_slow_send_outlasts_a_switch(
         daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
     async with client_for(daemon, desk) as api:
@@ -108,13 +126,8 @@ async def test_a_message_goes_where_it_was_typed_though_a_slow_send_outlasts_a_s
 async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
         daemon: Daemon, desk: Device, agenttui_dirs: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    async with client_for(daemon, desk) as api:
-        conversation = (await api.create_conversation("lost answers")).id
-    posts = Posts()
-    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation,
-                           transport=posts, params=QUICK) as (app, pilot):
-        screen = app.main
-        await wait_for(pilot, lambda: screen.model and screen.model.snapshots, "the feed")
+    async with sending_tui(daemon, desk, agenttui_dirs, "lost answers") as (
+            conversation, posts, screen, pilot):
         posts.lose_answers = True
         screen.composer.text = "only once"
         await pilot.press("enter")
@@ -159,13 +172,8 @@ async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
 
 async def test_a_message_sent_behind_an_uncertain_one_leaves_it_its_resend(
         daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
-    async with client_for(daemon, desk) as api:
-        conversation = (await api.create_conversation("one behind the other")).id
-    posts = Posts()
-    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation,
-                           transport=posts, params=QUICK) as (app, pilot):
-        screen = app.main
-        await wait_for(pilot, lambda: screen.model and screen.model.snapshots, "the feed")
+    async with sending_tui(daemon, desk, agenttui_dirs, "one behind the other") as (
+            conversation, posts, screen, pilot):
         posts.hold()
         posts.lose_for = {"first"}
         screen.composer.text = "first"
