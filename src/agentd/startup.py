@@ -11,14 +11,13 @@ import logging
 import resource
 import socket
 import time
-import tomllib
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import asyncpg
 
 from agentd import db as dbmod
-from agentd.accounts import create_device_token
+from agentd.accounts import create_device_token, revoke_device
 from agentd.embedded_pg import EmbeddedPostgres, default_data_root
 from agentd.migrate import migrate
 from agentd.settings import Settings, is_loopback_host
@@ -72,14 +71,15 @@ async def ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | N
     certificate (this daemon is the authority on its own certificate, on its own machine).
 
     A config file it cannot read or write is the local TUI's loss, never the daemon's: it is
-    logged and agentd serves on (the TUI then needs `agenttui login`). A token is minted in the
-    transaction that writes the file, so a file that cannot be written leaves no token behind.
+    logged and agentd serves on (the TUI then needs `agenttui login`). A token whose file could
+    not be written is revoked at once, so none is left behind for nobody.
     """
     from agentd.client_config import config_file
 
     try:
         await _ensure_local_client(pool, url, fingerprint, create=create)
-    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+    # ValueError: text that is not TOML or UTF-8, a URL in it that does not parse.
+    except (OSError, ValueError) as exc:
         log.warning("could not keep the local client's config: agenttui on this machine needs "
                     "`agenttui login`", extra={"path": str(config_file()), "reason": str(exc)})
 
@@ -105,11 +105,15 @@ async def _ensure_local_client(pool: asyncpg.Pool, url: str, fingerprint: str | 
         return
     if not create:
         return
-    async with pool.acquire() as conn, conn.transaction():
-        token, _ = await create_device_token(conn, account=LOCAL_ACCOUNT,
-                                             device=socket.gethostname() or "local")
+    token, device_id = await create_device_token(pool, account=LOCAL_ACCOUNT,
+                                                 device=socket.gethostname() or "local")
+    try:
+        # Written once the token exists, so the file never holds a token that does not.
         path = write_client_config(url, token, device=socket.gethostname(),
                                    fingerprint=fingerprint)
+    except BaseException:
+        await asyncio.shield(revoke_device(pool, device_id))  # no token left for nobody
+        raise
     log.info("wrote a device token for the local client", extra={"path": str(path)})
 
 
