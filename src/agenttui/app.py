@@ -136,7 +136,7 @@ class AgentTUI(App[None]):
 
     async def action_quit(self) -> None:
         # Drafts handed back and still in the composer stay offered for the next start.
-        self.main.settle_drafts(quitting=True)
+        self.main.settle_drafts()
         await super().action_quit()
 
     async def on_unmount(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import random
 import re
 import time
@@ -297,3 +298,54 @@ def assert_snapshot(app: Any, name: str, tmp_path: Path, update: bool) -> None:
         actual.write_text(svg, "utf-8")
         raise AssertionError(f"screen differs from {expected_path}: see {actual} (update with "
                              f"SNAPSHOT_UPDATE=1 after checking it)")
+
+
+def is_post_run(request: httpx.Request) -> bool:
+    return request.method == "POST" and request.url.path.endswith("/runs")
+
+
+class Posts(httpx.AsyncBaseTransport):
+    """A real transport to the daemon that can hold posted turns back, lose the daemon's answer
+    to them after it has handled them, refuse them, or refuse a conversation feed once."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.released = asyncio.Event()
+        self.released.set()
+        self.held = 0  # posts waiting for release()
+        self.lose_answers = False
+        self.lose_for: set[str] = set()  # lose the answers to posts of these texts only
+        self.refuse_posts = 0  # posts to refuse (a 422) before they reach the daemon
+        self.keys: list[str] = []  # the Idempotency-Key of every post, in order
+        self.refuse_feeds = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if is_stream(request) and self.refuse_feeds:
+            self.refuse_feeds -= 1
+            return httpx.Response(403, json={"error": {"code": "forbidden",
+                                                       "message": "refused by the test"}})
+        if not is_post_run(request):
+            return await self.inner.handle_async_request(request)
+        self.keys.append(request.headers["idempotency-key"])
+        if self.refuse_posts:
+            self.refuse_posts -= 1
+            return httpx.Response(422, json={"error": {"code": "invalid_params",
+                                                       "message": "refused by the test"}})
+        if not self.released.is_set():
+            self.held += 1
+            await self.released.wait()  # a slow daemon (or create_run's own retries)
+        response = await self.inner.handle_async_request(request)
+        if self.lose_answers or json.loads(request.content).get("content") in self.lose_for:
+            await response.aread()  # the daemon did the work; its answer never arrives
+            await response.aclose()
+            raise httpx.ReadError("the answer was lost (test)")
+        return response
+
+    def hold(self) -> None:
+        self.released.clear()
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -17,7 +17,7 @@ from agenttui.widgets.transcript import TurnView
 from tests.support.daemon import Daemon, SpawnDaemon, poll_until
 from tests.support.factories import Device
 from tests.tui.conftest import READY_TIMEOUT_S
-from tests.tui.helpers import client_for, running_tui, wait_for
+from tests.tui.helpers import Posts, client_for, running_tui, wait_for
 
 
 def turns(app) -> list[Turn]:
@@ -222,9 +222,9 @@ async def test_a_draft_handed_back_stays_offered_until_it_is_sent_or_deleted(
         conversation = await api.create_conversation("drafts kept")
     draft = "do not lose me"
 
-    def open_tui() -> contextlib.AbstractAsyncContextManager[Any]:
+    def open_tui(transport: Posts | None = None) -> contextlib.AbstractAsyncContextManager[Any]:
         return running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation.id,
-                           params={"tokens": 5, "delay_ms": 60_000})
+                           transport=transport, params={"tokens": 5, "delay_ms": 60_000})
 
     async with open_tui() as (app, pilot):
         screen = app.main
@@ -242,9 +242,18 @@ async def test_a_draft_handed_back_stays_offered_until_it_is_sent_or_deleted(
         await pilot.press("ctrl+q")  # quit with the draft still in the composer: kept
         await wait_for(pilot, lambda: app.return_code is not None or not app.is_running,
                        "the quit")
-    async with open_tui() as (app, pilot):
+    posts = Posts()
+    async with open_tui(posts) as (app, pilot):
         screen = app.main
         await wait_for(pilot, lambda: screen.composer.text == draft, "the draft once more")
+        posts.refuse_posts = 1
+        await pilot.press("enter")  # sent, but refused: back in the composer, still a draft
+        await wait_for(pilot, lambda: posts.keys and screen.composer.text == draft,
+                       "the refused send back")
+        # The terminal goes away again.
+    async with open_tui() as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.composer.text == draft, "the draft after a refusal")
         screen.composer.text = ""  # deleted: the user does not want it
         await pilot.press("ctrl+q")
         await wait_for(pilot, lambda: app.return_code is not None or not app.is_running,
@@ -252,7 +261,10 @@ async def test_a_draft_handed_back_stays_offered_until_it_is_sent_or_deleted(
     async with open_tui() as (app, pilot):
         screen = app.main
         await wait_for(pilot, lambda: screen.model and screen.model.snapshots and
-                       len(turns(app)) == 2, "the conversation")
+                       len(turns(app)) == 2 and
+                       turns(app)[1].question_status == MessageStatus.DRAFT, "the conversation")
+        draft_id = turns(app)[1].question_id
+        assert draft_id in app.drafts, "the deletion was not recorded"
         await pilot.pause()
         assert screen.composer.text == "", "a deleted draft came back"
 

@@ -4,69 +4,20 @@ without a duplicate, and a feed that gave up starts again when its conversation 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from agenttui.client import ConnectionState
 from agenttui.screens import main as main_screen
 from tests.support.daemon import Daemon, poll_until
 from tests.support.factories import Device
-from tests.tui.helpers import WAIT_S, client_for, is_stream, running_tui, wait_for
+from tests.tui.helpers import WAIT_S, Posts, client_for, running_tui, wait_for
 
 QUICK = {"tokens": 3, "delay_ms": 0}
-
-
-def is_post_run(request: httpx.Request) -> bool:
-    return request.method == "POST" and request.url.path.endswith("/runs")
-
-
-class Posts(httpx.AsyncBaseTransport):
-    """A real transport to the daemon that can hold posted turns back, lose the daemon's answer
-    to them after it has handled them, or refuse a conversation feed once."""
-
-    def __init__(self) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
-        self.released = asyncio.Event()
-        self.released.set()
-        self.held = 0  # posts waiting for release()
-        self.lose_answers = False
-        self.lose_for: set[str] = set()  # lose the answers to posts of these texts only
-        self.keys: list[str] = []  # the Idempotency-Key of every post, in order
-        self.refuse_feeds = 0
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if is_stream(request) and self.refuse_feeds:
-            self.refuse_feeds -= 1
-            return httpx.Response(403, json={"error": {"code": "forbidden",
-                                                       "message": "refused by the test"}})
-        if not is_post_run(request):
-            return await self.inner.handle_async_request(request)
-        self.keys.append(request.headers["idempotency-key"])
-        if not self.released.is_set():
-            self.held += 1
-            await self.released.wait()  # a slow daemon (or create_run's own retries)
-        response = await self.inner.handle_async_request(request)
-        if self.lose_answers or json.loads(request.content).get("content") in self.lose_for:
-            await response.aread()  # the daemon did the work; its answer never arrives
-            await response.aclose()
-            raise httpx.ReadError("the answer was lost (test)")
-        return response
-
-    def hold(self) -> None:
-        self.released.clear()
-
-    def release(self) -> None:
-        self.released.set()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def user_messages(daemon: Daemon, device: Device, conversation_id: str) -> list[str]:

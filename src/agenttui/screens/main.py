@@ -12,6 +12,7 @@ import contextlib
 import re
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -421,15 +422,16 @@ class MainScreen(LifecycleScreen):
         """A draft not to offer again: settled on this device, or in the composer already."""
         return message_id in self.app.drafts or message_id in self._drafts_shown
 
-    def settle_drafts(self, *, quitting: bool = False) -> None:
-        """Handed-back drafts are offered again until they were sent (the composer submitted
-        with them) or deleted (not in the composer when the user quits): a crash, a closed
-        terminal or a dropped SSH link loses none of them."""
-        if not self._drafts_shown:
-            return
-        text = self.composer.text
-        settled = [message_id for message_id, content in self._drafts_shown.items()
-                   if not quitting or content.strip() not in text]
+    def settle_drafts(self, ids: Iterable[str] | None = None) -> None:
+        """Handed-back drafts are offered again until they were sent (`ids`: those in the
+        composer when a message that has now been posted was submitted) or deleted (None: the
+        user quits, and those not in the composer are settled): a crash, a closed terminal or a
+        dropped SSH link loses none of them."""
+        if ids is None:
+            text = self.composer.text if self._drafts_shown else ""
+            ids = [message_id for message_id, content in self._drafts_shown.items()
+                   if content.strip() not in text]
+        settled = [message_id for message_id in ids if message_id in self._drafts_shown]
         self.app.drafts.consume(settled)
         for message_id in settled:
             del self._drafts_shown[message_id]
@@ -438,7 +440,6 @@ class MainScreen(LifecycleScreen):
 
     @on(Composer.Submitted)
     def _submitted(self, event: Composer.Submitted) -> None:
-        self.settle_drafts()  # sent with this text, or deleted before it
         # The conversation is the one open now, at Enter: an earlier send may still be waiting
         # for the daemon when the user moves to another conversation.
         if self.model is not None:
@@ -447,20 +448,24 @@ class MainScreen(LifecycleScreen):
             if self._new_conversation is None:
                 self._new_conversation = NewConversation()
             target = self._new_conversation
-        self.send(event.text, target)  # the composer cleared itself, in key order
+        # The drafts shown now went out with this text or were deleted before it: settled once
+        # it is posted (a send that fails puts them back in the composer with it).
+        self.send(event.text, target, list(self._drafts_shown))  # composer cleared, in key order
 
     @work(group="send", exit_on_error=False)
-    async def send(self, text: str, target: str | NewConversation) -> None:
+    async def send(self, text: str, target: str | NewConversation, drafts: list[str]) -> None:
         async with self._send_lock:
-            await self._send(text, target)
+            if await self._send(text, target):
+                self.settle_drafts(drafts)
 
-    async def _send(self, text: str, target: str | NewConversation) -> None:
+    async def _send(self, text: str, target: str | NewConversation) -> bool:
+        """Post `text`; True once posted, False when it was put back in the composer."""
         settings = self.app.settings
         if self.me is None:
             self.composer.put_back(text)
             self.notify(f"Not connected to {self.client.url} yet; your message is still here.",
                         severity="warning")
-            return
+            return False
         try:
             if isinstance(target, NewConversation) and target.conversation_id is None:
                 # Its runs use the model chosen here (F9), else this device's `model` setting.
@@ -473,7 +478,7 @@ class MainScreen(LifecycleScreen):
         except ApiError as exc:
             self.composer.put_back(text)
             self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
-            return
+            return False
         conversation_id = target if isinstance(target, str) else target.conversation_id
         assert conversation_id is not None
         earlier = self._uncertain.get(conversation_id)
@@ -492,7 +497,7 @@ class MainScreen(LifecycleScreen):
             self.composer.put_back(text)
             if not outcome_unknown(exc):
                 self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
-                return
+                return False
             now = time.monotonic()
             self._uncertain = {c: u for c, u in self._uncertain.items()
                                if now - u.at < RESEND_WINDOW_S}
@@ -503,18 +508,19 @@ class MainScreen(LifecycleScreen):
                         f"again exactly as it is to the same conversation, within "
                         f"{RESEND_WINDOW_S / 60:.0f} minutes, it will not be posted twice.",
                         severity="error", title="Send uncertain")
-            return
+            return False
         if run.replayed:
             self.notify("Your message had reached the daemon after all: it was not posted "
                         "again.")
         model = self.model
         if model is None or model.conversation_id != conversation_id:
             self.notify("Your message was sent to the conversation it was typed in.")
-            return  # the user has moved on: that conversation's feed is not followed here
+            return True  # the user has moved on: that conversation's feed is not followed here
         model.note_created(run.run_id)
         if not self.transcript.following:  # read far up: the new turn shows at the bottom
             await self._show_newest()
         await self.render_changes(model, Changes(turns={run.run_id}, bar=True))
+        return True
 
     # -- tool approvals ----------------------------------------------------------------------
 
