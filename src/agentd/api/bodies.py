@@ -59,9 +59,10 @@ async def json_body(request: web.Request, *, optional: bool = False) -> Any:
         raise _too_deep() from None
     except (ValueError, UnicodeDecodeError):
         raise ServiceError(400, "invalid_json", "the body is not valid JSON") from None
-    if _depth(body) > MAX_JSON_DEPTH:
+    too_deep, storable = _walk(body)
+    if too_deep:
         raise _too_deep()
-    if not _storable(body):
+    if not storable:
         raise ServiceError(400, "invalid_json", "the body's strings must be valid Unicode "
                            "without NUL characters")
     return body
@@ -70,24 +71,6 @@ async def json_body(request: web.Request, *, optional: bool = False) -> Any:
 def _too_deep() -> ServiceError:
     return ServiceError(400, "json_too_deep", f"the body nests arrays and objects more than "
                         f"{MAX_JSON_DEPTH} levels deep")
-
-
-def _depth(value: Any) -> int:
-    """How deep arrays and objects nest in `value` (a scalar: 0), without recursing."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        if depth <= MAX_JSON_DEPTH:  # one level past the bound is enough to refuse it
-            stack.extend((child, depth + 1) for child in children)
-    return deepest
 
 
 def _reject_constant(name: str) -> Any:
@@ -101,21 +84,28 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _storable(value: Any) -> bool:
-    """PostgreSQL text and jsonb hold neither NUL nor unpaired surrogates: refuse them here."""
-    stack = [value]
+def _walk(body: Any) -> tuple[bool, bool]:
+    """One walk of a parsed body, without recursion: (it nests arrays and objects more than
+    MAX_JSON_DEPTH levels, every string and key is storable). PostgreSQL text and jsonb hold
+    neither NUL nor unpaired surrogates."""
+    storable = True
+    stack: list[tuple[Any, int]] = [(body, 1)]
     while stack:
-        item = stack.pop()
+        item, depth = stack.pop()
         if isinstance(item, str):
-            if not storable_text(item):
-                return False
-        elif isinstance(item, dict):
-            if not all(storable_text(key) for key in item):
-                return False
-            stack.extend(item.values())
+            storable = storable and storable_text(item)
+            continue
+        if isinstance(item, dict):
+            storable = storable and all(storable_text(key) for key in item)
+            children: Any = item.values()
         elif isinstance(item, list):
-            stack.extend(item)
-    return True
+            children = item
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            return True, storable  # one level past the bound is enough to refuse it
+        stack.extend((child, depth + 1) for child in children)
+    return False, storable
 
 
 def storable_text(text: str) -> bool:
