@@ -78,12 +78,14 @@ async def trusted(request: web.Request) -> bool:
     return token is not None and await _principal_of(request, token) is not None
 
 
-def _unauthorized(message: str) -> web.Response:
-    return error_response(401, "unauthorized", message,
+DEVICE_REVOKED = "device_revoked"  # what a revocation that cuts a request or stream short says
+
+
+def _unauthorized(message: str, code: str = "unauthorized") -> web.Response:
+    return error_response(401, code, message,
                           headers={"WWW-Authenticate": 'Bearer realm="agentd"'})
 
 
 def device_revoked(message: str) -> web.Response:
     """A request the device's revocation cut short (a long wait): the code streams end with."""
-    return error_response(401, "device_revoked", message,
-                          headers={"WWW-Authenticate": 'Bearer realm="agentd"'})
+    return _unauthorized(message, DEVICE_REVOKED)

@@ -231,7 +231,8 @@ async def wait_run(request: web.Request) -> web.Response:
         raise ServiceError(400, "invalid_timeout", f"timeout must be in [0, {MAX_WAIT_S:g}]")
     who = principal(request)
     waiting = _service(request).wait_run(who, run_id, timeout)
-    watch = request.app[RUNTIME].revocations
+    # A poll (timeout 0) answers at once: nothing for a revocation to cut short.
+    watch = request.app[RUNTIME].revocations if timeout > 0 else None
     try:
         # A wait lasts minutes, as a stream does: a revocation ends it as it ends streams.
         run = await (waiting if watch is None else watch.run_unless_revoked(who.device_id,

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from agentd.accounts import Principal
 from agentd.api import RUNTIME, sse
+from agentd.api.auth import DEVICE_REVOKED
 from agentd.revocation import Revoked
 from agentd.vocabulary import STREAM_ERROR_EVENT
 
@@ -50,7 +51,7 @@ class DeviceStream:
             except Revoked:
                 await sse.send(response, None, STREAM_ERROR_EVENT, {
                     "type": STREAM_ERROR_EVENT, "error": {
-                        "code": "device_revoked",
+                        "code": DEVICE_REVOKED,
                         "message": "this device's token was revoked; the stream ends here"}})
 
 
