@@ -233,13 +233,25 @@ class Settings:
         return not self.listen_is_loopback
 
 
-def is_loopback_host(host: str) -> bool:
-    """Whether `host` names this machine's loopback only (a name must resolve to nothing else)."""
+def literal_loopback(host: str) -> bool:
+    """Whether `host` is `localhost` or a loopback address as written (nothing resolved)."""
     host = host.strip("[]")
     if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` names this machine's loopback only (a name must resolve to nothing else)."""
+    if literal_loopback(host):
+        return True
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        return False  # an address, and not a loopback one
     except ValueError:
         pass
     try:

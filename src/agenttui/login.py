@@ -20,6 +20,7 @@ from typing import TextIO
 from urllib.parse import urlsplit
 
 from agentd.fingerprints import BadFingerprint, normalize
+from agentd.settings import literal_loopback
 from agenttui.ask import EXIT_UNREACHABLE, EXIT_USAGE
 from agenttui.client import (
     AgentClient,
@@ -32,7 +33,6 @@ from agenttui.client import (
 )
 from agenttui.locations import read_config, write_client_config
 from agenttui.pinning import server_fingerprint
-from agenttui.settings import literal_loopback
 
 TRUST_CAS = "ca"  # --fingerprint ca: a CA-signed certificate (e.g. a reverse proxy's), no pin
 

@@ -6,7 +6,6 @@ TUI on the same machine needs no setup; `agenttui login` writes it for remote da
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 from collections.abc import Mapping
@@ -16,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from agentd.settings import literal_loopback
 from agenttui.client import DEFAULT_URL, token_problem, url_problem
 from agenttui.locations import read_config
 
@@ -99,16 +99,6 @@ def same_daemon(one: str, other: str) -> bool:
         return False  # not a URL: its own check says so
     return (a.scheme, a.port) == (b.scheme, b.port) and (
         a.host == b.host or (literal_loopback(a.host) and literal_loopback(b.host)))
-
-
-def literal_loopback(host: str) -> bool:
-    """Whether `host` is `localhost` or a loopback address, as written (nothing is resolved)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _coerce(name: str, value: Any, source: str) -> dict[str, Any]:
