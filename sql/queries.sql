@@ -15,15 +15,17 @@ SELECT * FROM enqueue_runs($1::uuid, $2::uuid[], $3::uuid, $4::text[], $5::text[
                            $7::text[], $8::int, true);
 
 -- post_turn --
--- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key, default_max_queued, worker_id, lease_ttl_s, default_max_running, model_guessed, guessed_model
+-- params: account_id, conversation_id, device_id, content, request, request_hash, idempotency_key, default_max_queued, worker_id, lease_ttl_s, default_max_running, model_guessed, guessed_model, claim_key
 -- A client's post: one turn in ONE statement (sql/019, sql/021) that writes nothing at all when
 -- it refuses the turn or when the conversation's model is no longer the one the request was
 -- built for (model_guessed). With a worker_id (a free slot of the posting process) the turn
 -- starts in that commit when the fair claim can only pick it (written running at once into an
 -- empty line, else claimed beside its enqueue: sql/015), else it stays queued and the claim
--- loops are woken; the enqueue never fails for the claim.
+-- loops are woken; the enqueue never fails for the claim. The claim's token comes from
+-- claim_key, as claim_runs' does.
 SELECT * FROM post_turn($1::uuid, $2::uuid, $3::uuid, $4::text, $5::text, $6::text, $7::text,
-                        $8::int, $9::text, $10::float8, $11::int, $12::boolean, $13::text);
+                        $8::int, $9::text, $10::float8, $11::int, $12::boolean, $13::text,
+                        $14::uuid);
 
 -- find_run_by_idempotency_key --
 -- params: account_id, idempotency_key
@@ -33,7 +35,7 @@ FROM agent_run
 WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 
 -- claim_runs --
--- params: worker_id, lease_ttl_s, limit, default_max_running
+-- params: worker_id, lease_ttl_s, limit, default_max_running, claim_key
 -- Claim in one statement (docs/architecture.md rule 2): the claim_runs function (sql/011) picks
 -- with SKIP LOCKED, fairly across accounts (round robin) and FIFO within each, only a
 -- conversation's oldest queued turn and none while it runs one (rule 5: the pre-filter can be
@@ -41,8 +43,23 @@ WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 -- running limit (decided under its row lock: claimers of one account serialize for the rest of
 -- their short transaction); stamps a fresh claim_token, a monotonic fence and a deadline on the
 -- database clock, takes the conversation lease (a live holder aborts the whole claim: no half
--- claim can commit) and journals run_started; last_seq is that event's seq.
-SELECT * FROM claim_runs($1::text, $2::float8, $3::int, $4::int);
+-- claim can commit) and journals run_started; last_seq is that event's seq. Each run's token
+-- comes from claim_key, so a claim whose answer is lost is found again (runs_claimed_with_key).
+SELECT * FROM claim_runs($1::text, $2::float8, $3::int, $4::int, $5::uuid);
+
+-- runs_claimed_with_key --
+-- params: worker_id, claim_key
+-- The runs a claim statement with this key committed that are still running under this worker
+-- (sql/023): what a claimer whose answer was lost holds. Only the claim's own token matches, so
+-- no run is taken twice, and a run ended meanwhile (stopped, reaped) is not taken at all.
+SELECT r.id, r.account_id, r.conversation_id, r.user_message_id, r.origin_device_id, r.request,
+       r.claim_token, r.fence, r.worker_id, r.lease_expires_at, r.cancel_requested,
+       r.created_at, r.started_at,
+       (SELECT max(e.seq) FROM run_event e WHERE e.run_id = r.id) AS last_seq
+FROM agent_run r
+WHERE r.status = 'running' AND r.worker_id = $1::text
+  AND r.claim_token = claim_token_for($2::uuid, r.id)
+ORDER BY r.started_at, r.id;
 
 -- beat --
 -- params: worker_id, host, pid, listen, version, lease_ttl_s, runs_in_flight, max_runs, loop_lag_ms, pool_wait_ms, admitting, run_ids, claim_tokens

@@ -80,7 +80,7 @@ def warm_up_statements() -> list[tuple[str, tuple[Any, ...]]]:
             account_id=_NO_ROW, conversation_id=_NO_ROW, device_id=None, content="",
             request="{}", request_hash="", idempotency_key=None, default_max_queued=1,
             worker_id="warm-up", lease_ttl_s=1.0, default_max_running=1, model_guessed=False,
-            guessed_model=None)),
+            guessed_model=None, claim_key=_NO_ROW)),
         (Q.append_events_fenced_many.name, Q.append_events_fenced_many.bind(
             run_ids=[_NO_ROW], claim_tokens=[_NO_ROW], seqs=[1],
             types=[str(EventType.CONTENT_DELTA)], payloads=["{}"])),

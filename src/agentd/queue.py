@@ -6,14 +6,17 @@ Every function runs named statements from sql/queries.sql. Worker writes are fen
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar, cast
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import asyncpg
 
@@ -23,6 +26,8 @@ from agentd.group_commit import Batcher
 from agentd.pgtext import clean, clean_text
 from agentd.queries import Q
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
+
+log = logging.getLogger("agentd.queue")
 
 _I = TypeVar("_I")
 _R = TypeVar("_R")
@@ -65,6 +70,17 @@ class ModelChanged(Exception):
 # fails after updating a row others key-share-lock can still cause it. The failed statement
 # wrote nothing.
 _MULTIXACT_RACE = "new multixact has more than one updating member"
+
+
+def answer_in_doubt(exc: BaseException) -> bool:
+    """Whether a statement may have committed though its answer never came: the connection
+    broke (asyncpg reports that as a PostgresConnectionError), or the wait for the answer gave
+    up. Any other error PostgreSQL answered with means the statement rolled back."""
+    return isinstance(exc, (OSError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+                            TimeoutError))
+
+
+_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 
 
 def _in_transaction(db: Db) -> bool:
@@ -352,6 +368,9 @@ class ClaimBeside:
     worker_id: str
     lease_ttl_s: float
     default_max_running: int = DEFAULT_MAX_RUNNING
+    # Gives the claimed run its token, so a claim whose answer is lost is found again
+    # (claims_found_again). One per reservation: a key is never used by two claims.
+    claim_key: UUID = dataclasses.field(default_factory=uuid4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,7 +399,8 @@ async def post_turn(db: Db, *, account_id: UUID, turn: NewRun, claim: ClaimBesid
         worker_id=claim.worker_id if claim else None,
         lease_ttl_s=claim.lease_ttl_s if claim else None,
         default_max_running=claim.default_max_running if claim else None,
-        model_guessed=guess is not None, guessed_model=guess.model if guess else None))
+        model_guessed=guess is not None, guessed_model=guess.model if guess else None,
+        claim_key=claim.claim_key if claim else None))
     if row["model_changed"]:
         raise ModelChanged(str(turn.conversation_id))
     outcome = await _outcome(db, account_id, row, turn, digest)
@@ -460,8 +480,13 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
     and within their running limits (at most one per account). It runs once more after
     losing a race; losing again to another claimer claims nothing, losing again to other
     transactions (lost_race) raises. Inside a caller's transaction nothing is run again: the
-    failed statement spoilt it, and its owner decides."""
+    failed statement spoilt it, and its owner decides.
+
+    Should the answer be lost (the connection broke after the statement was sent), the runs it
+    committed are looked for by its key on the pool and returned as if the answer had come
+    (claims_found_again); when none are found or none can be, the error is raised."""
     rows: list[asyncpg.Record] = []
+    key = uuid4()  # one per statement: the runs it claims get their tokens from it
     for attempt in range(2):
         try:
             # One statement commits whole or not at all. A unique violation means another
@@ -471,14 +496,23 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
             # fresh snapshot, then our runs stay queued for the next claim.
             rows = await db.fetch(*Q.claim_runs.bind(
                 worker_id=worker_id, lease_ttl_s=lease_ttl_s, limit=limit,
-                default_max_running=default_max_running))
+                default_max_running=default_max_running, claim_key=key))
             break
         except asyncpg.UniqueViolationError:
             if _in_transaction(db):
                 raise
             if attempt:
                 return []
-        except asyncpg.PostgresError as exc:
+        except Exception as exc:
+            if answer_in_doubt(exc) and isinstance(db, asyncpg.Pool):
+                found = await claims_found_again(db, worker_id, key,
+                                                 within_s=lease_ttl_s * FIND_AGAIN_SHARE)
+                if not found:
+                    raise
+                log.warning("a claim's answer was lost; its runs were found by their key",
+                            extra={"runs": len(found), "error": str(exc) or type(exc).__name__})
+                await _send_hints(db, hint, claim_hints(found))
+                return found
             # A deadlock's victim or the multixact error wrote nothing either, and the turns it
             # wanted may well still be queued: once more at once, not a tick later.
             if attempt or not lost_race(exc) or _in_transaction(db):
@@ -486,6 +520,34 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
     claims = [_claim_from_row(row) for row in rows]
     await _send_hints(db, hint, claim_hints(claims))
     return claims
+
+
+# The share of a claim's lease spent looking for its runs after its answer was lost: what is
+# found must still be held, and the heartbeat renew it, before the lease runs out.
+FIND_AGAIN_SHARE = 1 / 3
+_FIND_AGAIN_PAUSE_S = (0.1, 2.0)  # the pause between two reads, first and longest
+
+
+async def claims_found_again(pool: asyncpg.Pool, worker_id: str, claim_key: UUID, *,
+                             within_s: float) -> list[Claim] | None:
+    """The runs a claim statement with `claim_key` committed, still running under `worker_id`
+    (sql/023), for a claimer whose answer was lost. Read until a read answers, with a growing
+    pause between reads, for at most `within_s` (the server may be restarting). None: no read
+    answered in time, so nothing is known."""
+    deadline = time.monotonic() + within_s
+    pause, longest = _FIND_AGAIN_PAUSE_S
+    while True:
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                rows = await pool.fetch(*Q.runs_claimed_with_key.bind(
+                    worker_id=worker_id, claim_key=claim_key))
+            return [_claim_from_row(row) for row in rows]
+        except _DB_ERRORS:
+            if time.monotonic() + pause >= deadline:
+                return None
+        # A pause between attempts while the server is away, not a wait for a state.
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, longest)
 
 
 def claim_hints(claims: Sequence[Claim]) -> list[tuple[Channel, str]]:

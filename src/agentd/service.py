@@ -376,11 +376,25 @@ class Service:
 
     async def _create_run_settling(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                                    idempotency_key: str | None, slot: ClaimSlot) -> CreatedRun:
-        committed: tuple[queue.Claim, ...] = ()
+        committed: Sequence[queue.Claim] = ()
         try:
             created = await self._create_run(who, conversation_id, ask, idempotency_key, slot)
             committed = created.started  # returned only once its transaction has committed
             return created
+        except Exception as exc:
+            if queue.answer_in_doubt(exc):
+                # The post may have committed, its turn running under this process with nobody
+                # to execute it: found by the claim's key, it starts here as if the answer had
+                # come. The client still gets its error, and its retry (with its
+                # Idempotency-Key) the turn that runs.
+                terms = slot.terms
+                committed = await queue.claims_found_again(
+                    self.pool, terms.worker_id, terms.claim_key,
+                    within_s=terms.lease_ttl_s * queue.FIND_AGAIN_SHARE) or ()
+                if committed:
+                    log.warning("a post's answer was lost; its turn was found by its claim's "
+                                "key and starts", extra={"run_id": str(committed[0].run_id)})
+            raise
         finally:
             slot.settle(committed)
 

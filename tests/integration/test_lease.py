@@ -8,7 +8,7 @@ nothing; a lost process's lease lapses and its run ends failed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import asyncpg
 import pytest
@@ -155,7 +155,7 @@ async def test_a_claim_that_meets_a_live_lease_holder_commits_nothing(pool: asyn
     assert await claim_runs(pool, worker_id="newcomer", lease_ttl_s=LONG_S, limit=5) == []
     with pytest.raises(asyncpg.UniqueViolationError, match="lease is held by a live execution"):
         await pool.fetch(*Q.claim_runs.bind(worker_id="raw", lease_ttl_s=LONG_S, limit=5,
-                                            default_max_running=16))
+                                            default_max_running=16, claim_key=uuid4()))
     assert (await run_row(pool, blocked.run_id), await read_journal(pool, blocked.run_id),
             await lease_row(pool, other)) == before
     assert before[0]["status"] == RunStatus.QUEUED

@@ -7,13 +7,14 @@ loop anywhere; one left queued wakes them in its own commit.
 from __future__ import annotations
 
 import asyncio
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import asyncpg
 
 from tests.process.helpers import wait_status
 from tests.support.daemon import ADMIT_ANY_LOAD
 from tests.support.factories import create_conversation, new_device
+from tests.support.lost_answers import AnswerCutter
 
 UNLOADED = {"tick_s": 60, **ADMIT_ANY_LOAD}  # a turn posted to a free slot always starts at once
 
@@ -109,3 +110,38 @@ async def _assert_every_run_started_once(pool: asyncpg.Pool) -> None:
                               "LEFT JOIN run_event e ON e.run_id = r.id AND e.type = 'run_started' "
                               "GROUP BY r.id")
     assert starts and all(row["starts"] == 1 for row in starts), [dict(r) for r in starts]
+
+
+async def test_a_post_whose_answer_was_lost_runs_its_turn_and_its_retry_gets_it(
+        spawn_daemon, pool, dsn):
+    """The post's statement commits the turn running under this daemon, then the link to
+    PostgreSQL breaks before its answer (a relay withholds it: tests/support/lost_answers.py).
+    The daemon finds the turn by its claim's key and runs it; the client's retry with the
+    same Idempotency-Key gets that turn. Before, the turn stayed running with nobody executing
+    it until the reaper failed it (`lease_expired`)."""
+    marker = "answer lost " + uuid4().hex
+    async with AnswerCutter(dsn) as cutter:
+        daemon = spawn_daemon(dsn=cutter.dsn, **UNLOADED)
+        await daemon.wait_ready()
+        device = await new_device(pool, "beside", "laptop")
+        async with device.client(daemon) as client:
+            conversation = await create_conversation(client)
+            body = {"content": marker, "params": {"tokens": 3, "delay_ms": 0}}
+            headers = {"Idempotency-Key": marker.replace(" ", "-")}
+            cutter.cut(marker.encode())
+            lost = await client.post(f"/v1/conversations/{conversation}/runs", json=body,
+                                     headers=headers)
+            assert cutter.cut_done.is_set(), "the relay never cut the post's answer"
+            assert lost.status_code == 503, lost.text
+            [run_id] = await pool.fetchval(
+                "SELECT array_agg(r.id) FROM agent_run r JOIN conversation c"
+                " ON c.id = r.conversation_id WHERE c.id = $1", UUID(conversation))
+            row = await wait_status(pool, run_id, "completed", timeout=15)
+            assert (row["worker_id"], row["error"]) == (daemon.worker_id, None)
+            retried = await client.post(f"/v1/conversations/{conversation}/runs", json=body,
+                                        headers=headers)
+            assert retried.status_code == 202, retried.text
+            assert (retried.json()["run_id"], retried.json()["status"]) == (
+                str(run_id), "completed")
+        daemon.close()
+    await _assert_every_run_started_once(pool)

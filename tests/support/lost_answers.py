@@ -1,0 +1,107 @@
+"""A TCP relay in front of the test's PostgreSQL that can lose the answer to a statement that
+committed: `async with AnswerCutter(dsn) as cutter:` gives `cutter.dsn`, a DSN through it;
+`cutter.cut(marker)` arms it.
+
+Armed, the first connection whose client sends bytes holding `marker` (a bound parameter, such
+as a worker's name or a message's text) has its statement run by the server as usual, the
+server's whole answer withheld, and once the server is ready for the next statement (its
+ReadyForQuery: the implicit transaction has committed) both sides closed. The client sees what
+a broken link or a restarted server gives it, a connection lost in the middle of an operation,
+for a statement that did commit. No library relays PostgreSQL's protocol this way; the part
+read here is its framing alone (a type byte and a length), on the server's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+from types import TracebackType
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+_READY_FOR_QUERY = ord("Z")
+
+
+class AnswerCutter:
+    def __init__(self, upstream_dsn: str) -> None:
+        self._upstream = urlsplit(upstream_dsn)
+        self._server: asyncio.Server | None = None
+        self._marker: bytes | None = None
+        self._pumps: set[asyncio.Task[None]] = set()
+        self.cut_done = asyncio.Event()  # set once an armed cut has closed its connection
+        self.dsn = ""
+
+    async def __aenter__(self) -> AnswerCutter:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        query = [(k, v) for k, v in parse_qsl(self._upstream.query) if k not in ("host", "port")]
+        query.append(("sslmode", "disable"))  # the relay reads the server's plain framing
+        user = self._upstream.username or "postgres"
+        self.dsn = urlunsplit((self._upstream.scheme, f"{user}@127.0.0.1:{port}",
+                               self._upstream.path, urlencode(query), ""))
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        assert self._server is not None
+        self._server.close()
+        for pump in list(self._pumps):
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        await self._server.wait_closed()
+
+    def cut(self, marker: bytes) -> None:
+        """Lose the answer to the next statement whose bytes hold `marker` (once)."""
+        self.cut_done.clear()
+        self._marker = marker
+
+    async def _open_upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        query = dict(parse_qsl(self._upstream.query))
+        host = query.get("host") or unquote(self._upstream.hostname or "127.0.0.1")
+        port = int(query.get("port") or self._upstream.port or 5432)
+        if host.startswith("/"):
+            return await asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
+        return await asyncio.open_connection(host, port)
+
+    async def _relay(self, client_r: asyncio.StreamReader,
+                     client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._pumps.add(task)
+        cutting = asyncio.Event()
+        server_r, server_w = await self._open_upstream()
+        try:
+            await asyncio.gather(self._from_client(client_r, server_w, cutting),
+                                 self._from_server(server_r, client_w, cutting))
+        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the link closed, or the relay is closing: this task is the relay's own
+        finally:
+            for writer in (client_w, server_w):
+                writer.close()
+            self._pumps.discard(task)
+
+    async def _from_client(self, reader: asyncio.StreamReader, server: asyncio.StreamWriter,
+                           cutting: asyncio.Event) -> None:
+        while chunk := await reader.read(65536):
+            if self._marker is not None and self._marker in chunk:
+                self._marker = None
+                cutting.set()
+            server.write(chunk)
+            await server.drain()
+        server.close()
+
+    async def _from_server(self, reader: asyncio.StreamReader, client: asyncio.StreamWriter,
+                           cutting: asyncio.Event) -> None:
+        while True:
+            head = await reader.readexactly(5)
+            kind, length = head[0], struct.unpack("!I", head[1:])[0]
+            body = await reader.readexactly(length - 4)
+            if not cutting.is_set():
+                client.write(head + body)
+                await client.drain()
+            elif kind == _READY_FOR_QUERY:
+                # The statement has committed and its answer is withheld: the link breaks.
+                with contextlib.suppress(OSError):
+                    client.transport.abort()
+                self.cut_done.set()
+                return
