@@ -7,8 +7,9 @@ as they are in bench/wake_latency.py. Two ways, alternated turn by turn:
 
 - `separate`: the enqueue commits on its own, then the claim is sent (the claim loop's path,
   without the daemon's wake in between);
-- `beside`: one transaction holds the enqueue and the claim (`claim_runs_beside_enqueue`,
-  the path a daemon with a free slot takes: docs/architecture.md, "Claim beside the enqueue").
+- `beside`: the post's one statement with a free slot (`post_turn` with a claim: the turn is
+  written running, or claimed beside its enqueue, in the commit that wrote it), the path a
+  daemon with a free slot takes (docs/architecture.md, "Claim beside the enqueue").
 
 The figure is the database clock from the run row's `created_at` to its `run_started` event. A
 round trip of `SELECT 1` is timed the same way, once right after another (hot) and once after
@@ -23,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from agentd.queue import claim_runs, claim_runs_beside_enqueue, enqueue_run, finish_run
+from agentd.queue import ClaimBeside, NewRun, claim_runs, enqueue_run, finish_run, post_turn
 from agentd.vocabulary import RunStatus
 from harness import (
     base_parser,
@@ -79,12 +80,11 @@ async def main() -> int:
                                           request=REQUEST)
                         [claim] = await claim_runs(conn, worker_id="bench", lease_ttl_s=30)
                     else:
-                        async with conn.transaction():
-                            run = await enqueue_run(conn, account_id=account_id,
-                                                    conversation_id=conversation, content="x",
-                                                    request=REQUEST)
-                            [claim] = await claim_runs_beside_enqueue(
-                                conn, run.run_id, worker_id="bench", lease_ttl_s=30)
+                        _run, beside = await post_turn(
+                            conn, account_id=account_id, claim=ClaimBeside("bench", 30),
+                            turn=NewRun(conversation, "x", REQUEST))
+                        assert beside is not None, "the post did not start its turn"
+                        claim = beside
                     run_started = await conn.fetchval(
                         "SELECT created_at FROM run_event WHERE run_id = $1"
                         " AND type = 'run_started'", claim.run_id)
