@@ -228,19 +228,27 @@ WITH e AS (
 SELECT run_id, seq, created_at FROM written;
 
 -- insert_message_fenced --
--- params: run_id, claim_token, role, content, status, tool_calls, tool_call_id
+-- params: run_id, claim_token, role, content, status, tool_calls, tool_call_id, message_id
 -- A worker's transcript write (assistant tool-call turns, tool results) lands only while it
--- owns the run; a zombie writes zero rows.
+-- owns the run; a zombie writes zero rows. The id is the caller's, so a retry after a lost
+-- answer finds the row its first attempt wrote instead of writing a second one.
 WITH owner AS (
     SELECT id, conversation_id FROM agent_run
     WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
       AND lease_expires_at > clock_timestamp()
     FOR SHARE
+), written AS (
+    INSERT INTO message (id, conversation_id, run_id, role, content, status, tool_calls,
+                         tool_call_id)
+    SELECT $8::uuid, owner.conversation_id, owner.id, $3::text, $4::text, $5::text, $6::jsonb,
+           $7::text
+    FROM owner
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id
 )
-INSERT INTO message (conversation_id, run_id, role, content, status, tool_calls, tool_call_id)
-SELECT owner.conversation_id, owner.id, $3::text, $4::text, $5::text, $6::jsonb, $7::text
-FROM owner
-RETURNING id;
+SELECT id FROM written
+UNION ALL
+SELECT m.id FROM message m JOIN owner ON owner.id = m.run_id WHERE m.id = $8::uuid;
 
 -- answer_open_tool_calls_fenced --
 -- params: run_id, claim_token
@@ -1001,8 +1009,9 @@ $$;
 -- params: run_id, claim_token, call_id, tool, arguments, timeout_s
 -- An `ask` tool call is recorded as pending only while this execution owns the run (FOR SHARE
 -- serializes with finalizers, as every fenced write does); zero rows = LeaseLost, or a call id
--- the run already used. The deadline is set on the database clock. Returns who asked the turn,
--- which every device's prompt shows.
+-- the run already used for another call. The same call again from the same execution is its
+-- own retry after a lost answer, and gets the approval recorded. The deadline is set on the
+-- database clock. Returns who asked the turn, which every device's prompt shows.
 WITH owner AS (
     SELECT id, account_id, claim_token, fence, origin_device_id FROM agent_run
     WHERE id = $1::uuid AND claim_token = $2::uuid AND status = 'running'
@@ -1016,10 +1025,19 @@ WITH owner AS (
     FROM owner
     ON CONFLICT (run_id, call_id) DO NOTHING
     RETURNING run_id, expires_at
+), mine AS (
+    SELECT asked.run_id, asked.expires_at FROM asked
+    UNION ALL
+    -- A retry after a lost answer: the same call, recorded by this execution's first attempt
+    -- (the worker refuses a call id used twice in its turn before asking).
+    SELECT a.run_id, a.expires_at
+    FROM tool_approval a JOIN owner ON owner.id = a.run_id
+    WHERE a.call_id = $3::text AND a.execution_id = owner.claim_token AND a.tool = $4::text
+      AND a.arguments = $5::jsonb
 )
-SELECT asked.expires_at, owner.origin_device_id AS device_id, d.name AS device
-FROM asked
-JOIN owner ON owner.id = asked.run_id
+SELECT mine.expires_at, owner.origin_device_id AS device_id, d.name AS device
+FROM mine
+JOIN owner ON owner.id = mine.run_id
 LEFT JOIN device d ON d.id = owner.origin_device_id;
 
 -- read_tool_approval --

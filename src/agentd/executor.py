@@ -15,11 +15,11 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
-from uuid import UUID
+from typing import Any, TypeVar
+from uuid import UUID, uuid4
 
 import asyncpg
 
@@ -110,6 +110,7 @@ class _Turn:
     text: list[str] = field(default_factory=list)
     open_calls: dict[str, str] = field(default_factory=dict)  # call id -> tool name
     awaiting: set[str] = field(default_factory=set)  # open calls waiting for an approval
+    asked: set[str] = field(default_factory=set)  # call ids a device was asked about
     asked_tools: bool = False  # a tool-call message may have been written
     input_tokens: int = 0
     output_tokens: int = 0
@@ -361,8 +362,8 @@ class TurnRunner:
         claim = turn.claim
         wire_calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
         turn.asked_tools = True
-        await insert_message(self._pool, claim, role=MessageRole.ASSISTANT, content="",
-                             tool_calls=wire_calls)
+        await _retried(insert_message, self._pool, claim, role=MessageRole.ASSISTANT,
+                       content="", tool_calls=wire_calls, message_id=uuid4())
         added: list[dict[str, Any]] = [{"role": "assistant", "content": "",
                                         "tool_calls": wire_calls}]
         ctx = ToolContext(claim.run_id, claim.conversation_id, claim.account_id, claim.fence,
@@ -373,8 +374,8 @@ class TurnRunner:
                 "call_id": call.id, "name": call.name, "arguments": call.arguments})
             result = await self._run_tool(turn, call, ctx)
             content = json.dumps(result, default=str)
-            await insert_message(self._pool, claim, role=MessageRole.TOOL, content=content,
-                                 tool_call_id=call.id)
+            await _retried(insert_message, self._pool, claim, role=MessageRole.TOOL,
+                           content=content, tool_call_id=call.id, message_id=uuid4())
             del turn.open_calls[call.id]
             await turn.emitter.event(EventType.TOOL_RESULT, {
                 "call_id": call.id, "name": call.name, **json.loads(content)})
@@ -406,15 +407,20 @@ class TurnRunner:
         decides or the deadline passes; journal approval_decided. A stop or a lost lease
         cancels the whole turn task, and with it this wait."""
         claim = turn.claim
+        duplicate = ToolError(f"not run: the call id {call.id!r} was already used in this turn")
+        if call.id in turn.asked:
+            # Told here, so the database's answer to the same call id and arguments again can
+            # only be this call's own retry after a lost answer (request_approval).
+            raise duplicate
+        turn.asked.add(call.id)
         # Subscribe before asking, so a decision committed right after the question still wakes us.
         async with self._hub.subscribe(Channel.APPROVAL, str(claim.run_id)) as decided:
             try:
-                asked = await request_approval(
-                    self._pool, claim, call_id=call.id, tool=tool.name, arguments=args,
-                    timeout_s=self._settings.approval_timeout_s)
+                asked = await _retried(
+                    request_approval, self._pool, claim, call_id=call.id, tool=tool.name,
+                    arguments=args, timeout_s=self._settings.approval_timeout_s)
             except DuplicateCall:
-                raise ToolError(f"not run: the call id {call.id!r} was already used in this "
-                                "turn") from None
+                raise duplicate from None
             turn.awaiting.add(call.id)
             await turn.emitter.event(EventType.APPROVAL_REQUESTED, {
                 "call_id": call.id, "tool": tool.name, "arguments": args,
@@ -472,16 +478,35 @@ class TurnRunner:
         not_run = json.dumps({"error": NOT_RUN_STOPPED})
         for call_id in sorted(turn.awaiting):
             # It never ran: say so, rather than the generic "cancelled" of the repair below.
-            await insert_message(self._pool, turn.claim, role=MessageRole.TOOL, content=not_run,
-                                 status=MessageStatus.CANCELLED, tool_call_id=call_id)
+            await _retried(insert_message, self._pool, turn.claim, role=MessageRole.TOOL,
+                           content=not_run, status=MessageStatus.CANCELLED,
+                           tool_call_id=call_id, message_id=uuid4())
         if turn.asked_tools:
-            await answer_open_tool_calls(self._pool, turn.claim)
+            await _retried(answer_open_tool_calls, self._pool, turn.claim)
         for call_id, name in list(turn.open_calls.items()):
             error = NOT_RUN_STOPPED if call_id in turn.awaiting else "cancelled"
             await turn.emitter.event(EventType.TOOL_RESULT, {
                 "call_id": call_id, "name": name, "error": error})
             del turn.open_calls[call_id]
         turn.awaiting.clear()
+
+
+_T = TypeVar("_T")
+
+
+async def _retried(write: Callable[..., Awaitable[_T]], *args: Any, **kwargs: Any) -> _T:
+    """A tool step's write, run again after a dropped connection or a deadlock, as journal
+    appends are (the fence decides whether a retry may still write). Each such write is
+    idempotent: a message carries its own id, an approval its call id, and the repair answers
+    only what is still open, so an attempt whose answer was lost is found, not doubled."""
+    for delay in RETRY_DELAYS_S:
+        try:
+            return await write(*args, **kwargs)
+        except TRANSIENT as exc:
+            log.info("a tool step's write failed; retrying",
+                     extra={"error": str(exc) or type(exc).__name__, "retry_s": delay})
+        await asyncio.sleep(delay)
+    return await write(*args, **kwargs)
 
 
 def _rfc3339(value: datetime) -> str:

@@ -674,15 +674,18 @@ async def append_events(db: Db, claim: Claim, events: Sequence[NewEvent], *,
 async def insert_message(db: Db, claim: Claim, *, role: MessageRole, content: str,
                          status: MessageStatus = MessageStatus.COMPLETE,
                          tool_calls: list[dict[str, Any]] | None = None,
-                         tool_call_id: str | None = None) -> UUID:
-    """Write a transcript message behind the fence; returns its id."""
-    message_id = await db.fetchval(*Q.insert_message_fenced.bind(
+                         tool_call_id: str | None = None,
+                         message_id: UUID | None = None) -> UUID:
+    """Write a transcript message behind the fence; returns its id. The same `message_id`
+    again (a retry after a lost answer) writes nothing more and returns it."""
+    written = await db.fetchval(*Q.insert_message_fenced.bind(
         run_id=claim.run_id, claim_token=claim.claim_token, role=str(role),
         content=clean_text(content), status=str(status), tool_calls=clean(tool_calls),
-        tool_call_id=None if tool_call_id is None else clean_text(tool_call_id)))
-    if message_id is None:
+        tool_call_id=None if tool_call_id is None else clean_text(tool_call_id),
+        message_id=message_id or uuid4()))
+    if written is None:
         raise LeaseLost(claim.run_id, "message write")
-    return cast(UUID, message_id)
+    return cast(UUID, written)
 
 
 async def answer_open_tool_calls(db: Db, claim: Claim) -> int:
