@@ -19,6 +19,7 @@ from textual.theme import Theme
 
 from agenttui.client import AgentClient, ApiError, describe
 from agenttui.drafts import DraftLedger
+from agenttui.escape_keys import esc_then_character
 from agenttui.idle_gc import IdleCollector
 from agenttui.screens.help import HelpScreen
 from agenttui.screens.lifecycle import LifecycleScreen
@@ -132,6 +133,14 @@ class AgentTUI(App[None]):
     async def on_event(self, event: events.Event) -> None:
         if isinstance(event, events.Key):
             self.idle_gc.touch()
+            split = None if event.is_forwarded else esc_then_character(
+                event, self.screen.active_bindings)
+            if split is not None:
+                # Each handled in turn, here and now: keys that arrived after them in the same
+                # burst are already queued behind this one.
+                for key in split:
+                    await super().on_event(key)
+                return
         await super().on_event(event)
 
     async def action_quit(self) -> None:
