@@ -850,13 +850,34 @@ SELECT status, error, error_code FROM agent_run WHERE id = $1::uuid;
 -- search_messages --
 -- params: account_id, pattern, limit
 -- Search across one account's conversations (titles and transcripts); scoped by account first.
--- The pattern is a bound parameter; LIKE metacharacters in it are escaped by the caller.
-SELECT c.id AS conversation_id, c.title, m.id AS message_id, m.role, m.content, m.created_at
-FROM message m
-JOIN conversation c ON c.id = m.conversation_id
-WHERE c.account_id = $1::uuid AND m.status <> 'draft'
-  AND (m.content ILIKE $2::text ESCAPE '\' OR c.title ILIKE $2::text ESCAPE '\')
-ORDER BY m.created_at DESC
+-- The pattern is a bound parameter; LIKE metacharacters in it are escaped by the caller. A
+-- matching title is one hit (its conversation's newest message), unless messages of that
+-- conversation match themselves: it no longer fills the results with every message it holds.
+WITH said AS (
+    SELECT c.id AS conversation_id, c.title, m.id AS message_id, m.role, m.content,
+           m.created_at
+    FROM message m
+    JOIN conversation c ON c.id = m.conversation_id
+    WHERE c.account_id = $1::uuid AND m.status <> 'draft'
+      AND m.content ILIKE $2::text ESCAPE '\'
+    ORDER BY m.created_at DESC
+    LIMIT $3::int
+), titled AS (
+    SELECT c.id AS conversation_id, c.title, newest.id AS message_id, newest.role,
+           newest.content, newest.created_at
+    FROM conversation c
+    CROSS JOIN LATERAL (
+        SELECT m.id, m.role, m.content, m.created_at FROM message m
+        WHERE m.conversation_id = c.id AND m.status <> 'draft'
+        ORDER BY m.position DESC
+        LIMIT 1) newest
+    WHERE c.account_id = $1::uuid AND c.title ILIKE $2::text ESCAPE '\'
+      AND NOT EXISTS (SELECT 1 FROM said WHERE said.conversation_id = c.id)
+)
+SELECT * FROM said
+UNION ALL
+SELECT * FROM titled
+ORDER BY created_at DESC
 LIMIT $3::int;
 
 -- append_note_fenced --
