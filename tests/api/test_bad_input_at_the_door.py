@@ -86,6 +86,9 @@ async def test_a_request_head_that_is_not_http_is_a_json_400(api: Api,
     status, headers, body = await raw_exchange(api, request_bytes)
     error = assert_json_error(status, headers, body, 400, "bad_request")
     assert error["message"] == "the request is not valid HTTP"
+    # The daemon's log says so in one line, without a traceback per malformed request.
+    await api.daemon.wait_for_log("refused a request that is not valid HTTP", 10)
+    assert "Traceback" not in api.daemon.log_text()
 
 
 def nested(levels: int, leaf: Any = 1) -> Any:

@@ -104,6 +104,9 @@ def _count_throttled(request: web.Request, reason: str) -> None:
         runtime.metrics.throttled.labels(reason=reason).inc()
 
 
+_REASON_CHARS = 200  # of a malformed request's reason in the log line
+
+
 class JsonErrorRequestHandler(web.RequestHandler):
     """aiohttp's protocol, answering what it refuses before any handler runs — a request head
     it cannot parse, a request line or header over its limits — with the JSON error envelope
@@ -115,8 +118,19 @@ class JsonErrorRequestHandler(web.RequestHandler):
     def handle_error(self, request: BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        # aiohttp's own: it logs the error, and raises when an answer was already begun.
-        super().handle_error(request, status, exc, message)
+        if status >= 500:
+            # A fault of ours: logged with its traceback, as aiohttp does.
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:
+            # A client's malformed request, which anyone can send: one line without a
+            # traceback (aiohttp logs a traceback for each), its reason cut short.
+            log.warning("refused a request that is not valid HTTP",
+                        extra={"remote": request.remote, "status": status,
+                               "error": str(exc or message or "")[:_REASON_CHARS]})
+        if request.writer.output_size > 0:
+            # As aiohttp's own: an answer already begun cannot be followed by another.
+            raise ConnectionError("Response is sent already, cannot send another response "
+                                  "with the error message")
         if isinstance(exc, LineTooLong) or (
                 isinstance(exc, BadHttpMessage) and exc.message.startswith("Too many headers")):
             answer = error_response(
