@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
+import time
 from pathlib import Path
 
 PRIVATE = 0o600
 PRIVATE_DIR = 0o700
+STALE_TEMPORARY_S = 600  # a temporary file this old was left by a writer that died
+_TEMP_BYTES = 4  # random bytes in a temporary file's name
 
 
 def replace_file(path: Path, data: str | bytes, *, mode: int = PRIVATE,
@@ -26,7 +30,8 @@ def replace_file(path: Path, data: str | bytes, *, mode: int = PRIVATE,
     each 0700 (make_private_dirs)."""
     if private_dirs:
         make_private_dirs(path.parent)
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    _remove_stale_temporaries(path)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(_TEMP_BYTES)}")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         with os.fdopen(fd, "wb") as handle:
@@ -42,6 +47,20 @@ def replace_file(path: Path, data: str | bytes, *, mode: int = PRIVATE,
             temporary.unlink()
         raise
     _sync_directory(path.parent)
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove what earlier writers of `path` killed mid-write (SIGKILL, a power loss) left: their
+    temporary files, which may hold a secret. Only old ones: a young one may be another
+    writer's, still under way."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{{2 * _TEMP_BYTES}}}")
+    cutoff = time.time() - STALE_TEMPORARY_S
+    with contextlib.suppress(OSError):  # a directory that cannot be listed: nothing to tidy
+        for entry in os.scandir(path.parent):
+            if pattern.fullmatch(entry.name):
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)
 
 
 def _sync_directory(directory: Path) -> None:

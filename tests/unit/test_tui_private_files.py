@@ -58,3 +58,20 @@ def test_a_world_readable_file_from_before_is_replaced_not_rewritten(
     assert seen == [(0o600, "a private answer")]
     assert path.read_text("utf-8") == "a private answer" and mode(path) == 0o600
     assert path.stat().st_ino != old_inode  # the open file was never rewritten in place
+
+
+def test_temporaries_that_killed_writers_left_are_removed_once_old(tmp_path: Path) -> None:
+    """A writer killed between its temporary file and the rename leaves the temporary (which
+    may hold a secret): the next write removes it once it is old, and leaves a young one (a
+    writer still under way) and any other file alone."""
+    path = tmp_path / "config.toml"
+    stale, young = tmp_path / ".config.toml.0badc0de", tmp_path / ".config.toml.1234abcd"
+    unrelated = tmp_path / ".other.toml.0badc0de"
+    for left in (stale, young, unrelated):
+        left.write_text("token = 'secret'", "utf-8")
+    long_ago = stale.stat().st_mtime - files.STALE_TEMPORARY_S - 60
+    os.utime(stale, (long_ago, long_ago))
+    os.utime(unrelated, (long_ago, long_ago))
+    replace_file(path, "token = 'new'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".config.toml.1234abcd", ".other.toml.0badc0de", "config.toml"])
