@@ -76,7 +76,9 @@ class Notifier:
         self._pool = pool
         self._local = local
         self._claim_loop = claim_loop
-        self._pending: dict[tuple[Channel, str], None] = {}  # ordered, de-duplicated
+        # Ordered, de-duplicated; for each, how to stop awaiting the echo of its NOTIFY should
+        # the batch fail (None: no echo awaited).
+        self._pending: dict[tuple[Channel, str], Callable[[], None] | None] = {}
         self._wakes_by: float | None = None  # when the newest pending dispatchers' wake came
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -98,11 +100,14 @@ class Notifier:
         which carries each (channel, payload) once, so the hub awaits one echo per batch. A
         dispatchers' wake is the exception: heard here, too, only once the batch has sent it.
         `rows_at_hand`: the rows were handed to this process's shared reads already."""
+        hint = (channel, payload)
+        first = hint not in self._pending
+        if first:
+            self._pending[hint] = None
         if self._local is not None and channel is not Channel.RUN_ENQUEUED:
-            self._local.hint_locally(channel, payload,
-                                     echo=(channel, payload) not in self._pending,
-                                     rows_at_hand=rows_at_hand)
-        self._pending[(channel, payload)] = None
+            if first:
+                self._pending[hint] = self._local.expect_echo(channel, payload)
+            self._local.hint_locally(channel, payload, echo=False, rows_at_hand=rows_at_hand)
         if channel is Channel.RUN_ENQUEUED:
             self._wakes_by = time.monotonic()  # its rows committed before this call
         self._wake.set()
@@ -120,7 +125,8 @@ class Notifier:
     async def _flush(self) -> None:
         if not self._pending:
             return
-        batch, self._pending = list(self._pending), {}
+        pending, self._pending = self._pending, {}
+        batch = list(pending)
         committed_by, self._wakes_by = self._wakes_by, None
         loop = self._claim_loop() if self._claim_loop is not None else None
         fleet = loop is None or not loop.claims()
@@ -133,7 +139,8 @@ class Notifier:
         try:
             sent = set(await notify_batch(self._pool, batch, fleet_wakes=fleet))
         except asyncio.CancelledError:
-            for forget in echoes.values():  # whatever went out, no echo is awaited any more
+            # Whatever went out, no echo is awaited any more (one that comes wakes twice).
+            for forget in [*echoes.values(), *filter(None, pending.values())]:
                 forget()
             raise
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
@@ -142,6 +149,9 @@ class Notifier:
             log.warning("could not send wake hints", extra={"hints": len(batch),
                                                             "error": str(exc)})
             sent, failed = set(), True
+            # No NOTIFY of ours will come: another process's must not be dropped in its place.
+            for forget in filter(None, pending.values()):
+                forget()
         for hint, forget in echoes.items():
             if hint not in sent:
                 forget()  # no NOTIFY of ours will come: another process's must get through

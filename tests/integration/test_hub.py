@@ -49,6 +49,41 @@ async def test_a_local_hint_wakes_at_once_and_its_own_notify_is_dropped_when_it_
             await notifier.close()
 
 
+class FailsOnce:
+    """A pool whose first hint statement fails before reaching the server (nothing sent)."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+        self.failed = False
+
+    async def fetchval(self, *args: object) -> object:
+        if not self.failed:
+            self.failed = True
+            raise ConnectionResetError("the connection broke")
+        return await self.pool.fetchval(*args)
+
+
+async def test_a_batch_that_failed_awaits_no_echo_so_another_process_news_gets_through(
+        pool: asyncpg.Pool, hub: Hub) -> None:
+    """Its NOTIFY never went out, so no echo of it will come back: another process's NOTIFY on
+    the same channel and payload is news (it was taken for the echo, and dropped, until the
+    awaited echo expired)."""
+    failing = FailsOnce(pool)
+    notifier = Notifier(failing, local=hub)  # type: ignore[arg-type]
+    async with hub.subscribe(Channel.CONVERSATION, "c") as sub:
+        notifier.notify(Channel.CONVERSATION, "c")
+        assert sub.drain() == {"c"}
+        notifier.start()
+        try:
+            await poll_until(lambda: failing.failed, DEFAULT_TIMEOUT_S, interval=0.005,
+                             what="the hint statement to fail")
+            await notify_from_elsewhere(pool, Channel.CONVERSATION, "c")
+            assert await heard(sub) == {"c"}, "a failed batch's awaited echo swallowed news"
+            assert hub.echoes == 0
+        finally:
+            await notifier.close()
+
+
 async def test_hints_in_one_batch_wait_for_one_echo_and_each_wakes_the_subscriber(
         pool: asyncpg.Pool, hub: Hub) -> None:
     """Two commits before the notifier sends: two local wakes (a subscriber may have read in
