@@ -5,6 +5,11 @@ says so). The connection guard sits between asyncio and aiohttp's protocol becau
 counts no connections and times no request heads: its keep-alive timer is the only clock it
 runs before a request, and that one only notices a head that never completes after
 `idle_timeout_s` — a client trickling one byte a second would hold a connection for that long.
+
+Over TLS the guard is outside the TLS layer: it counts a connection from the moment it is
+accepted and does the handshake itself (loop.start_tls). asyncio's own TLS server tells the
+protocol of a connection only once its handshake is done, so connections still in (or stalled
+in) their handshake went uncounted, and anyone could hold as many as the open-files limit.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import logging
 import math
 import socket
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -121,6 +127,11 @@ def _refusal() -> bytes:
     return head.encode() + body.encode()
 
 
+# Connections over the cap that still get their TLS handshake, to be told why (a 503) rather than
+# see a reset: beyond this many at once they are closed at once.
+REFUSALS_OVER_TLS = 16
+
+
 class ConnectionGuard:
     """Counts this process's connections and times request heads; see the module docstring."""
 
@@ -130,11 +141,15 @@ class ConnectionGuard:
         self.open = 0
         self.refused = 0
         self.head_timeouts = 0
+        self.refusing = 0  # over-cap connections in their TLS handshake, to be answered 503
         self._by_handler: dict[RequestHandler, _GuardedProtocol] = {}
 
-    def protocol_factory(self, make_handler: Callable[[], RequestHandler],
+    def protocol_factory(self, make_handler: Callable[[], RequestHandler], *,
+                         tls: ssl.SSLContext | None = None,
                          ) -> Callable[[], asyncio.Protocol]:
-        return lambda: _GuardedProtocol(self, make_handler())
+        """`tls`: the guard does each accepted connection's handshake with it (over the
+        header timeout, the connection is closed)."""
+        return lambda: _GuardedProtocol(self, make_handler(), tls)
 
     @web.middleware
     async def middleware(self, request: web.Request,
@@ -154,58 +169,130 @@ class ConnectionGuard:
 class _GuardedProtocol(asyncio.Protocol):
     """Forwards everything to aiohttp's protocol, after the connection cap and the head timer."""
 
-    def __init__(self, guard: ConnectionGuard, inner: RequestHandler) -> None:
+    def __init__(self, guard: ConnectionGuard, inner: RequestHandler,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._guard = guard
         self._inner = inner
+        self._tls = tls
         self._transport: asyncio.Transport | None = None
         self._admitted = False
+        self._serving = False  # aiohttp's protocol has the connection
         self._busy = False
         self._timer: asyncio.TimerHandle | None = None
+        self._handshake: asyncio.Task[None] | None = None
+        # What the TLS layer decrypted before start_tls returned to us (the client's request
+        # can follow its handshake at once): handed to aiohttp's protocol once it is served.
+        self._early: list[bytes] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (an event loop's own need not subclass asyncio.Transport).
-        self._transport = cast(asyncio.Transport, transport)
-        transport = self._transport
+        transport = self._transport = cast(asyncio.Transport, transport)
         guard = self._guard
         if guard.open >= guard.max_connections:
             guard.refused += 1
-            transport.write(_refusal())
-            transport.close()
+            if self._tls is None:
+                transport.write(_refusal())
+                transport.close()
+            elif guard.refusing < REFUSALS_OVER_TLS:
+                guard.refusing += 1
+                self._start_tls(transport, admitted=False)
+            else:
+                transport.abort()
             return
         self._admitted = True
         guard.open += 1
-        guard._by_handler[self._inner] = self
+        if self._tls is None:
+            self._serve(transport)
+        else:
+            self._start_tls(transport, admitted=True)
+
+    def _start_tls(self, raw: asyncio.Transport, *, admitted: bool) -> None:
+        # Nothing is read until the TLS layer reads it: the client's hello stays in the socket.
+        raw.pause_reading()
+        self._handshake = asyncio.get_running_loop().create_task(
+            self._handshake_then(raw, admitted))
+
+    async def _handshake_then(self, raw: asyncio.Transport, admitted: bool) -> None:
+        assert self._tls is not None
+        loop = asyncio.get_running_loop()
+        secure: asyncio.BaseTransport | None = None
+        try:
+            secure = await loop.start_tls(
+                raw, self, self._tls, server_side=True,
+                ssl_handshake_timeout=max(1.0, math.ceil(self._guard.header_timeout_s)))
+        except (OSError, ssl.SSLError, TimeoutError, RuntimeError):
+            raw.abort()  # failed, stalled or abandoned: it is never served
+        finally:
+            if secure is None and admitted:  # whatever ended the handshake, its place is free
+                self._leave()
+            elif secure is None:
+                self._refused_over_tls()
+        if secure is None:
+            return
+        transport = self._transport = cast(asyncio.Transport, secure)
+        if not admitted:
+            self._refused_over_tls()
+            transport.write(_refusal())
+            transport.close()
+            return
+        self._serve(transport)
+
+    def _refused_over_tls(self) -> None:
+        self._guard.refusing -= 1
+
+    def _serve(self, transport: asyncio.Transport) -> None:
+        self._serving = True
+        self._guard._by_handler[self._inner] = self
         self._inner.connection_made(transport)
+        # A new connection's first request head must arrive within the timeout too: one that
+        # sends nothing would otherwise hold its place until aiohttp's idle timeout.
+        self._start_timer()
+        early, self._early = self._early, []
+        for data in early:
+            self._inner.data_received(data)
+
+    def _start_timer(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self._guard.header_timeout_s, self._head_timed_out)
+
+    def _leave(self) -> None:
+        """Give back this connection's place under the cap (once)."""
+        if self._admitted:
+            self._admitted = False
+            self._guard.open -= 1
 
     def data_received(self, data: bytes) -> None:
-        if not self._admitted:
+        if not self._serving:
+            if self._admitted and self._handshake is not None:
+                self._early.append(data)
             return
         if not self._busy and self._timer is None:
             # The first byte of a request head: all of it must follow within the timeout.
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_later(self._guard.header_timeout_s, self._head_timed_out)
+            self._start_timer()
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        if self._admitted:
+        if self._serving:
             self._inner.eof_received()
         return None  # close the transport (aiohttp's handler answers None too)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
-        if not self._admitted:
+        if self._handshake is not None and not self._handshake.done():
+            return  # the handshake's own failure gives the place back
+        self._leave()
+        if not self._serving:
             return
-        self._admitted = False
-        self._guard.open -= 1
+        self._serving = False
         self._guard._by_handler.pop(self._inner, None)
         self._inner.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        if self._admitted:
+        if self._serving:
             self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self._admitted:
+        if self._serving:
             self._inner.resume_writing()
 
     def request_started(self) -> None:
@@ -258,11 +345,9 @@ class GuardedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None
         loop = asyncio.get_running_loop()
-        extra: dict[str, Any] = {}
-        if self._ssl_context is not None:
-            # A client that connects and never finishes its handshake is a slow head too.
-            extra["ssl_handshake_timeout"] = max(1.0, math.ceil(self._guard.header_timeout_s))
+        # TLS is the guard's (start_tls), so a connection counts from its accept: a client
+        # that connects and never finishes its handshake is a slow head too.
         self._server = await loop.create_server(
             self._guard.protocol_factory(server if self._handlers is None
-                                         else self._handlers(server)), sock=self._sock,
-            ssl=self._ssl_context, backlog=self._backlog, **extra)
+                                         else self._handlers(server), tls=self._ssl_context),
+            sock=self._sock, backlog=self._backlog)

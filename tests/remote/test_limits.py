@@ -186,6 +186,65 @@ async def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up(
     assert refusals >= 1
 
 
+async def test_a_new_connection_that_sends_nothing_is_closed_within_the_head_timeout(
+        spawn_remote: SpawnRemote) -> None:
+    """Its place under the cap is not held until aiohttp's idle timeout (60 s)."""
+    daemon = spawn_remote(header_timeout_s=2)
+    await daemon.wait_ready()
+    reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+    started = time.monotonic()
+    try:
+        assert await socket_closed(reader, 10) == b""
+    finally:
+        writer.close()
+    assert 1.5 <= time.monotonic() - started <= 6
+
+
+async def test_connections_still_in_their_tls_handshake_count_against_the_cap(
+        spawn_remote: SpawnRemote) -> None:
+    """Over TLS a connection counts from its accept, not from the end of its handshake: bare
+    TCP connections that never send a hello fill the cap, and the next client is refused
+    (over TLS, with the same 503). Before, they were not counted at all, so anyone could
+    hold as many as the open-files limit."""
+    cap = 4
+    daemon = spawn_remote(tls=True, max_connections=cap, header_timeout_s=30)
+    await daemon.wait_ready()
+    context = daemon.ssl_context()
+
+    async def answer_to_a_request() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port, ssl=context,
+                                                       server_hostname="127.0.0.1")
+        try:
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            return await socket_closed(reader, 10)
+        finally:
+            writer.close()
+
+    assert (await answer_to_a_request()).startswith(b"HTTP/1.1 200")
+    silent: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(cap):  # no TLS hello: they sit in their handshake
+            _, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+            silent.append(writer)
+
+        async def refused() -> bytes | None:
+            answer = await answer_to_a_request()
+            return answer if answer.startswith(b"HTTP/1.1 503") else None
+
+        answer = await poll_until(refused, 10, interval=0.1, what="a refused connection")
+        body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == "too_many_connections"
+    finally:
+        for writer in silent:
+            writer.close()
+
+    async def served() -> bool:
+        return (await answer_to_a_request()).startswith(b"HTTP/1.1 200")
+
+    await poll_until(served, 10, interval=0.1, what="room again under the cap")
+
+
 async def test_operational_detail_only_for_loopback_or_a_token(
         spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
     address = non_loopback_address()
