@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import socket
 import tomllib
@@ -44,9 +45,20 @@ def dsn_problem(dsn: str | None) -> str | None:
         return ("must be a postgresql:// URL, e.g. postgresql://user@host:5432/dbname "
                 "(the key=value form is not accepted)")
     try:
-        urlsplit(dsn)  # a port list (several hosts) is asyncpg's to parse, at connect
+        parts = urlsplit(dsn)  # a port list (several hosts) is asyncpg's to parse, at connect
     except ValueError as exc:
         return f"is not a valid URL: {exc}"
+    # A '#', '/' or '?' left as is in the password ends the URL's host part early: what
+    # follows would be read as a port, and asyncpg's error would quote that piece of it.
+    encode = ("percent-encode special characters in the user name and password "
+              "(%23 for #, %2F for /, %3F for ?, %40 for @)")
+    if parts.fragment or "#" in dsn:
+        return f"holds a '#': {encode}"
+    for host in parts.netloc.rpartition("@")[2].split(","):
+        after = host.rpartition("]")[2] if host.startswith("[") else host  # [IPv6]:port
+        digits = after.rpartition(":")[2] if ":" in after else ""
+        if digits and not digits.isdigit():
+            return f"has a port that is not a number: {encode}"
     return None
 
 
@@ -283,7 +295,7 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         if "Path" in kind:
             return Path(os.path.expanduser(str(value)))
         if kind.startswith("float"):
-            return float(value)
+            return _finite(value)
         if kind.startswith("bool"):
             return _boolean(value)
         if kind.startswith("int"):
@@ -383,9 +395,18 @@ def _providers(table: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, Pr
     return providers
 
 
+def _finite(value: Any) -> float:
+    """A number of seconds or milliseconds: inf and nan are refused (nan passes every `<= 0`
+    check, and inf overflows the arithmetic done with it, at the worst moment: a drain)."""
+    number = float(value)
+    if isinstance(value, bool) or not math.isfinite(number):
+        raise ValueError(value)
+    return number
+
+
 def _provider_value(key: str, value: Any) -> Any:
     if key in ("timeout_s", "call_timeout_s"):
-        return float(value)
+        return _finite(value)
     if key == "enabled":
         return _boolean(value)
     return str(value)
@@ -440,6 +461,9 @@ def load_settings(config_file: Path | None = None, *, env: Mapping[str, str] | N
         except tomllib.TOMLDecodeError as exc:
             raise SettingsError(f"config file {path}: {exc}") from None
     provider_table = table.pop("providers", {})
+    if not isinstance(provider_table, Mapping):
+        raise SettingsError(f"config file {path}: providers must be a table "
+                            "([providers.<name>] sections)")
     try:
         mcp = parse_mcp(table.pop("mcp", {}))
         tool_policies = parse_tool_policies(table.pop("tools", {}))

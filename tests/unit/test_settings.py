@@ -41,6 +41,33 @@ def test_invalid_values_fail_naming_the_key(tmp_path: Path, env: dict[str, str],
         load_settings(env=env)
 
 
+@pytest.mark.parametrize("text", [
+    "drain_s = inf\n", "lease_ttl_s = nan\n", 'approval_timeout_s = "inf"\n',
+    '[providers.openai]\ntimeout_s = inf\n'])
+def test_infinite_and_nan_durations_are_refused(tmp_path: Path, text: str) -> None:
+    """nan passes every `<= 0` check and inf overflowed the drain's own arithmetic at
+    SIGTERM, so the drain never ran."""
+    with pytest.raises(SettingsError, match=r"not a valid|not valid|invalid value"):
+        load_settings(_write(tmp_path, text), env={})
+
+
+def test_a_providers_key_that_is_not_a_table_is_a_settings_error(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="providers must be a table"):
+        load_settings(_write(tmp_path, 'providers = "openai"\n'), env={})
+
+
+@pytest.mark.parametrize("password", ["s3cr#et9", "pa/ss9", "pa?ss9"])
+def test_a_dsn_whose_password_needs_encoding_is_refused_without_quoting_it(
+        tmp_path: Path, password: str) -> None:
+    """An unencoded '#', '/' or '?' cuts the URL's host part short; asyncpg then quoted the
+    piece of the password it took for a port. The setting is refused, quoting none of it."""
+    env = {"AGENTD_CONFIG": str(_write(tmp_path, "")),
+           "AGENTD_DSN": f"postgresql://agentd:{password}@db.internal/agentd"}
+    with pytest.raises(SettingsError, match="percent-encode") as refused:
+        load_settings(env=env)
+    assert password[:3] not in str(refused.value)
+
+
 def test_unknown_file_key_and_missing_explicit_file_are_errors(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="unknown key 'lease'"):
         load_settings(_write(tmp_path, "lease = 3\n"), env={})
