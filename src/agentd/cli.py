@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from agentd import __version__
-from agentd.files import replace_file
+from agentd.files import make_private_dirs, replace_file
 from agentd.settings import Settings, SettingsError, load_settings, read_config
 
 EPILOG = """Every setting also has a config-file key and an AGENTD_* environment variable
@@ -30,7 +30,13 @@ log = logging.getLogger("agentd.cli")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the full usage is one --help away)."""
+    """argparse, but a usage error is one line (the full usage is one --help away), and no
+    option abbreviated: install-service finds a flag's value (a DSN's password, a data
+    directory) by its whole name, so `--ds` must not quietly mean `--dsn`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
@@ -135,7 +141,10 @@ def _parser() -> argparse.ArgumentParser:
     install.add_argument("--no-enable", action="store_true",
                          help="only write the unit file")
     install.add_argument("serve_args", nargs=argparse.REMAINDER,
-                         help="extra arguments for `agentd serve` in the unit")
+                         help="arguments for `agentd serve` in the unit, after `--` (e.g. "
+                              "`agentd install-service -- --listen 0.0.0.0:8740`); checked "
+                              "as serve checks them, paths made absolute, a --dsn moved to "
+                              "the 0600 environment file")
     return parser
 
 
@@ -402,16 +411,19 @@ def _install_service(args: argparse.Namespace) -> int:
     variables.update(moved)
     # The unit's `serve` must start: refuse what it would refuse, before writing anything.
     serve_args = _parser().parse_args(["serve", *extra])
+    # Paths as this shell means them: the unit runs from another directory.
+    extra = systemd.absolute_paths(extra, ("--data-dir", "--config"))
     try:
-        load_settings(getattr(serve_args, "config", None), env={**os.environ, **variables},
-                      overrides={"dsn": serve_args.dsn, "data_dir": serve_args.data_dir,
-                                 "listen": serve_args.listen,
-                                 "insecure_http": serve_args.insecure_http})
+        settings = load_settings(
+            getattr(serve_args, "config", None), env={**os.environ, **variables},
+            overrides={"dsn": serve_args.dsn, "data_dir": serve_args.data_dir,
+                       "listen": serve_args.listen, "insecure_http": serve_args.insecure_http,
+                       "workers": serve_args.workers})
     except SettingsError as exc:
         _fail(f"invalid setting for the service: {exc}")
-    variables.update(_provider_keys(extra))
+    variables.update(_provider_keys(serve_args.config))
     try:
-        path, env_path = _write_service_files(extra, variables)
+        path, env_path = _write_service_files(extra, variables, settings.data_dir)
     except OSError as exc:
         _fail(f"cannot write the service: {exc}", 1)
     print(f"wrote {path}")
@@ -431,12 +443,16 @@ def _install_service(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_service_files(extra: list[str], variables: dict[str, str]) -> tuple[Path, Path]:
+def _write_service_files(extra: list[str], variables: dict[str, str],
+                         data_dir: Path | None) -> tuple[Path, Path]:
     from agentd import systemd
     from agentd.client_config import config_dir as client_config_dir
 
-    data_root = _data_root(extra, variables)
+    data_root = data_dir.expanduser().resolve() if data_dir else _default_data_root()
     data_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # The unit may write the local client's config there (ReadWritePaths), but systemd skips a
+    # path that does not exist, and under ProtectSystem=strict the service cannot make it.
+    make_private_dirs(client_config_dir())
     env_path = systemd.environment_file_path()
     env_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     replace_file(env_path, systemd.environment_file_text(variables))
@@ -448,11 +464,8 @@ def _write_service_files(extra: list[str], variables: dict[str, str]) -> tuple[P
     return path, env_path
 
 
-def _provider_keys(serve_args: list[str]) -> dict[str, str]:
+def _provider_keys(config: Path | None) -> dict[str, str]:
     """The provider API keys set in this environment, by the names the config gives them."""
-    config = None
-    if "--config" in serve_args[:-1]:
-        config = Path(serve_args[serve_args.index("--config") + 1])
     try:
         names = {p.api_key_env for p in load_settings(config).providers.values()
                  if p.api_key_env}
@@ -461,11 +474,7 @@ def _provider_keys(serve_args: list[str]) -> dict[str, str]:
     return {name: os.environ[name] for name in sorted(names) if os.environ.get(name)}
 
 
-def _data_root(serve_args: list[str], variables: dict[str, str]) -> Path:
-    if "--data-dir" in serve_args[:-1]:
-        return Path(serve_args[serve_args.index("--data-dir") + 1]).expanduser().resolve()
-    if variables.get("AGENTD_DATA_DIR"):
-        return Path(variables["AGENTD_DATA_DIR"]).expanduser().resolve()
+def _default_data_root() -> Path:
     from agentd.embedded_pg import default_data_root
 
     return default_data_root()

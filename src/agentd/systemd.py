@@ -76,6 +76,23 @@ WantedBy=default.target
 SECRET_FLAGS = {"--dsn": "AGENTD_DSN"}
 
 
+def absolute_paths(args: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`args` with the values of path `flags` (as `--flag value` or `--flag=value`) made
+    absolute: the unit runs from another directory than the shell that installed it."""
+    out: list[str] = []
+    items = iter(args)
+    for arg in items:
+        flag, eq, value = arg.partition("=")
+        if flag not in flags:
+            out.append(arg)
+            continue
+        if not eq:
+            value = next(items, "")
+        absolute = str(Path(value).expanduser().resolve()) if value else value
+        out.extend([f"{flag}={absolute}"] if eq else [flag, absolute])
+    return out
+
+
 def split_secrets(args: list[str]) -> tuple[list[str], dict[str, str]]:
     """Move secret-bearing `serve` flags (a DSN holds a password) into environment variables."""
     kept: list[str] = []

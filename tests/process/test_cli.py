@@ -163,6 +163,42 @@ def test_install_service_writes_a_hardened_unit_without_secrets(tmp_path: Path) 
     assert "agentd.service" not in verified.stderr, verified.stderr  # no warning about it
 
 
+def test_install_service_reads_serve_arguments_as_serve_does(tmp_path: Path) -> None:
+    """A flag's value is found whatever way serve would read it (`--data-dir=…`), relative
+    paths are made absolute (the unit runs elsewhere), an abbreviated flag is refused rather
+    than written into the unit (`--ds` was `--dsn`, its password in ExecStart), and the local
+    client's config directory exists for the unit to write its token into."""
+    workdir = tmp_path / "here"
+    workdir.mkdir()
+    shell = subprocess.run  # in `workdir`, as a user's shell would be
+
+    def install(*serve_args: str) -> subprocess.CompletedProcess[str]:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+        return shell([sys.executable, "-m", "agentd", "install-service", "--no-enable", "--",
+                      *serve_args], capture_output=True, text=True, timeout=120, check=False,
+                     cwd=workdir, env={**clean, "XDG_CONFIG_HOME": str(tmp_path)})
+
+    unit_path = tmp_path / "systemd" / "user" / "agentd.service"
+    refused = install("--ds", "postgresql://agentd:s3cret-pw@db.internal/agentd")
+    assert refused.returncode == 2 and "--ds" in refused.stderr, refused.stderr
+    assert not unit_path.exists()
+    too_many = install("--workers", "999")
+    assert too_many.returncode == 2 and "workers" in too_many.stderr, too_many.stderr
+    assert not unit_path.exists()
+
+    result = install("--data-dir=relative data")
+    assert result.returncode == 0, result.stderr
+    data = (workdir / "relative data").resolve()
+    unit = unit_path.read_text()
+    command = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert command.endswith(f"-m agentd serve '--data-dir={data}'"), command
+    writable = next(line for line in unit.splitlines() if line.startswith("ReadWritePaths="))
+    assert f'"{data}"' in writable and data.is_dir()
+    client_dir = tmp_path / "agenttui"
+    assert client_dir.is_dir() and stat.S_IMODE(client_dir.stat().st_mode) == 0o700
+    assert f"-{client_dir}" in writable
+
+
 def test_help_names_every_command() -> None:
     result = agentd("--help")
     assert result.returncode == 0
