@@ -100,6 +100,24 @@ async def add_tool(ctx: Context) -> str:
     return "added"
 
 
+@server.tool()
+async def big(size: int) -> dict[str, Any]:
+    """A structured result of about `size` characters."""
+    note("big", size=size)
+    return {"data": "x" * size}
+
+
+@server.tool()
+async def wrong_shape() -> dict[str, Any]:
+    """Runs, then answers a result its own output schema (replaced below) does not allow."""
+    note("wrong_shape")
+    return {"name": "not a count"}
+
+
+# The SDK's client checks each result against the tool's declared output schema.
+server._tool_manager.get_tool("wrong_shape").output_schema = {  # type: ignore[union-attr]
+    "type": "object", "properties": {"count": {"type": "integer"}}, "required": ["count"]}
+
 # An invalid JSON schema (there is no type "objekt"): agentd must disable this tool, not crash.
 server._tool_manager.get_tool("broken").parameters = {  # type: ignore[union-attr]
     "type": "object", "properties": {"value": {"type": "integer", "minimum": "zero"}}}

@@ -132,6 +132,26 @@ async def test_a_server_crash_mid_call_fails_the_call_and_the_next_turn_works(
         assert entry["pid"] != crashed_pid  # a new server process answered
 
 
+async def test_results_the_model_cannot_use_are_tool_errors_and_the_turn_goes_on(
+        start_tools_api, journal: Path) -> None:
+    """A result that breaks the tool's own output schema (the SDK raises RuntimeError) and a
+    structured result too large to pass on: each is an error the model reads, saying the call
+    ran. Before, the first failed the whole turn (internal_error) and the second was stored,
+    journaled and streamed whole."""
+    async with start_tools_api({"t": mcp_test_server(journal, **AUTO)}) as api:
+        conversation = await create_conversation(api.a)
+        for tool, args, words in (
+                ("t.wrong_shape", {}, ("could not be used", "the call may have run")),
+                ("t.big", {"size": 200_000}, ("ran, but its result is too large",))):
+            run = await start_run(api.a, conversation, tool, tool_params(tool, args))
+            done = await wait_run(api.a, run["run_id"])
+            assert done["status"] == "completed", done
+            error = tool_result(await run_events(api.a, run["run_id"]))["error"]
+            assert all(w in error for w in words), error
+            await journaled(journal, lambda e, name=tool.split(".")[1]: e["event"] == name)
+        assert "x" * 1000 not in (await api.a.get(f"/v1/conversations/{conversation}")).text
+
+
 async def test_streamable_http_transport_with_a_header_from_the_environment(
         start_tools_api, http_test_server: str, journal: Path) -> None:
     servers = {"web": {"url": http_test_server, "headers": {"X-Test-Token": "TEST_MCP_TOKEN"},
@@ -209,9 +229,10 @@ def test_doctor_lists_each_server_its_state_and_its_tools(dsn: str, journal: Pat
                            "--config", str(config)], capture_output=True, text=True,
                           env=env, timeout=120, check=False)
     lines = {line.split(":", 1)[0]: line for line in done.stdout.splitlines()}
-    assert lines["[FAIL] mcp t"].startswith("[FAIL] mcp t: ready (stdio): 5 tools: "
-                                            "t.add_tool, t.crash, t.echo_meta, t.garble, "
-                                            "t.slow; tool 'broken' disabled: invalid input "
+    assert lines["[FAIL] mcp t"].startswith("[FAIL] mcp t: ready (stdio): 7 tools: "
+                                            "t.add_tool, t.big, t.crash, t.echo_meta, "
+                                            "t.garble, t.slow, t.wrong_shape; tool 'broken' "
+                                            "disabled: invalid input "
                                             "schema at properties/value/minimum"), done.stdout
     assert lines["[FAIL] mcp missing"] == \
         "[FAIL] mcp missing: failed (stdio): the command was not found", done.stdout

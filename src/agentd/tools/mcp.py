@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
@@ -198,6 +199,14 @@ class McpServer:
         except ValueError as exc:  # a result that is not a valid CallToolResult
             raise ToolError(f"MCP server {name!r} answered with an invalid result "
                             f"({type(exc).__name__})") from None
+        except Exception as exc:
+            # Anything else the SDK raises: a result that breaks the tool's own output schema
+            # (RuntimeError), and whatever a later SDK adds. The call may have run: the model is
+            # told it failed to come back, not that it never ran; the detail is for the log.
+            log.warning("mcp call failed", extra={"server": name, "tool": tool,
+                                                  "error": f"{type(exc).__name__}: {exc}"})
+            raise ToolError(f"MCP server {name!r} answered, but its result could not be used "
+                            f"({type(exc).__name__}); the call may have run") from None
         return _result_value(name, result)
 
     def status(self) -> ServerStatus:
@@ -218,7 +227,10 @@ class McpServer:
     # --- the supervisor -----------------------------------------------------------------
 
     def _unavailable(self, retry_in: float | None = None) -> str:
-        why = self.error or "it is not ready"
+        # What the model and every attached device read: the reason stays in the log and
+        # `agentd doctor`, since it can name an environment variable, a path or quote the
+        # server.
+        why = "it failed to start" if self.error else "it is not ready"
         retry = f"; next attempt in {retry_in:.0f} s" if retry_in is not None else ""
         return f"MCP server {self.config.name!r} is unavailable: {why}{retry}"
 
@@ -445,6 +457,13 @@ def _result_value(server: str, result: mcp_types.CallToolResult) -> Any:
     if result.is_error:
         raise ToolError(text or f"the tool on MCP server {server!r} reported an error")
     if result.structured_content is not None:
+        # Bounded like the text: it is stored, journaled, streamed to every device and sent to
+        # the model at every later step.
+        size = len(json.dumps(result.structured_content, ensure_ascii=False, default=str))
+        if size > MAX_RESULT_CHARS:
+            raise ToolError(f"the tool on MCP server {server!r} ran, but its result is too "
+                            f"large to pass on ({size} characters; at most "
+                            f"{MAX_RESULT_CHARS})")
         return result.structured_content
     return text
 
