@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -77,6 +77,8 @@ log = logging.getLogger("agentd.executor")
 # Errors after which a write certainly did not commit: nothing answered is in doubt.
 _ROLLED_BACK = (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.CannotConnectNowError)
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+# How often the turn's deadline is looked at again while an approval is awaited.
+DEADLINE_RECHECK_S = 1.0
 # What the model reads for a call a stop caught while it waited for a device's approval.
 NOT_RUN_STOPPED = "not run: the turn was stopped while the call waited for approval"
 
@@ -111,6 +113,9 @@ class _Turn:
     open_calls: dict[str, str] = field(default_factory=dict)  # call id -> tool name
     awaiting: set[str] = field(default_factory=set)  # open calls waiting for an approval
     asked: set[str] = field(default_factory=set)  # call ids a device was asked about
+    # A person's time is not the turn's: waits for an approval stop its max_run_s clock.
+    paused_s: float = 0.0  # spent in approval waits that are over
+    waiting_since: float | None = None  # when the approval wait under way began
     asked_tools: bool = False  # a tool-call message may have been written
     input_tokens: int = 0
     output_tokens: int = 0
@@ -127,8 +132,20 @@ class _Turn:
         return time.monotonic() - self.started
 
     def deadline_left(self) -> float:
-        """Seconds until max_run_s from the turn's start (never negative)."""
-        return max(0.0, self.max_run_s - self.elapsed())
+        """Seconds of max_run_s left (never negative), approval waits not counted."""
+        now = time.monotonic()
+        waiting = now - self.waiting_since if self.waiting_since is not None else 0.0
+        return max(0.0, self.max_run_s - (now - self.started - self.paused_s - waiting))
+
+    @contextlib.contextmanager
+    def waiting_for_a_person(self) -> Iterator[None]:
+        """The max_run_s clock stands still inside (an approval wait)."""
+        self.waiting_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.paused_s += time.monotonic() - self.waiting_since
+            self.waiting_since = None
 
 
 class TurnRunner:
@@ -208,8 +225,15 @@ class TurnRunner:
         generating = asyncio.create_task(self._generate(turn))
         stops = [asyncio.create_task(cancel.wait()), asyncio.create_task(lost.wait())]
         try:
-            done, _ = await asyncio.wait([generating, *stops], timeout=turn.deadline_left(),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                # While an approval is awaited the clock stands still: look again each second
+                # (the approval's own deadline ends that wait).
+                waiting = turn.waiting_since is not None
+                done, _ = await asyncio.wait(
+                    [generating, *stops], return_when=asyncio.FIRST_COMPLETED,
+                    timeout=DEADLINE_RECHECK_S if waiting else turn.deadline_left())
+                if done or (turn.waiting_since is None and turn.deadline_left() <= 0):
+                    break
         finally:
             for task in stops:
                 task.cancel()
@@ -428,7 +452,8 @@ class TurnRunner:
                 "device_id": str(asked.device_id) if asked.device_id else None,
                 "expires_at": _rfc3339(asked.expires_at),
                 "timeout_s": self._settings.approval_timeout_s})
-            decision = await self._await_decision(claim, call.id, decided)
+            with turn.waiting_for_a_person():
+                decision = await self._await_decision(claim, call.id, decided)
             await turn.emitter.event(EventType.APPROVAL_DECIDED, {
                 "call_id": call.id, "tool": tool.name, "decision": str(decision.decision),
                 "device": decision.device,

@@ -157,6 +157,25 @@ async def test_undecided_past_the_timeout_is_denied(start_tools_api) -> None:
         assert error["timed_out"] is True
 
 
+async def test_an_approval_wait_does_not_count_against_the_turn_deadline(
+        start_tools_api) -> None:
+    """A person's time is not the turn's: with the approval timeout longer than max_run_s,
+    nobody answering still ends in the documented denial the model reads, and the turn goes
+    on. Before, the turn's deadline (counted from its start) always came first: the turn
+    failed `deadline_exceeded` and the approval stayed pending."""
+    async with start_tools_api({}, tools=ASK_CALCULATOR, max_run_s=2,
+                               approval_timeout_s=4) as api:
+        conversation = await create_conversation(api.a)
+        run = await start_run(api.a, conversation, "nobody answers", calc())
+        done = await wait_run(api.a, run["run_id"], within_s=30)
+        assert done["status"] == "completed", done
+        events = await run_events(api.a, run["run_id"])
+        decided = next(e for e in events if e["type"] == "approval_decided")
+        assert (decided["decision"], decided["timed_out"]) == ("deny", True)
+        result = next(e for e in events if e["type"] == "tool_result")
+        assert result["error"] == "not run: no device decided within 4 s, so it was denied"
+
+
 async def test_stop_while_waiting_cancels_and_repairs_the_call(start_tools_api) -> None:
     async with start_tools_api({}, tools=ASK_CALCULATOR) as api:
         conversation = await create_conversation(api.a)
