@@ -7,6 +7,7 @@ went wrong (unknown, spent, expired), with nothing created.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import asyncpg
@@ -39,8 +40,10 @@ def login_command(url: str, code: str, fingerprint: str | None) -> str:
     return f"{line} --fingerprint {fingerprint}" if fingerprint else line
 
 
-def pairing_answer(runtime: Any, made: pairing.Pairing) -> dict[str, Any]:
-    url = tls.public_url(runtime.settings)
+async def pairing_answer(runtime: Any, made: pairing.Pairing) -> dict[str, Any]:
+    # Off the event loop: on a wildcard address the URL takes the host's name, a DNS lookup
+    # that can take seconds, while every stream and lease of the process waits.
+    url = await asyncio.to_thread(tls.public_url, runtime.settings)
     fingerprint = runtime.certificate.fingerprint if runtime.certificate else None
     return {"code": made.code, "expires_at": wire.ts(made.expires_at), "url": url,
             "fingerprint": fingerprint, "command": login_command(url, made.code, fingerprint)}
@@ -73,7 +76,7 @@ async def create_pairing(request: web.Request) -> web.Response:
     made = await pairing.create_pairing(runtime.pool, account_id=who.account_id,
                                         device_name=name, created_by=who.device_id,
                                         ttl_s=runtime.settings.pairing_ttl_s)
-    return web.json_response(pairing_answer(runtime, made), status=201)
+    return web.json_response(await pairing_answer(runtime, made), status=201)
 
 
 async def redeem_pairing(request: web.Request) -> web.Response:
