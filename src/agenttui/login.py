@@ -27,6 +27,7 @@ from agenttui.client import (
     ApiError,
     CertificateMismatch,
     Unauthorized,
+    canonical_url,
     describe,
     token_problem,
     url_problem,
@@ -68,7 +69,7 @@ def checked_url(url: str) -> str:
     problem = url_problem(url)
     if problem is not None:
         raise LoginError(problem)
-    return url.rstrip("/")
+    return canonical_url(url)
 
 
 async def _login(request: LoginRequest, stdin: TextIO, stderr: TextIO) -> str:

@@ -69,6 +69,21 @@ async def test_only_the_pinned_certificate_and_at_every_new_connection(tmp_path:
         assert f"agenttui login {url} --fingerprint {other.fingerprint}" in message
 
 
+async def test_a_scheme_in_capitals_is_pinned_all_the_same(tmp_path: Path) -> None:
+    """`HTTPS://` is https: the pin holds (it was dropped, the client then trusting any
+    certificate a CA had signed)."""
+    pinned, other = certificate(tmp_path / "a"), certificate(tmp_path / "b")
+    port = free_port()
+    async with AgentClient(f"HTTPS://127.0.0.1:{port}/", "agd_t",
+                           fingerprint=pinned.fingerprint, trust_env=False) as client:
+        assert client.url == f"https://127.0.0.1:{port}"
+        assert client.pinned == pinned.fingerprint
+        async with serving(other, port) as asked:
+            with pytest.raises(CertificateMismatch):
+                await client.me()
+            assert asked == []
+
+
 async def test_a_redirect_leads_nowhere(tmp_path: Path) -> None:
     pinned, other = certificate(tmp_path / "a"), certificate(tmp_path / "b")
     port, elsewhere = free_port(), free_port()

@@ -23,6 +23,7 @@ from agenttui.client.http import (
     KEEPALIVE_S,
     UNSET,
     AgentClient,
+    canonical_url,
     new_idempotency_key,
     token_problem,
     url_problem,
@@ -65,6 +66,6 @@ __all__ = [
     "FeedItem", "Lease", "LeaseChanged", "Me", "MessagePage", "Models", "NotFound",
     "PresenceChanged", "RateLimited", "Run",
     "RunEvent", "RunStateChanged", "RunStream", "SearchHit", "Snapshot", "StopResult",
-    "Unauthorized", "Unavailable", "describe", "new_idempotency_key", "outcome_unknown",
-    "token_problem", "url_problem",
+    "Unauthorized", "Unavailable", "canonical_url", "describe", "new_idempotency_key",
+    "outcome_unknown", "token_problem", "url_problem",
 ]

@@ -69,6 +69,13 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+def canonical_url(url: str) -> str:
+    """`url` with its scheme in lower case and no trailing slash: a scheme is case-blind, and
+    whether a URL is https:// decides whether its certificate is pinned."""
+    scheme, sep, rest = url.partition("://")
+    return (scheme.lower() + sep + rest if sep else url).rstrip("/")
+
+
 def token_problem(token: str) -> str | None:
     """Why `token` cannot be sent as a bearer token (None: it can)."""
     if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
@@ -84,7 +91,7 @@ class AgentClient:
                  timeout: float = 15.0, stream_timeout: float = 45.0,
                  backoff: Backoff | None = None, transport: httpx.AsyncBaseTransport | None = None,
                  trust_env: bool = True, fingerprint: str | None = None) -> None:
-        self.url = url.rstrip("/")
+        self.url = canonical_url(url)
         self.stream_timeout = stream_timeout
         self.backoff = backoff or Backoff()
         # An https:// server with a pin is trusted by that pin alone, on every connection.
