@@ -687,6 +687,11 @@ LIMIT $2::int;
 -- One migrator at a time across the fleet; the others wait, then find nothing left to do.
 SELECT pg_advisory_lock($1::bigint);
 
+-- migration_try_lock --
+-- params: key
+-- The same lock if it is free now (true); false: another migrator holds it (say so, then wait).
+SELECT pg_try_advisory_lock($1::bigint);
+
 -- migration_unlock --
 -- params: key
 -- Released explicitly: the migrator's session outlives the migrations.

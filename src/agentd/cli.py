@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     from agentd.embedded_pg import EmbeddedPgError
     from agentd.listen import ListenError
     from agentd.logs import configure_logging
+    from agentd.startup import StoppedWhileStarting
     from agentd.supervisor import SLOT_ENV
     from agentd.tls import TLSError
 
@@ -217,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"{exc}. Fix tls_cert/tls_key, or remove them to use a self-signed certificate.")
     except ListenError as exc:
         _fail(str(exc), 1)
+    except StoppedWhileStarting as exc:  # a stop asked for before it served: done as asked
+        print(f"agentd: {exc}", file=sys.stderr)
+        code = 0
     except asyncpg.ClientConfigurationError as exc:
         _fail(f"invalid setting: dsn: {exc}")
     except asyncpg.PostgresError as exc:  # e.g. unknown role or database, a refused password

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import asyncpg
 
 from agentd.queries import Q, sql_dir
+
+log = logging.getLogger("agentd.migrate")
 
 # Any fixed bigint works; it only has to be the same in every agentd process.
 MIGRATION_LOCK_KEY = 0x61_67_65_6E_74_64  # "agentd"
@@ -60,7 +63,10 @@ async def migrate(conn: asyncpg.Connection, directory: Path | None = None) -> li
     """Apply pending migrations; returns the names applied (empty when already current)."""
     migrations = discover(directory)
     applied: list[str] = []
-    await conn.execute(*Q.migration_lock.bind(key=MIGRATION_LOCK_KEY))
+    if not await conn.fetchval(*Q.migration_try_lock.bind(key=MIGRATION_LOCK_KEY)):
+        # Another process is migrating (or holds the lock): this start waits, and says why.
+        log.info("waiting for another process's migration (the migration lock is held)")
+        await conn.execute(*Q.migration_lock.bind(key=MIGRATION_LOCK_KEY))
     try:
         await conn.execute(Q.create_schema_migrations.sql)
         done = {r["version"]: r["checksum"] for r in

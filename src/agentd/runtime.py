@@ -54,6 +54,7 @@ from agentd.startup import (
     migrate_database,
     open_database,
     raise_open_files_limit,
+    unless_stopped,
 )
 from agentd.supervisor import (
     DATABASE_STOP_S,
@@ -151,7 +152,9 @@ async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
         database = await open_database(settings)
         try:
             if handoff is None:  # a supervisor migrated before it started its workers
-                applied = await migrate_database(settings.direct_dsn(database.dsn))
+                applied = await unless_stopped(
+                    stop, migrate_database(settings.direct_dsn(database.dsn)),
+                    "waiting to migrate the database")
                 if applied:
                     log.info("migrations applied", extra={"applied": ",".join(applied)})
             pool = await dbmod.create_pool(database.dsn, max_size=settings.pool_max,

@@ -11,7 +11,9 @@ import logging
 import resource
 import socket
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -23,6 +25,7 @@ from agentd.migrate import migrate
 from agentd.settings import Settings, is_loopback_host
 
 log = logging.getLogger("agentd.startup")
+_T = TypeVar("_T")
 
 LOCAL_ACCOUNT = "local"
 
@@ -52,6 +55,28 @@ async def open_database(settings: Settings) -> Database:
     finally:
         await admin.close()
     return Database(server.dsn(dbmod.EMBEDDED_DATABASE), server)
+
+
+class StoppedWhileStarting(Exception):
+    """A stop signal came before the daemon served (while it waited for the migration)."""
+
+
+async def unless_stopped(stop: asyncio.Event, step: Awaitable[_T], what: str) -> _T:
+    """`step`, or StoppedWhileStarting as soon as `stop` is set (the step is cancelled): a
+    start that waits, for another process's migration or an unreachable database, must still
+    end on SIGTERM or Ctrl-C rather than only on SIGKILL."""
+    running = asyncio.ensure_future(step)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([running, stopping], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if running.done():
+        return running.result()
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await running
+    raise StoppedWhileStarting(f"stopped while {what}")
 
 
 async def migrate_database(dsn: str) -> list[str]:

@@ -447,6 +447,7 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
         migrate_database,
         open_database,
         raise_open_files_limit,
+        unless_stopped,
     )
     from agentd.tls import local_url, server_certificate
 
@@ -461,7 +462,9 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
         raise_open_files_limit(settings.max_connections + 256)
         database = await open_database(settings)
         try:
-            applied = await migrate_database(settings.direct_dsn(database.dsn))
+            applied = await unless_stopped(
+                stop, migrate_database(settings.direct_dsn(database.dsn)),
+                "waiting to migrate the database")
             if applied:
                 log.info("migrations applied", extra={"applied": ",".join(applied)})
             count, crowded = fit_workers(count, settings,

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
+from agentd.migrate import MIGRATION_LOCK_KEY
 from agentd.vocabulary import RunStatus
 from tests.process.helpers import wait_status
 from tests.support.daemon import Daemon, launch, tracked_daemons
@@ -62,3 +65,21 @@ async def test_under_nohup_sighup_stays_ignored(request, dsn, tmp_path, pool):
     await wait_status(pool, turn.run_id, RunStatus.COMPLETED, timeout=20)
     assert (await daemon.readyz())["status"] == "ready"
     assert "drained" not in daemon.log_text()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_stop_while_waiting_for_another_migration_ends_the_start(
+        spawn_daemon, pool, workers: int):
+    """Another process holds the migration lock (a long migration elsewhere in the fleet): the
+    start says it waits, and SIGTERM ends it cleanly. Before, the signal was only noticed once
+    the daemon served, so nothing but SIGKILL stopped it."""
+    async with pool.acquire() as holder:
+        await holder.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
+        try:
+            daemon = spawn_daemon(workers=workers)
+            await daemon.wait_for_log("waiting for another process's migration", 30)
+            daemon.terminate()
+            assert await daemon.wait_exit(15) == 0
+            assert "stopped while waiting to migrate the database" in daemon.log_text()
+        finally:
+            await holder.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
