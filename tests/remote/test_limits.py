@@ -17,10 +17,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentd.settings import Settings
+from tests.process.helpers import wait_status
 from tests.remote.helpers import RemoteDaemon, SpawnRemote, non_loopback_address, socket_closed
 from tests.streams.helpers import post_run
 from tests.support.daemon import poll_until
-from tests.support.factories import create_conversation, new_device
+from tests.support.factories import (
+    create_conversation,
+    enqueue_demo,
+    new_account,
+    new_conversation,
+    new_device,
+)
 
 HEAD = b"GET /healthz HTTP/1.1\r\nHost: agentd\r\nUser-Agent: slowloris\r\n\r\n"
 
@@ -262,6 +269,17 @@ async def test_operational_detail_only_for_loopback_or_a_token(
     assert wrong.status_code == 401
     allowed = await daemon.request("GET", "/metrics", headers=token)
     assert allowed.status_code == 200 and "agentd_runs_queued" in allowed.text
+    # Another account's name and activity are not for this device: the series per account
+    # go to the host's own (loopback) scraper alone.
+    bob = await new_account(pool, "bob-the-busy")
+    busy = await enqueue_demo(pool, bob, await new_conversation(pool, bob), "busy",
+                              tokens=400, delay_ms=50)
+    await wait_status(pool, busy.run_id, "running", timeout=15)
+    scraped = (await daemon.request("GET", "/metrics", headers=token)).text
+    assert "agentd_runs_running 1.0" in scraped
+    assert "bob-the-busy" not in scraped and "agentd_account_" not in scraped
+    await pool.execute("UPDATE agent_run SET cancel_requested = true WHERE id = $1",
+                       busy.run_id)
 
     assert (await daemon.request("GET", "/readyz")).json() == {"status": "ready"}
     detail = (await daemon.request("GET", "/readyz", headers=token)).json()
