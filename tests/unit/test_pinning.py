@@ -84,6 +84,25 @@ async def test_a_scheme_in_capitals_is_pinned_all_the_same(tmp_path: Path) -> No
             assert asked == []
 
 
+async def test_without_a_pin_the_operating_system_trust_store_decides(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--fingerprint ca`: no pin, the system's CAs (as OpenSSL finds them: SSL_CERT_FILE
+    names a bundle in its place here) and the host name are checked. httpx alone checked
+    certifi's bundle, which knows nothing of a CA installed on this machine."""
+    cert = certificate(tmp_path / "a")  # its own trust anchor, as `curl --cacert` takes it
+    port = free_port()
+    url = f"https://127.0.0.1:{port}"
+    async with serving(cert, port):
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert.cert_path))
+        async with AgentClient(url, "agd_t", trust_env=False) as client:
+            assert (await client.me()).device == "laptop"
+        monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "no-such-bundle.pem"))
+        monkeypatch.setenv("SSL_CERT_DIR", str(tmp_path / "no-such-dir"))
+        async with AgentClient(url, "agd_t", trust_env=False) as client:
+            with pytest.raises(ApiError):
+                await client.me()  # a CA this machine does not trust
+
+
 async def test_a_redirect_leads_nowhere(tmp_path: Path) -> None:
     pinned, other = certificate(tmp_path / "a"), certificate(tmp_path / "b")
     port, elsewhere = free_port(), free_port()

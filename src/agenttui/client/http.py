@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import httpx
+import truststore
 from httpx_sse import EventSource
 
 from agenttui import __version__
@@ -69,6 +71,13 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+def system_trust() -> ssl.SSLContext:
+    """Certificates checked against the operating system's trust store and the host name, as
+    `--fingerprint ca` promises (truststore: httpx alone uses certifi's bundle, which knows
+    nothing of a company's or a home lab's CA installed on this machine)."""
+    return truststore.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
 def canonical_url(url: str) -> str:
     """`url` with its scheme in lower case and no trailing slash: a scheme is case-blind, and
     whether a URL is https:// decides whether its certificate is pinned."""
@@ -105,7 +114,7 @@ class AgentClient:
             # httpx's own caps on connections, with a longer keep-alive.
             limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
                                 keepalive_expiry=KEEPALIVE_S),
-            verify=pinned_context(self.pinned) if self.pinned else True,
+            verify=pinned_context(self.pinned) if self.pinned else system_trust(),
             follow_redirects=False)
         self._clock_offset = timedelta(0)
 
