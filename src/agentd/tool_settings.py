@@ -144,7 +144,20 @@ def parse_mcp(table: Any) -> dict[str, McpServerConfig]:
     return servers
 
 
+# The built-in tools, which `[tools]` gives policies to (tools.registry.default_tools makes
+# them; a test keeps the two the same).
+BUILTIN_TOOLS = frozenset({"calculator", "clock", "notes"})
+
+
 def parse_tool_policies(table: Any) -> dict[str, ApprovalPolicy]:
-    """`[tools]`: the approval policy of built-in tools by name (`auto` when not named)."""
-    return {name: _policy(value, f"tools.{name}")
-            for name, value in _table(table, "tools").items()}
+    """`[tools]`: the approval policy of built-in tools by name (`auto` when not named). A name
+    that is no built-in tool is refused: a typo would leave the tool it meant at `auto`."""
+    policies = {name: _policy(value, f"tools.{name}")
+                for name, value in _table(table, "tools").items()}
+    for name in policies:
+        if name not in BUILTIN_TOOLS:
+            raise ToolSettingsError(
+                f"tools.{name}: no built-in tool has this name (they are "
+                f"{', '.join(sorted(BUILTIN_TOOLS))}; an MCP server's tools take their policy "
+                "from its own table: [mcp.<name>] approval and tools)")
+    return policies

@@ -137,8 +137,10 @@ async def test_results_the_model_cannot_use_are_tool_errors_and_the_turn_goes_on
     """A result that breaks the tool's own output schema (the SDK raises RuntimeError) and a
     structured result too large to pass on: each is an error the model reads, saying the call
     ran. Before, the first failed the whole turn (internal_error) and the second was stored,
-    journaled and streamed whole."""
-    async with start_tools_api({"t": mcp_test_server(journal, **AUTO)}) as api:
+    journaled and streamed whole. A policy naming a tool the server does not list (a typo) is
+    said in the log."""
+    async with start_tools_api({"t": mcp_test_server(
+            journal, **AUTO, tools={"wrong_shap": "deny"})}) as api:
         conversation = await create_conversation(api.a)
         for tool, args, words in (
                 ("t.wrong_shape", {}, ("could not be used", "the call may have run")),
@@ -150,6 +152,8 @@ async def test_results_the_model_cannot_use_are_tool_errors_and_the_turn_goes_on
             assert all(w in error for w in words), error
             await journaled(journal, lambda e, name=tool.split(".")[1]: e["event"] == name)
         assert "x" * 1000 not in (await api.a.get(f"/v1/conversations/{conversation}")).text
+        assert "mcp tool policies name tools the server does not list" in \
+            api.daemon.log_text() and "wrong_shap" in api.daemon.log_text()
 
 
 async def test_streamable_http_transport_with_a_header_from_the_environment(

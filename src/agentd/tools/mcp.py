@@ -430,6 +430,12 @@ class McpServer:
             log.warning("mcp tool disabled", extra={
                 "server": self.config.name, "tool": remote.name[:100], "reason": reason})
         self.tools, self.disabled = tools, disabled
+        unknown = sorted(set(self.config.tools) - {remote.name for remote in listed})
+        if unknown:
+            # A policy for a tool the server does not offer: a typo leaves the tool it meant
+            # at the server's policy. Not fatal (a server may offer it later), but said.
+            log.warning("mcp tool policies name tools the server does not list", extra={
+                "server": self.config.name, "tools": ", ".join(t[:100] for t in unknown[:20])})
 
     @staticmethod
     def _unusable(name: str) -> str | None:
