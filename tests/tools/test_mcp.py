@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.api.helpers import assert_error, start_run, wait_run
+from tests.support.daemon import poll_until
 from tests.support.factories import create_conversation
 from tests.tools.conftest import (
     MCP_SERVER_TIME,
@@ -154,6 +155,47 @@ async def test_results_the_model_cannot_use_are_tool_errors_and_the_turn_goes_on
         assert "x" * 1000 not in (await api.a.get(f"/v1/conversations/{conversation}")).text
         assert "mcp tool policies name tools the server does not list" in \
             api.daemon.log_text() and "wrong_shap" in api.daemon.log_text()
+
+
+async def test_a_failing_server_s_next_start_goes_on_behind_the_turns(
+        start_tools_api, tmp_path: Path) -> None:
+    """A server that never finishes its handshake: the first turn waits for its first start
+    (start_timeout_s), as a server's first start is waited for. Once it has failed, a turn that
+    sets off its next attempt waits a moment, not start_timeout_s: that attempt goes on behind
+    it. Before, every turn starting during each retry waited it out."""
+    starts = tmp_path / "starts"
+    hanging = {"command": sys.executable, "args": [
+        "-c", "import sys, time; open(sys.argv[1], 'a').write('start\\n'); time.sleep(3600)",
+        str(starts)], "start_timeout_s": 8, **AUTO}
+    async with start_tools_api({"hang": hanging}) as api:
+        conversation = await create_conversation(api.a)
+
+        def failures() -> int:
+            return api.daemon.log_text().count("mcp server failed to start")
+
+        run = await start_run(api.a, conversation, "first", tool_params("calculator",
+                                                                        {"expression": "1+1"}))
+        assert (await wait_run(api.a, run["run_id"], within_s=30))["status"] == "completed"
+        await poll_until(lambda: failures() == 1, 15, what="the first start to fail")
+
+        async def a_turn_that_restarts_it() -> dict[str, Any] | None:
+            before = starts.read_text().count("start")
+            run = await start_run(api.a, conversation, "again", tool_params(
+                "calculator", {"expression": "1+1"}))
+            done = await wait_run(api.a, run["run_id"], within_s=30)
+            assert done["status"] == "completed", done
+            return done if starts.read_text().count("start") > before else None
+
+        done = await poll_until(a_turn_that_restarts_it, 30, interval=0.2,
+                                what="a turn setting off the next start")
+        await poll_until(lambda: failures() == 2, 30, what="the second start to fail")
+        failed_at = [line.split(" ", 1)[0] for line in api.daemon.log_text().splitlines()
+                     if "mcp server failed to start" in line][1]
+        # That attempt took start_timeout_s (8 s); the turn that set it off did not wait for
+        # it (a second at most), so it ended long before the attempt failed.
+        ended = datetime.fromisoformat(done["finished_at"])
+        assert (datetime.fromisoformat(failed_at) - ended).total_seconds() > 4, (
+            failed_at, done["finished_at"])
 
 
 async def test_streamable_http_transport_with_a_header_from_the_environment(

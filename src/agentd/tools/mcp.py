@@ -38,6 +38,8 @@ META_RUN_ID = "agentd/run_id"
 META_CONVERSATION_ID = "agentd/conversation_id"
 META_FENCE = "agentd/fence"
 BACKOFF_FIRST_S = 0.5
+# How long a turn's tool listing waits for a server whose last starts failed.
+FAILING_SERVER_WAIT_S = 1.0
 BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # a connection that lived this long resets the backoff
 MAX_TOOL_PAGES = 100
@@ -139,11 +141,17 @@ class McpServer:
 
     # --- what runs use ------------------------------------------------------------------
 
-    async def ensure_ready(self, *, wait_for_restart: bool = True) -> None:
-        """Start the server if needed and wait until it is ready, at most start_timeout_s;
-        raises McpUnavailable (naming the reason) when it is not. Without wait_for_restart,
-        a server between a crash and its restart is unavailable at once (listing tools for a
-        turn must not wait out a backoff)."""
+    @property
+    def failing(self) -> bool:
+        """Whether its last start attempts all failed (none got ready since)."""
+        return self._failures > 0
+
+    async def ensure_ready(self, *, wait_for_restart: bool = True,
+                           within_s: float | None = None) -> None:
+        """Start the server if needed and wait until it is ready, at most start_timeout_s (or
+        `within_s`; the start goes on after); raises McpUnavailable (naming the reason) when
+        it is not. Without wait_for_restart, a server between a crash and its restart is
+        unavailable at once (listing tools for a turn must not wait out a backoff)."""
         if self.state == "ready":
             return
         if self.state == "restarting" and not wait_for_restart:
@@ -157,7 +165,8 @@ class McpServer:
             raise McpUnavailable(self._unavailable(retry_in=self._next_attempt - loop.time()))
         failures = self._failures
         self._demand.set()
-        deadline = loop.time() + self.config.start_timeout_s + 1.0
+        deadline = loop.time() + (self.config.start_timeout_s + 1.0 if within_s is None
+                                  else within_s)
         while self.state != "ready":
             if self._failures > failures or self._closing:
                 raise McpUnavailable(self._unavailable())
@@ -506,9 +515,13 @@ class McpTools:
 
     async def tools(self) -> list[Tool]:
         """Every ready server's tools; servers start here on first use, concurrently. A server
-        that cannot start is left out (logged, and shown by doctor)."""
+        that cannot start is left out (logged, and shown by doctor). A server whose last starts
+        failed is waited for briefly: its next attempt, which may take start_timeout_s, goes on
+        behind the turn rather than in front of it (and of every turn starting meanwhile)."""
         results = await asyncio.gather(
-            *(s.ensure_ready(wait_for_restart=False) for s in self.servers.values()),
+            *(s.ensure_ready(wait_for_restart=False,
+                             within_s=FAILING_SERVER_WAIT_S if s.failing else None)
+              for s in self.servers.values()),
             return_exceptions=True)
         found: list[Tool] = []
         for server, outcome in zip(self.servers.values(), results, strict=True):
