@@ -18,13 +18,8 @@ class Check:
 
 
 async def run_checks(settings: Settings) -> list[Check]:
-    from agentd import db as dbmod
-    from agentd.hub import Hub
-    from agentd.migrate import pending
     from agentd.providers.catalog import provider_checks
-    from agentd.queue import notify_conversation
     from agentd.startup import open_database
-    from agentd.vocabulary import Channel
 
     checks = [Check("python", sys.version_info >= (3, 11), sys.version.split()[0])]
     # Model providers: offered only when usable; the reasons name what to fix.
@@ -46,39 +41,62 @@ async def run_checks(settings: Settings) -> list[Check]:
         checks.append(Check("database", False, f"{exc} (check --dsn / AGENTD_DSN)"))
         return checks
     try:
-        # Migrations hold a session lock: they go where the daemon sends them (hub_dsn when
-        # the pool's DSN is a transaction pooler).
-        conn = await dbmod.connect(settings.direct_dsn(database.dsn))
-        try:
-            version = await dbmod.server_version(conn)
-            checks.append(Check("database", True, f"PostgreSQL {version}"))
-            todo = await pending(conn)
-            checks.append(Check("migrations", True, "up to date" if not todo else
-                                f"pending: {', '.join(todo)} (applied at serve start)"))
-        finally:
-            await conn.close()
-        checks.append(await _pool_check(settings, database.dsn))
-        hub = Hub(settings.hub_dsn or database.dsn)
-        await hub.start(wait_s=3)
-        try:
-            async with hub.subscribe(Channel.CONVERSATION, "doctor") as sub:
-                probe = await dbmod.connect(database.dsn)
-                try:
-                    await notify_conversation(probe, "doctor")
-                finally:
-                    await probe.close()
-                heard = await sub.wait(3.0)
-            checks.append(Check("listen/notify", bool(heard), "round trip ok" if heard else
-                                "no NOTIFY received: is the hub DSN behind a transaction "
-                                "pooler? point AGENTD_HUB_DSN at PostgreSQL directly"))
-        finally:
-            await hub.close()
+        checks += await _database_checks(settings, database.dsn)
     finally:
         await asyncio.to_thread(database.close)
     checks.append(_port_check(settings))
     checks.append(await asyncio.to_thread(_tls_check, settings))
     checks.extend(await mcp_checks(settings))
     return checks
+
+
+async def _database_checks(settings: Settings, dsn: str) -> list[Check]:
+    """The database, its migrations, the pool and LISTEN/NOTIFY. A database that cannot be
+    reached (with --dsn nothing connects before this) is the finding: reported like every
+    other, and the checks that do not need it still run."""
+    from agentd import db as dbmod
+    from agentd.hub import Hub
+    from agentd.migrate import pending
+    from agentd.queue import notify_conversation
+    from agentd.vocabulary import Channel
+
+    checks: list[Check] = []
+    try:
+        # Migrations hold a session lock: they go where the daemon sends them (hub_dsn when
+        # the pool's DSN is a transaction pooler).
+        conn = await dbmod.connect(settings.direct_dsn(dsn))
+    except Exception as exc:  # the doctor reports, never raises
+        return [Check("database", False, f"cannot connect: {_one_line(str(exc))} (check "
+                      "--dsn / AGENTD_DSN, and that the server runs and accepts you)")]
+    try:
+        version = await dbmod.server_version(conn)
+        checks.append(Check("database", True, f"PostgreSQL {version}"))
+        todo = await pending(conn)
+        checks.append(Check("migrations", True, "up to date" if not todo else
+                            f"pending: {', '.join(todo)} (applied at serve start)"))
+    finally:
+        await conn.close()
+    checks.append(await _pool_check(settings, dsn))
+    hub = Hub(settings.hub_dsn or dsn)
+    await hub.start(wait_s=3)
+    try:
+        async with hub.subscribe(Channel.CONVERSATION, "doctor") as sub:
+            probe = await dbmod.connect(dsn)
+            try:
+                await notify_conversation(probe, "doctor")
+            finally:
+                await probe.close()
+            heard = await sub.wait(3.0)
+        checks.append(Check("listen/notify", bool(heard), "round trip ok" if heard else
+                            "no NOTIFY received: is the hub DSN behind a transaction "
+                            "pooler? point AGENTD_HUB_DSN at PostgreSQL directly"))
+    finally:
+        await hub.close()
+    return checks
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 async def _pool_check(settings: Settings, dsn: str) -> Check:

@@ -66,6 +66,19 @@ async def test_migrate_status_and_doctor(dsn: str) -> None:
     assert "[ok  ] pool: direct (pooler = none)" in doctor.stdout
 
 
+def test_doctor_reports_a_database_it_cannot_reach_and_checks_the_rest() -> None:
+    """With --dsn nothing connects before the database check: an unreachable server is a FAIL
+    line of the report, and the checks that do not need it (the port, TLS) still run. It was
+    one `cannot reach the database` line, the report thrown away."""
+    down = f"postgresql://agentd@127.0.0.1:{free_port()}/agentd"
+    doctor = agentd("doctor", "--dsn", down, env={"AGENTD_LISTEN": f"127.0.0.1:{free_port()}"})
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    assert "[ok  ] python:" in doctor.stdout
+    assert "[FAIL] database: cannot connect:" in doctor.stdout
+    assert "[ok  ] listen address:" in doctor.stdout and "[ok  ] tls:" in doctor.stdout
+    assert "Traceback" not in doctor.stdout + doctor.stderr
+
+
 def test_invalid_settings_fail_naming_the_key() -> None:
     result = agentd("status", env={"AGENTD_LEASE_TTL_S": "soon"})
     assert result.returncode == 2
