@@ -58,6 +58,12 @@ async def test_a_device_gets_at_most_its_streams_and_another_device_is_unaffecte
             assert over.status_code == 429, over.text
             assert over.json()["error"]["code"] == "too_many_streams"
             assert int(over.headers["Retry-After"]) >= 1
+        # A wait lasts minutes, as a stream does, and takes a slot as one does; a poll
+        # (timeout 0) answers at once and needs none.
+        wait = f"/v1/runs/{turn['run_id']}/wait"
+        over = await on_phone.get(wait, params={"timeout": 60}, timeout=10)
+        assert over.status_code == 429 and over.json()["error"]["code"] == "too_many_streams"
+        assert (await on_phone.get(wait, params={"timeout": 0})).status_code == 200
         async with on_laptop.stream("GET", feed) as other:
             assert other.status_code == 200  # the limit is the phone's, not the account's
 

@@ -230,15 +230,19 @@ async def wait_run(request: web.Request) -> web.Response:
     if not 0 <= timeout <= MAX_WAIT_S:
         raise ServiceError(400, "invalid_timeout", f"timeout must be in [0, {MAX_WAIT_S:g}]")
     who = principal(request)
-    waiting = _service(request).wait_run(who, run_id, timeout)
-    # A poll (timeout 0) answers at once: nothing for a revocation to cut short.
-    watch = request.app[RUNTIME].revocations if timeout > 0 else None
-    try:
-        # A wait lasts minutes, as a stream does: a revocation ends it as it ends streams.
-        run = await (waiting if watch is None else watch.run_unless_revoked(who.device_id,
-                                                                            waiting))
-    except Revoked:
-        return device_revoked("this device's token was revoked while it waited")
+    # A poll (timeout 0) answers at once: no slot, nothing for a revocation to cut short.
+    if timeout == 0:
+        return web.json_response(wire.run(await _service(request).wait_run(who, run_id, 0)))
+    # A wait lasts minutes, as a stream does: it takes one of the device's stream slots (429
+    # over the limit), and a revocation ends it as it ends streams.
+    with open_device_stream(request, who):
+        waiting = _service(request).wait_run(who, run_id, timeout)
+        watch = request.app[RUNTIME].revocations
+        try:
+            run = await (waiting if watch is None else watch.run_unless_revoked(who.device_id,
+                                                                                waiting))
+        except Revoked:
+            return device_revoked("this device's token was revoked while it waited")
     return web.json_response(wire.run(run))
 
 
