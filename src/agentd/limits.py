@@ -15,6 +15,7 @@ in) their handshake went uncounted, and anyone could hold as many as the open-fi
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import math
@@ -45,6 +46,21 @@ class Throttled(Exception):
         self.retry_after_s = max(1, math.ceil(retry_after_s))
 
 
+def rate_key(address: str) -> str:
+    """Whose attempts `address`'s are: an IPv6 host is given a whole /64 (it can send from any
+    address in it, each of which would otherwise start with a full bucket); an IPv4 address,
+    mapped into IPv6 or not, is itself."""
+    try:
+        parsed = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address  # not an IP address (a unix socket): as given
+    if isinstance(parsed, ipaddress.IPv6Address):
+        if parsed.ipv4_mapped is not None:
+            return str(parsed.ipv4_mapped)
+        return str(ipaddress.IPv6Network((parsed, 64), strict=False))
+    return str(parsed)
+
+
 class AddressRateLimiter:
     """A token bucket per client address: `per_minute` attempts, refilled continuously.
 
@@ -61,6 +77,7 @@ class AddressRateLimiter:
 
     def take(self, address: str) -> float | None:
         """Spend one attempt: None if allowed, else the seconds until the next one is."""
+        address = rate_key(address)
         now = self._clock()
         tokens, stamp = self._buckets.pop(address, (self.capacity, now))
         tokens = min(self.capacity, tokens + (now - stamp) * self.rate)
@@ -75,6 +92,7 @@ class AddressRateLimiter:
     def give_back(self, address: str) -> None:
         """Return an attempt `take` spent (never past a full bucket): for an attempt the
         database never judged, such as a statement that lost a race and rolled back."""
+        address = rate_key(address)
         if address in self._buckets:
             tokens, stamp = self._buckets[address]
             self._buckets[address] = (min(self.capacity, tokens + 1.0), stamp)

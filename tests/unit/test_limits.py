@@ -71,3 +71,14 @@ def test_stream_slots_per_device() -> None:
         slots.release(phone)  # an extra release never goes negative
     slots.release(laptop)
     assert slots.total == 0
+
+
+def test_an_ipv6_host_gets_one_bucket_for_its_whole_64() -> None:
+    """A host with a /64 can send from any of its addresses: they share one bucket, so it
+    cannot buy a fresh set of attempts per address. Another /64, and IPv4, are their own."""
+    limiter = AddressRateLimiter(2, clock=Clock())
+    assert [limiter.take(f"2001:db8:1:2::{n:x}") for n in range(1, 4)] == [None, None,
+                                                                             pytest.approx(30)]
+    assert limiter.take("2001:db8:1:3::1") is None
+    assert limiter.take("::ffff:198.51.100.7") is None and limiter.take("198.51.100.7") is None
+    assert limiter.take("198.51.100.7") is not None  # mapped or not, the same IPv4 address
