@@ -193,8 +193,10 @@ class _GuardedProtocol(asyncio.Protocol):
         self._inner = inner
         self._tls = tls
         self._transport: asyncio.Transport | None = None
-        self._admitted = False
+        self._admitted = False  # it holds a place under the cap
+        self._refusing = False  # it holds a place among the refusals over TLS
         self._serving = False  # aiohttp's protocol has the connection
+        self._lost = False  # the connection ended before the handshake's task had its answer
         self._busy = False
         self._timer: asyncio.TimerHandle | None = None
         self._handshake: asyncio.Task[None] | None = None
@@ -213,6 +215,7 @@ class _GuardedProtocol(asyncio.Protocol):
                 transport.close()
             elif guard.refusing < REFUSALS_OVER_TLS:
                 guard.refusing += 1
+                self._refusing = True
                 self._start_tls(transport, admitted=False)
             else:
                 transport.abort()
@@ -234,29 +237,30 @@ class _GuardedProtocol(asyncio.Protocol):
         assert self._tls is not None
         loop = asyncio.get_running_loop()
         secure: asyncio.BaseTransport | None = None
+        # Both bounded: the handshake, and the wait for the client's close_notify once the
+        # connection is closed (asyncio's default, 30 s, would keep a closed one that long).
+        bound = max(1.0, math.ceil(self._guard.header_timeout_s))
         try:
-            secure = await loop.start_tls(
-                raw, self, self._tls, server_side=True,
-                ssl_handshake_timeout=max(1.0, math.ceil(self._guard.header_timeout_s)))
+            secure = await loop.start_tls(raw, self, self._tls, server_side=True,
+                                          ssl_handshake_timeout=bound,
+                                          ssl_shutdown_timeout=bound)
         except (OSError, ssl.SSLError, TimeoutError, RuntimeError):
             raw.abort()  # failed, stalled or abandoned: it is never served
         finally:
-            if secure is None and admitted:  # whatever ended the handshake, its place is free
+            if secure is None:  # whatever ended the handshake, the place it held is free
                 self._leave()
-            elif secure is None:
-                self._refused_over_tls()
         if secure is None:
+            return
+        if self._lost:  # it ended as the handshake did: nothing to serve, nothing to answer
+            self._leave()
             return
         transport = self._transport = cast(asyncio.Transport, secure)
         if not admitted:
-            self._refused_over_tls()
+            # Its place among the refusals is given back once it is closed (connection_lost).
             transport.write(_refusal())
             transport.close()
             return
         self._serve(transport)
-
-    def _refused_over_tls(self) -> None:
-        self._guard.refusing -= 1
 
     def _serve(self, transport: asyncio.Transport) -> None:
         self._serving = True
@@ -274,10 +278,14 @@ class _GuardedProtocol(asyncio.Protocol):
         self._timer = loop.call_later(self._guard.header_timeout_s, self._head_timed_out)
 
     def _leave(self) -> None:
-        """Give back this connection's place under the cap (once)."""
+        """Give back the place this connection holds, under the cap or among the refusals
+        (once)."""
         if self._admitted:
             self._admitted = False
             self._guard.open -= 1
+        if self._refusing:
+            self._refusing = False
+            self._guard.refusing -= 1
 
     def data_received(self, data: bytes) -> None:
         if not self._serving:
@@ -297,7 +305,8 @@ class _GuardedProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
         if self._handshake is not None and not self._handshake.done():
-            return  # the handshake's own failure gives the place back
+            self._lost = True  # the handshake's task gives the place back
+            return
         self._leave()
         if not self._serving:
             return
