@@ -72,6 +72,31 @@ class ModelChanged(Exception):
 _MULTIXACT_RACE = "new multixact has more than one updating member"
 
 
+class AnswerLost(Exception):
+    """A statement was sent and its answer never came (answer_in_doubt): it may have
+    committed. `cause` is what asyncpg raised; a connection that could not be had at all, the
+    statement unsent, is raised as itself."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause) or type(cause).__name__)
+        self.cause = cause
+
+
+async def _fetch_sent(db: Db, query: str, *args: Any) -> list[asyncpg.Record]:
+    """db.fetch, raising AnswerLost when the statement went out and its answer was lost, and
+    anything else as it came (a pool that cannot give a connection never sent it)."""
+    if isinstance(db, asyncpg.Pool):
+        async with db.acquire() as conn:
+            return await _fetch_sent(conn, query, *args)
+    try:
+        rows: list[asyncpg.Record] = await db.fetch(query, *args)
+        return rows
+    except Exception as exc:
+        if answer_in_doubt(exc):
+            raise AnswerLost(exc) from exc
+        raise
+
+
 def answer_in_doubt(exc: BaseException) -> bool:
     """Whether a statement may have committed though its answer never came: the connection
     broke (asyncpg reports that as a PostgresConnectionError), or the wait for the answer gave
@@ -392,7 +417,7 @@ async def post_turn(db: Db, *, account_id: UUID, turn: NewRun, claim: ClaimBesid
     else at the caller's commit. Raises as enqueue_run does, and ModelChanged when `guess` is
     not the conversation's model; unlike enqueue_run, a post refused so writes nothing at all."""
     digest = request_hash(turn.conversation_id, turn.content, turn.request)
-    row = await fetch_one(db, *Q.post_turn.bind(
+    statement = Q.post_turn.bind(
         account_id=account_id, conversation_id=turn.conversation_id, device_id=device_id,
         content=turn.content, request=json.dumps(turn.request), request_hash=digest,
         idempotency_key=turn.idempotency_key, default_max_queued=default_max_queued,
@@ -400,7 +425,13 @@ async def post_turn(db: Db, *, account_id: UUID, turn: NewRun, claim: ClaimBesid
         lease_ttl_s=claim.lease_ttl_s if claim else None,
         default_max_running=claim.default_max_running if claim else None,
         model_guessed=guess is not None, guessed_model=guess.model if guess else None,
-        claim_key=claim.claim_key if claim else None))
+        claim_key=claim.claim_key if claim else None)
+    try:
+        [row] = await _fetch_sent(db, *statement)
+    except AnswerLost as lost:
+        if claim is None:  # nothing to find it by: as any lost answer
+            raise lost.cause from None
+        raise  # the caller looks for the turn by its claim's key (claims_found_again)
     if row["model_changed"]:
         raise ModelChanged(str(turn.conversation_id))
     outcome = await _outcome(db, account_id, row, turn, digest)
@@ -494,7 +525,7 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
             # fooled the pre-filter; require_conversation_lease, when a live execution holds
             # the lease) or a running slot it committed since our snapshot. Once more with a
             # fresh snapshot, then our runs stay queued for the next claim.
-            rows = await db.fetch(*Q.claim_runs.bind(
+            rows = await _fetch_sent(db, *Q.claim_runs.bind(
                 worker_id=worker_id, lease_ttl_s=lease_ttl_s, limit=limit,
                 default_max_running=default_max_running, claim_key=key))
             break
@@ -503,16 +534,17 @@ async def claim_runs(db: Db, *, worker_id: str, lease_ttl_s: float, limit: int =
                 raise
             if attempt:
                 return []
-        except Exception as exc:
-            if answer_in_doubt(exc) and isinstance(db, asyncpg.Pool):
-                found = await claims_found_again(db, worker_id, key,
-                                                 within_s=lease_ttl_s * FIND_AGAIN_SHARE)
-                if not found:
-                    raise
-                log.warning("a claim's answer was lost; its runs were found by their key",
-                            extra={"runs": len(found), "error": str(exc) or type(exc).__name__})
-                await _send_hints(db, hint, claim_hints(found))
-                return found
+        except AnswerLost as lost:
+            found = await claims_found_again(db, worker_id, key,
+                                             within_s=lease_ttl_s * FIND_AGAIN_SHARE) \
+                if isinstance(db, asyncpg.Pool) else None
+            if not found:
+                raise lost.cause from None
+            log.warning("a claim's answer was lost; its runs were found by their key",
+                        extra={"runs": len(found), "error": str(lost)})
+            await _send_hints(db, hint, claim_hints(found))
+            return found
+        except asyncpg.PostgresError as exc:
             # A deadlock's victim or the multixact error wrote nothing either, and the turns it
             # wanted may well still be queued: once more at once, not a tick later.
             if attempt or not lost_race(exc) or _in_transaction(db):

@@ -381,20 +381,21 @@ class Service:
             created = await self._create_run(who, conversation_id, ask, idempotency_key, slot)
             committed = created.started  # returned only once its transaction has committed
             return created
-        except Exception as exc:
-            if queue.answer_in_doubt(exc):
-                # The post may have committed, its turn running under this process with nobody
-                # to execute it: found by the claim's key, it starts here as if the answer had
-                # come. The client still gets its error, and its retry (with its
-                # Idempotency-Key) the turn that runs.
-                terms = slot.terms
-                committed = await queue.claims_found_again(
-                    self.pool, terms.worker_id, terms.claim_key,
-                    within_s=terms.lease_ttl_s * queue.FIND_AGAIN_SHARE) or ()
-                if committed:
-                    log.warning("a post's answer was lost; its turn was found by its claim's "
-                                "key and starts", extra={"run_id": str(committed[0].run_id)})
-            raise
+        except queue.AnswerLost as lost:
+            # The post's statement went out and its answer never came: it may have committed,
+            # its turn running under this process with nobody to execute it. Found by its
+            # claim's key, it starts here and is the answer, as if the answer had come.
+            terms = slot.terms
+            committed = await queue.claims_found_again(
+                self.pool, terms.worker_id, terms.claim_key,
+                within_s=terms.lease_ttl_s * queue.FIND_AGAIN_SHARE) or ()
+            if not committed:
+                raise lost.cause from None  # nothing known: as any lost answer (503)
+            turn = committed[0]  # the one turn this post's key can have claimed
+            log.warning("a post's answer was lost; its turn was found by its claim's key",
+                        extra={"run_id": str(turn.run_id)})
+            return CreatedRun(turn.run_id, RunStatus.RUNNING, turn.conversation_id, False,
+                              user_message_id=turn.user_message_id, started=tuple(committed))
         finally:
             slot.settle(committed)
 

@@ -116,9 +116,10 @@ async def test_a_post_whose_answer_was_lost_runs_its_turn_and_its_retry_gets_it(
         spawn_daemon, pool, dsn):
     """The post's statement commits the turn running under this daemon, then the link to
     PostgreSQL breaks before its answer (a relay withholds it: tests/support/lost_answers.py).
-    The daemon finds the turn by its claim's key and runs it; the client's retry with the
-    same Idempotency-Key gets that turn. Before, the turn stayed running with nobody executing
-    it until the reaper failed it (`lease_expired`)."""
+    The daemon finds the turn by its claim's key, runs it and answers with it, as if the
+    answer had come; a retry with the same Idempotency-Key gets that turn. Before, the client
+    got a 503 and the turn stayed running with nobody executing it until the reaper failed it
+    (`lease_expired`)."""
     marker = "answer lost " + uuid4().hex
     async with AnswerCutter(dsn) as cutter:
         daemon = spawn_daemon(dsn=cutter.dsn, **UNLOADED)
@@ -132,10 +133,11 @@ async def test_a_post_whose_answer_was_lost_runs_its_turn_and_its_retry_gets_it(
             lost = await client.post(f"/v1/conversations/{conversation}/runs", json=body,
                                      headers=headers)
             assert cutter.cut_done.is_set(), "the relay never cut the post's answer"
-            assert lost.status_code == 503, lost.text
+            assert lost.status_code == 202, lost.text
             [run_id] = await pool.fetchval(
                 "SELECT array_agg(r.id) FROM agent_run r JOIN conversation c"
                 " ON c.id = r.conversation_id WHERE c.id = $1", UUID(conversation))
+            assert lost.json()["run_id"] == str(run_id)
             row = await wait_status(pool, run_id, "completed", timeout=15)
             assert (row["worker_id"], row["error"]) == (daemon.worker_id, None)
             retried = await client.post(f"/v1/conversations/{conversation}/runs", json=body,
