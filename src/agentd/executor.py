@@ -77,8 +77,6 @@ log = logging.getLogger("agentd.executor")
 # Errors after which a write certainly did not commit: nothing answered is in doubt.
 _ROLLED_BACK = (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.CannotConnectNowError)
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
-# How often the turn's deadline is looked at again while an approval is awaited.
-DEADLINE_RECHECK_S = 1.0
 # What the model reads for a call a stop caught while it waited for a device's approval.
 NOT_RUN_STOPPED = "not run: the turn was stopped while the call waited for approval"
 
@@ -113,7 +111,10 @@ class _Turn:
     open_calls: dict[str, str] = field(default_factory=dict)  # call id -> tool name
     awaiting: set[str] = field(default_factory=set)  # open calls waiting for an approval
     asked: set[str] = field(default_factory=set)  # call ids a device was asked about
-    # A person's time is not the turn's: waits for an approval stop its max_run_s clock.
+    # A person's time is not the turn's: waits for an approval stop its max_run_s clock, for
+    # at most this long in all (approval_timeout_s), so a turn still ends within max_run_s +
+    # approval_timeout_s however many calls it asks about.
+    max_pause_s: float = 0.0
     paused_s: float = 0.0  # spent in approval waits that are over
     waiting_since: float | None = None  # when the approval wait under way began
     asked_tools: bool = False  # a tool-call message may have been written
@@ -132,10 +133,13 @@ class _Turn:
         return time.monotonic() - self.started
 
     def deadline_left(self) -> float:
-        """Seconds of max_run_s left (never negative), approval waits not counted."""
+        """Seconds of max_run_s left (never negative), approval waits not counted (up to
+        max_pause_s in all). It never shrinks faster than the clock: a wait for it to pass
+        that ends early (the clock stood still) is simply made again."""
         now = time.monotonic()
         waiting = now - self.waiting_since if self.waiting_since is not None else 0.0
-        return max(0.0, self.max_run_s - (now - self.started - self.paused_s - waiting))
+        paused = min(self.paused_s + waiting, self.max_pause_s)
+        return max(0.0, self.max_run_s - (now - self.started - paused))
 
     @contextlib.contextmanager
     def waiting_for_a_person(self) -> Iterator[None]:
@@ -204,7 +208,8 @@ class TurnRunner:
                               appends=self._appends,
                               journaled=told.rows if told is not None else None)
             turn = _Turn(claim, emitter, held, self._settings.max_run_s,
-                         transcript=[_chat_message(r) for r in transcript])
+                         transcript=[_chat_message(r) for r in transcript],
+                         max_pause_s=self._settings.approval_timeout_s)
             try:
                 return await self._execute(turn, held.cancel, held.lost, ctx)
             except LeaseLost as exc:
@@ -225,15 +230,12 @@ class TurnRunner:
         generating = asyncio.create_task(self._generate(turn))
         stops = [asyncio.create_task(cancel.wait()), asyncio.create_task(lost.wait())]
         try:
-            while True:
-                # While an approval is awaited the clock stands still: look again each second
-                # (the approval's own deadline ends that wait).
-                waiting = turn.waiting_since is not None
-                done, _ = await asyncio.wait(
-                    [generating, *stops], return_when=asyncio.FIRST_COMPLETED,
-                    timeout=DEADLINE_RECHECK_S if waiting else turn.deadline_left())
-                if done or (turn.waiting_since is None and turn.deadline_left() <= 0):
-                    break
+            done: set[asyncio.Task[Any]] = set()
+            while not done and turn.deadline_left() > 0:
+                # Past this timeout the deadline may have moved on (an approval wait stopped
+                # the clock meanwhile): the loop looks again.
+                done, _ = await asyncio.wait([generating, *stops], timeout=turn.deadline_left(),
+                                             return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in stops:
                 task.cancel()
