@@ -105,6 +105,10 @@ class AgentTUI(App[None]):
         self.register_theme(AGENTTUI_THEME)
         if settings.keys:
             self.set_keymap(settings.keys)
+        # Every key a binding claims, as mapped now, whether or not its action is enabled at
+        # the moment (an Alt key remapped to approve must not turn into Esc with no call).
+        self._bound_keys = frozenset(key.strip() for keys, _, _ in self.key_table()
+                                     for key in keys.split(","))
 
     def server_now(self) -> datetime:
         """The daemon's clock as this client knows it (or a fixed clock, for snapshots)."""
@@ -133,11 +137,11 @@ class AgentTUI(App[None]):
     async def on_event(self, event: events.Event) -> None:
         if isinstance(event, events.Key):
             self.idle_gc.touch()
-            split = None if event.is_forwarded else esc_then_character(
-                event, self.screen.active_bindings)
+            split = None if event.is_forwarded else esc_then_character(event,
+                                                                        self._bound_keys)
             if split is not None:
-                # Each handled in turn, here and now: keys that arrived after them in the same
-                # burst are already queued behind this one.
+                # Both go their usual way, in order, before the keys that came after them in
+                # the same burst (already queued behind this one).
                 for key in split:
                     await super().on_event(key)
                 return
