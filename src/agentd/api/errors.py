@@ -15,7 +15,7 @@ from typing import Any
 
 import asyncpg
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, LineTooLong
 from aiohttp.typedefs import Handler
 from aiohttp.web_request import BaseRequest
 
@@ -123,10 +123,13 @@ class JsonErrorRequestHandler(web.RequestHandler):
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
         else:
             # A client's malformed request, which anyone can send: one line without a
-            # traceback (aiohttp logs a traceback for each), its reason cut short.
-            log.warning("refused a request that is not valid HTTP",
-                        extra={"remote": request.remote, "status": status,
-                               "error": str(exc or message or "")[:_REASON_CHARS]})
+            # traceback (aiohttp logs a traceback for each), its reason cut short. A method
+            # that is no HTTP method is what TLS or a scanner sent to this port: debug, as
+            # aiohttp logs it.
+            level = logging.DEBUG if isinstance(exc, BadHttpMethod) else logging.WARNING
+            log.log(level, "refused a request that is not valid HTTP",
+                    extra={"remote": request.remote, "status": status,
+                           "error": str(exc or message or "")[:_REASON_CHARS]})
         if request.writer.output_size > 0:
             # As aiohttp's own: an answer already begun cannot be followed by another.
             raise ConnectionError("Response is sent already, cannot send another response "

@@ -37,10 +37,13 @@ async def metrics(request: web.Request) -> web.Response:
     for state, count in (("queued", queue.queued), ("running", queue.running)):
         series.queue_depth.labels(state=state).set(count)
     local = loopback_peer(request)
-    # The busiest accounts now; an account that dropped out of them loses its series.
-    series.account_runs.clear()
-    series.account_limit.clear()
-    for account in await queue_by_account(runtime.pool, limit=TOP_ACCOUNTS) if local else ():
+    # The busiest accounts now; an account that dropped out of them loses its series. Only
+    # for a scraper that is shown them (another's scrape must not empty them meanwhile).
+    busiest = await queue_by_account(runtime.pool, limit=TOP_ACCOUNTS) if local else None
+    if busiest is not None:
+        series.account_runs.clear()
+        series.account_limit.clear()
+    for account in busiest or ():
         series.account_runs.labels(account=account.account, state="queued").set(account.queued)
         series.account_runs.labels(account=account.account, state="running").set(
             account.running)

@@ -135,6 +135,7 @@ class McpServer:
         self._changed = asyncio.Event()  # pulsed on every state change
         self._next_attempt = 0.0
         self._failures = 0  # attempts that never got ready, since the last success
+        self._unknown_policies: list[str] = []  # policies naming tools it does not list, said
         self._task: asyncio.Task[None] | None = None
         self._starting: anyio.CancelScope | None = None  # cancelled if it breaks while starting
         self._was_ready = False  # the current connection got as far as serving
@@ -440,7 +441,8 @@ class McpServer:
                 "server": self.config.name, "tool": remote.name[:100], "reason": reason})
         self.tools, self.disabled = tools, disabled
         unknown = sorted(set(self.config.tools) - {remote.name for remote in listed})
-        if unknown:
+        if unknown and unknown != self._unknown_policies:  # said once per list, not per refresh
+            self._unknown_policies = unknown
             # A policy for a tool the server does not offer: a typo leaves the tool it meant
             # at the server's policy. Not fatal (a server may offer it later), but said.
             log.warning("mcp tool policies name tools the server does not list", extra={
