@@ -8,11 +8,12 @@ docs/architecture.md): other accounts' objects are 404s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import fnmatch
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol
@@ -441,6 +442,28 @@ class Service:
         return self._request(ask, self._conversation_model(conversation.model), ask.content,
                              ask.params), None
 
+    @contextlib.asynccontextmanager
+    async def _posting(self, slot: ClaimSlot | None) -> AsyncIterator[Conn]:
+        """A connection in a transaction that may post a turn with a claim beside it (`slot`):
+        that claim holds once the COMMIT lands, so a COMMIT whose answer is lost is
+        queue.AnswerLost, for the caller to look for the turn by its key. A connection that
+        cannot be had, or a body that fails, is raised as itself (nothing committed)."""
+        async with self.pool.acquire() as conn:
+            transaction = conn.transaction()
+            await transaction.start()
+            try:
+                yield conn
+            except BaseException:
+                with contextlib.suppress(Exception):  # a connection gone rolled it back itself
+                    await transaction.rollback()
+                raise
+            try:
+                await transaction.commit()
+            except Exception as exc:
+                if slot is not None and queue.answer_in_doubt(exc):
+                    raise queue.AnswerLost(exc) from exc
+                raise
+
     async def _post(self, who: Principal, conversation_id: UUID, req: RunRequest,
                     idempotency_key: str | None, slot: ClaimSlot | None,
                     guess: queue.ModelGuess | None) -> CreatedRun:
@@ -452,7 +475,7 @@ class Service:
             # arbitrate the idempotency key.
             return await self._enqueue(self.pool, who, conversation_id, req, idempotency_key,
                                        beside=slot, guess=guess)
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self._posting(slot) as conn:
             locked = await convs.lock_conversation(conn, who.account_id, conversation_id)
             if locked is None:
                 raise not_found("conversation")
@@ -517,7 +540,7 @@ class Service:
         # under the lock, after the replay and the 409s have had their say.
         early = await self._retry_tool(who, conversation_id, ask, named)
         refusal = await self._tool_refusal(early) if early is not None else None
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self._posting(slot) as conn:
             locked = await convs.lock_conversation(conn, who.account_id, conversation_id)
             if locked is None:
                 raise not_found("conversation")

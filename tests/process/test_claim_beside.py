@@ -105,6 +105,30 @@ async def test_only_a_turn_left_queued_wakes_the_claim_loops(spawn_daemon, pool,
         await listener.close()
 
 
+async def test_a_post_whose_commit_answer_was_lost_runs_its_turn(spawn_daemon, pool, dsn):
+    """A post with on_busy `reject` runs in a transaction of its own: its claim holds once the
+    COMMIT lands. That COMMIT's answer is lost (the relay cuts it): the daemon finds the turn
+    by its claim's key, runs it and answers with it. Before, it answered 503 and the turn waited
+    for the reaper."""
+    marker = "commit lost " + uuid4().hex
+    async with AnswerCutter(dsn) as cutter:
+        daemon = spawn_daemon(dsn=cutter.dsn, **UNLOADED)
+        await daemon.wait_ready()
+        device = await new_device(pool, "beside", "laptop")
+        async with device.client(daemon) as client:
+            conversation = await create_conversation(client)
+            cutter.cut(marker.encode(), then=b"COMMIT")
+            lost = await client.post(f"/v1/conversations/{conversation}/runs", json={
+                "content": marker, "on_busy": "reject",
+                "params": {"tokens": 3, "delay_ms": 0}})
+            assert cutter.cut_done.is_set(), "the relay never cut the COMMIT's answer"
+            assert lost.status_code == 202, lost.text
+            row = await wait_status(pool, UUID(lost.json()["run_id"]), "completed", timeout=15)
+            assert (row["worker_id"], row["error"]) == (daemon.worker_id, None)
+        daemon.close()
+    await _assert_every_run_started_once(pool)
+
+
 async def _assert_every_run_started_once(pool: asyncpg.Pool) -> None:
     starts = await pool.fetch("SELECT r.id, count(e.seq) AS starts FROM agent_run r "
                               "LEFT JOIN run_event e ON e.run_id = r.id AND e.type = 'run_started' "

@@ -1,6 +1,7 @@
 """A TCP relay in front of the test's PostgreSQL that can lose the answer to a statement that
 committed: `async with AnswerCutter(dsn) as cutter:` gives `cutter.dsn`, a DSN through it;
-`cutter.cut(marker)` arms it.
+`cutter.cut(marker)` arms it (`cut(marker, then=b"COMMIT")`: the answer to that connection's next
+statement holding `then`, such as the COMMIT of the transaction `marker` was sent in).
 
 Armed, the first connection whose client sends bytes holding `marker` (a bound parameter, such
 as a worker's name or a message's text) has its statement run by the server as usual, the
@@ -27,6 +28,7 @@ class AnswerCutter:
         self._upstream = urlsplit(upstream_dsn)
         self._server: asyncio.Server | None = None
         self._marker: bytes | None = None
+        self._then: bytes | None = None
         self._pumps: set[asyncio.Task[None]] = set()
         self.cut_done = asyncio.Event()  # set once an armed cut has closed its connection
         self.dsn = ""
@@ -50,10 +52,11 @@ class AnswerCutter:
         await asyncio.gather(*self._pumps, return_exceptions=True)
         await self._server.wait_closed()
 
-    def cut(self, marker: bytes) -> None:
-        """Lose the answer to the next statement whose bytes hold `marker` (once)."""
+    def cut(self, marker: bytes, *, then: bytes | None = None) -> None:
+        """Lose the answer to the next statement whose bytes hold `marker` (once), or with
+        `then`, to the next statement holding `then` on the connection that sent `marker`."""
         self.cut_done.clear()
-        self._marker = marker
+        self._marker, self._then = marker, then
 
     async def _open_upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         query = dict(parse_qsl(self._upstream.query))
@@ -82,9 +85,14 @@ class AnswerCutter:
 
     async def _from_client(self, reader: asyncio.StreamReader, server: asyncio.StreamWriter,
                            cutting: asyncio.Event) -> None:
+        waiting_for: bytes | None = None  # this connection sent the marker: cut at this
         while chunk := await reader.read(65536):
             if self._marker is not None and self._marker in chunk:
-                self._marker = None
+                self._marker, waiting_for, self._then = None, self._then, None
+                if waiting_for is None:
+                    cutting.set()
+            elif waiting_for is not None and waiting_for in chunk:
+                waiting_for = None
                 cutting.set()
             server.write(chunk)
             await server.drain()
