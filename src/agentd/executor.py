@@ -233,8 +233,12 @@ class TurnRunner:
             done: set[asyncio.Task[Any]] = set()
             while not done and turn.deadline_left() > 0:
                 # Past this timeout the deadline may have moved on (an approval wait stopped
-                # the clock meanwhile): the loop looks again.
-                done, _ = await asyncio.wait([generating, *stops], timeout=turn.deadline_left(),
+                # the clock meanwhile): the loop looks again, at least a second later while a
+                # wait holds the clock still (whatever little was left when it began).
+                timeout = turn.deadline_left()
+                if turn.waiting_since is not None:
+                    timeout = max(timeout, 1.0)
+                done, _ = await asyncio.wait([generating, *stops], timeout=timeout,
                                              return_when=asyncio.FIRST_COMPLETED)
         finally:
             for task in stops:

@@ -15,6 +15,7 @@ in) their handshake went uncounted, and anyone could hold as many as the open-fi
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import json
 import logging
@@ -232,6 +233,14 @@ class _GuardedProtocol(asyncio.Protocol):
         raw.pause_reading()
         self._handshake = asyncio.get_running_loop().create_task(
             self._handshake_then(raw, admitted))
+        self._handshake.add_done_callback(functools.partial(self._handshake_ended, raw))
+
+    def _handshake_ended(self, raw: asyncio.Transport, task: asyncio.Task[None]) -> None:
+        # A task cancelled before its first step (the loop shutting down) never runs its own
+        # cleanup: the place it holds is given back here (once, whoever comes first).
+        if task.cancelled():
+            raw.abort()
+            self._leave()
 
     async def _handshake_then(self, raw: asyncio.Transport, admitted: bool) -> None:
         assert self._tls is not None

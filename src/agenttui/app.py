@@ -107,8 +107,11 @@ class AgentTUI(App[None]):
             self.set_keymap(settings.keys)
         # Every key a binding claims, as mapped now, whether or not its action is enabled at
         # the moment (an Alt key remapped to approve must not turn into Esc with no call).
-        self._bound_keys = frozenset(key.strip() for keys, _, _ in self.key_table()
-                                     for key in keys.split(","))
+        # The user's own map too: it may give an Alt key to a dialog's binding.
+        self._bound_keys = frozenset(
+            key.strip() for keys in [*(row[0] for row in self.key_table()),
+                                     *settings.keys.values()]
+            for key in keys.split(","))
 
     def server_now(self) -> datetime:
         """The daemon's clock as this client knows it (or a fixed clock, for snapshots)."""

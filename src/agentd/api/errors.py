@@ -14,8 +14,8 @@ from http import HTTPStatus
 from typing import Any
 
 import asyncpg
-from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage, BadHttpMethod, LineTooLong
+from aiohttp import http_exceptions, web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.typedefs import Handler
 from aiohttp.web_request import BaseRequest
 
@@ -105,6 +105,10 @@ def _count_throttled(request: web.Request, reason: str) -> None:
 
 
 _REASON_CHARS = 200  # of a malformed request's reason in the log line
+# aiohttp's error for a method that is no HTTP method, which aiohttp releases before 3.11.8 do
+# not have (they raise BadHttpMessage, logged as any other then).
+_BAD_METHOD: tuple[type[Exception], ...] = tuple(
+    filter(None, [getattr(http_exceptions, "BadHttpMethod", None)]))
 
 
 class JsonErrorRequestHandler(web.RequestHandler):
@@ -126,7 +130,7 @@ class JsonErrorRequestHandler(web.RequestHandler):
             # traceback (aiohttp logs a traceback for each), its reason cut short. A method
             # that is no HTTP method is what TLS or a scanner sent to this port: debug, as
             # aiohttp logs it.
-            level = logging.DEBUG if isinstance(exc, BadHttpMethod) else logging.WARNING
+            level = logging.DEBUG if isinstance(exc, _BAD_METHOD) else logging.WARNING
             log.log(level, "refused a request that is not valid HTTP",
                     extra={"remote": request.remote, "status": status,
                            "error": str(exc or message or "")[:_REASON_CHARS]})

@@ -441,8 +441,8 @@ class McpServer:
                 "server": self.config.name, "tool": remote.name[:100], "reason": reason})
         self.tools, self.disabled = tools, disabled
         unknown = sorted(set(self.config.tools) - {remote.name for remote in listed})
-        if unknown and unknown != self._unknown_policies:  # said once per list, not per refresh
-            self._unknown_policies = unknown
+        said, self._unknown_policies = self._unknown_policies, unknown
+        if unknown and unknown != said:  # said once while it stays so, not at every refresh
             # A policy for a tool the server does not offer: a typo leaves the tool it meant
             # at the server's policy. Not fatal (a server may offer it later), but said.
             log.warning("mcp tool policies name tools the server does not list", extra={
