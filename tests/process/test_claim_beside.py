@@ -7,6 +7,9 @@ loop anywhere; one left queued wakes them in its own commit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 from uuid import UUID, uuid4
 
 import asyncpg
@@ -111,22 +114,31 @@ async def test_a_post_whose_commit_answer_was_lost_runs_its_turn(spawn_daemon, p
     by its claim's key, runs it and answers with it. Before, it answered 503 and the turn waited
     for the reaper."""
     marker = "commit lost " + uuid4().hex
+    async with relayed_daemon(spawn_daemon, pool, dsn) as (cutter, daemon, client, conversation):
+        cutter.cut(marker.encode(), then=b"COMMIT")
+        lost = await client.post(f"/v1/conversations/{conversation}/runs", json={
+            "content": marker, "on_busy": "reject", "params": {"tokens": 3, "delay_ms": 0}})
+        assert cutter.cut_done.is_set(), "the relay never cut the COMMIT's answer"
+        assert lost.status_code == 202, lost.text
+        row = await wait_status(pool, UUID(lost.json()["run_id"]), "completed", timeout=15)
+        assert (row["worker_id"], row["error"]) == (daemon.worker_id, None)
+    await _assert_every_run_started_once(pool)
+
+
+@contextlib.asynccontextmanager
+async def relayed_daemon(spawn_daemon: Any, pool: asyncpg.Pool, dsn: str,
+                         ) -> AsyncIterator[tuple[AnswerCutter, Any, Any, str]]:
+    """A daemon whose database link goes through a relay that can lose answers, a device's
+    client of it and a conversation: (relay, daemon, client, conversation id)."""
     async with AnswerCutter(dsn) as cutter:
         daemon = spawn_daemon(dsn=cutter.dsn, **UNLOADED)
-        await daemon.wait_ready()
-        device = await new_device(pool, "beside", "laptop")
-        async with device.client(daemon) as client:
-            conversation = await create_conversation(client)
-            cutter.cut(marker.encode(), then=b"COMMIT")
-            lost = await client.post(f"/v1/conversations/{conversation}/runs", json={
-                "content": marker, "on_busy": "reject",
-                "params": {"tokens": 3, "delay_ms": 0}})
-            assert cutter.cut_done.is_set(), "the relay never cut the COMMIT's answer"
-            assert lost.status_code == 202, lost.text
-            row = await wait_status(pool, UUID(lost.json()["run_id"]), "completed", timeout=15)
-            assert (row["worker_id"], row["error"]) == (daemon.worker_id, None)
-        daemon.close()
-    await _assert_every_run_started_once(pool)
+        try:
+            await daemon.wait_ready()
+            device = await new_device(pool, "beside", "laptop")
+            async with device.client(daemon) as client:
+                yield cutter, daemon, client, await create_conversation(client)
+        finally:
+            daemon.close()  # before the relay it talks through goes
 
 
 async def _assert_every_run_started_once(pool: asyncpg.Pool) -> None:
@@ -145,29 +157,23 @@ async def test_a_post_whose_answer_was_lost_runs_its_turn_and_its_retry_gets_it(
     got a 503 and the turn stayed running with nobody executing it until the reaper failed it
     (`lease_expired`)."""
     marker = "answer lost " + uuid4().hex
-    async with AnswerCutter(dsn) as cutter:
-        daemon = spawn_daemon(dsn=cutter.dsn, **UNLOADED)
-        await daemon.wait_ready()
-        device = await new_device(pool, "beside", "laptop")
-        async with device.client(daemon) as client:
-            conversation = await create_conversation(client)
-            body = {"content": marker, "params": {"tokens": 3, "delay_ms": 0}}
-            headers = {"Idempotency-Key": marker.replace(" ", "-")}
-            cutter.cut(marker.encode())
-            lost = await client.post(f"/v1/conversations/{conversation}/runs", json=body,
-                                     headers=headers)
-            assert cutter.cut_done.is_set(), "the relay never cut the post's answer"
-            assert lost.status_code == 202, lost.text
-            [run_id] = await pool.fetchval(
-                "SELECT array_agg(r.id) FROM agent_run r JOIN conversation c"
-                " ON c.id = r.conversation_id WHERE c.id = $1", UUID(conversation))
-            assert lost.json()["run_id"] == str(run_id)
-            row = await wait_status(pool, run_id, "completed", timeout=15)
-            assert (row["worker_id"], row["error"]) == (daemon.worker_id, None)
-            retried = await client.post(f"/v1/conversations/{conversation}/runs", json=body,
-                                        headers=headers)
-            assert retried.status_code == 202, retried.text
-            assert (retried.json()["run_id"], retried.json()["status"]) == (
-                str(run_id), "completed")
-        daemon.close()
+    async with relayed_daemon(spawn_daemon, pool, dsn) as (cutter, daemon, client, conversation):
+        body = {"content": marker, "params": {"tokens": 3, "delay_ms": 0}}
+        headers = {"Idempotency-Key": marker.replace(" ", "-")}
+        cutter.cut(marker.encode())
+        lost = await client.post(f"/v1/conversations/{conversation}/runs", json=body,
+                                 headers=headers)
+        assert cutter.cut_done.is_set(), "the relay never cut the post's answer"
+        assert lost.status_code == 202, lost.text
+        [run_id] = await pool.fetchval(
+            "SELECT array_agg(r.id) FROM agent_run r JOIN conversation c"
+            " ON c.id = r.conversation_id WHERE c.id = $1", UUID(conversation))
+        assert lost.json()["run_id"] == str(run_id)
+        row = await wait_status(pool, run_id, "completed", timeout=15)
+        assert (row["worker_id"], row["error"]) == (daemon.worker_id, None)
+        retried = await client.post(f"/v1/conversations/{conversation}/runs", json=body,
+                                    headers=headers)
+        assert retried.status_code == 202, retried.text
+        assert (retried.json()["run_id"], retried.json()["status"]) == (
+            str(run_id), "completed")
     await _assert_every_run_started_once(pool)
