@@ -34,6 +34,9 @@ from aiohttp.web_protocol import RequestHandler
 log = logging.getLogger("agentd.limits")
 
 MAX_TRACKED_ADDRESSES = 10_000
+# Requests whose bearer token names no one, per client address and minute: past it an address is
+# refused before its token is looked up (each lookup is a database read).
+AUTH_FAILURES_PER_MIN = 300
 STREAM_RETRY_AFTER_S = 5
 
 
@@ -89,6 +92,13 @@ class AddressRateLimiter:
         while len(self._buckets) > MAX_TRACKED_ADDRESSES:
             self._buckets.popitem(last=False)
         return None if allowed else (1.0 - tokens) / self.rate
+
+    def wait_for(self, address: str) -> float | None:
+        """None if `address` has an attempt left now, else the seconds until it has (nothing
+        is spent: for limits that spend only on a failure, checked before the work)."""
+        tokens, stamp = self._buckets.get(rate_key(address), (self.capacity, self._clock()))
+        tokens = min(self.capacity, tokens + (self._clock() - stamp) * self.rate)
+        return None if tokens >= 1.0 else (1.0 - tokens) / self.rate
 
     def give_back(self, address: str) -> None:
         """Return an attempt `take` spent (never past a full bucket): for an attempt the

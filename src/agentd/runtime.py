@@ -30,7 +30,13 @@ from agentd.executor import Journaled, TurnRunner
 from agentd.group_commit import Batcher
 from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
-from agentd.limits import AddressRateLimiter, ConnectionGuard, GuardedSite, StreamSlots
+from agentd.limits import (
+    AUTH_FAILURES_PER_MIN,
+    AddressRateLimiter,
+    ConnectionGuard,
+    GuardedSite,
+    StreamSlots,
+)
 from agentd.listen import bind_listen_sockets
 from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
@@ -105,6 +111,7 @@ class Runtime:
     revocations: RevocationWatch | None = None
     stream_slots: StreamSlots = field(init=False)
     pair_limiter: AddressRateLimiter = field(init=False)
+    auth_failures: AddressRateLimiter = field(init=False)  # bearer tokens that named no one
     reads: SharedReads = field(init=False)  # tails of one run woken together read once
     # Journal and terminal writes of concurrent turns share commits (group_commit.py).
     finishes: Finishes | None = None
@@ -114,6 +121,7 @@ class Runtime:
         self.reads = SharedReads(self.pool)
         self.stream_slots = StreamSlots(self.settings.streams_per_device)
         self.pair_limiter = AddressRateLimiter(self.settings.pair_attempts_per_min)
+        self.auth_failures = AddressRateLimiter(AUTH_FAILURES_PER_MIN)
 
 
 def build_app(runtime: Runtime) -> web.Application:

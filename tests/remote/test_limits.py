@@ -16,6 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agentd.limits import AUTH_FAILURES_PER_MIN
 from agentd.settings import Settings
 from tests.process.helpers import wait_status
 from tests.remote.helpers import RemoteDaemon, SpawnRemote, non_loopback_address, socket_closed
@@ -256,6 +257,34 @@ async def test_connections_still_in_their_tls_handshake_count_against_the_cap(
         return (await answer_to_a_request()).startswith(b"HTTP/1.1 200")
 
     await poll_until(served, 10, interval=0.1, what="room again under the cap")
+
+
+async def test_an_address_whose_tokens_name_no_one_is_refused_before_the_lookup(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    """Every bearer token costs a database read: past AUTH_FAILURES_PER_MIN unknown tokens an
+    address gets 429 too_many_attempts, its tokens not looked up (nothing was counted before,
+    so anyone could make the daemon read the database as fast as it could ask)."""
+    daemon = spawn_remote()
+    await daemon.wait_ready()
+    device = await new_device(pool, "alice", "laptop")
+    async with daemon.client(headers={"Authorization": "Bearer agd_guess"}) as guesser:
+        answers = []
+        # The bucket refills while it is spent (AUTH_FAILURES_PER_MIN a minute): a few more
+        # than the burst may pass before the first refusal.
+        for _ in range(2 * AUTH_FAILURES_PER_MIN):
+            over = await guesser.get("/v1/me")
+            answers.append(over.status_code)
+            if over.status_code != 401:
+                break
+        assert answers[-1] == 429 and answers.count(401) >= AUTH_FAILURES_PER_MIN, answers
+        assert set(answers[:-1]) == {401}
+        assert over.json()["error"]["code"] == "too_many_attempts"
+        assert int(over.headers["Retry-After"]) >= 1
+    # The same address, even with a good token, waits too (it cannot be told apart first).
+    async with device.client(daemon) as laptop:
+        assert (await laptop.get("/v1/me")).status_code == 429
+    metrics = (await daemon.request("GET", "/metrics")).text
+    assert 'agentd_throttled_total{reason="too_many_attempts"}' in metrics
 
 
 async def test_operational_detail_only_for_loopback_or_a_token(

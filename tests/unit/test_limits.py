@@ -82,3 +82,16 @@ def test_an_ipv6_host_gets_one_bucket_for_its_whole_64() -> None:
     assert limiter.take("2001:db8:1:3::1") is None
     assert limiter.take("::ffff:198.51.100.7") is None and limiter.take("198.51.100.7") is None
     assert limiter.take("198.51.100.7") is not None  # mapped or not, the same IPv4 address
+
+
+def test_a_limit_that_spends_on_failures_is_looked_at_without_spending() -> None:
+    clock = Clock()
+    limiter = AddressRateLimiter(2, clock=clock)
+    assert limiter.wait_for("198.51.100.7") is None
+    assert limiter.wait_for("198.51.100.7") is None  # looking spends nothing
+    limiter.take("198.51.100.7")
+    limiter.take("198.51.100.7")
+    wait = limiter.wait_for("198.51.100.7")
+    assert wait is not None and 29.9 <= wait <= 30.0
+    clock.now += 30
+    assert limiter.wait_for("198.51.100.7") is None

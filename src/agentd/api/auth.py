@@ -14,7 +14,7 @@ from aiohttp.typedefs import Handler
 from agentd.accounts import Principal, authenticate
 from agentd.api import RUNTIME
 from agentd.api.errors import error_response
-from agentd.limits import peer_address
+from agentd.limits import Throttled, peer_address
 
 UNAUTHENTICATED = frozenset({("POST", "/v1/pair")})
 
@@ -32,8 +32,17 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     token = _bearer(request)
     if not token:
         return _unauthorized("missing bearer token")
+    # Each token costs a database read: an address whose tokens keep naming no one is refused
+    # before the read, as pairing attempts are (its failures are what it spends).
+    failures = request.app[RUNTIME].auth_failures
+    address = peer_address(request)
+    wait = failures.wait_for(address)
+    if wait is not None:
+        raise Throttled("too_many_attempts", "too many requests with unknown or revoked tokens "
+                        "from this address; wait and retry", wait)
     who = await _principal_of(request, token)
     if who is None:
+        failures.take(address)
         return _unauthorized("unknown or revoked token")
     request[PRINCIPAL] = who
     return await handler(request)
