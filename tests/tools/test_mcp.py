@@ -165,7 +165,8 @@ async def test_a_failing_server_s_next_start_goes_on_behind_the_turns(
     it. Before, every turn starting during each retry waited it out."""
     starts = tmp_path / "starts"
     hanging = {"command": sys.executable, "args": [
-        "-c", "import sys, time; open(sys.argv[1], 'a').write('start\\n'); time.sleep(3600)",
+        # It reads what it is sent and never answers: its handshake waits until it is killed.
+        "-c", "import sys; open(sys.argv[1], 'a').write('start\\n'); sys.stdin.buffer.read()",
         str(starts)], "start_timeout_s": 8, **AUTO}
     async with start_tools_api({"hang": hanging}) as api:
         conversation = await create_conversation(api.a)
