@@ -49,6 +49,10 @@ def acquire(db: Db) -> Any:
     return db.acquire() if isinstance(db, asyncpg.Pool) else _Borrowed(db)
 
 
+# What a database call can raise that says "not now" rather than "a bug": the connection broke
+# or was refused, the server answered with an error, or the wait for it ran out.
+DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+
 @dataclass(frozen=True, slots=True)
 class DbTimeouts:
     lock_timeout_ms: int = 5_000

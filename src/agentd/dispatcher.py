@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import asyncpg
 
+from agentd.db import DB_ERRORS
 from agentd.failures import RunFailure, failure, log_failure
 from agentd.hub import Hub
 from agentd.load import LoadMonitor
@@ -46,7 +47,6 @@ from agentd.waiting import ended_first
 log = logging.getLogger("agentd.dispatcher")
 
 RunTurn = Callable[[Claim], Awaitable[bool]]
-_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 DRAIN_FAILURE = failure(RunErrorCode.SHUTDOWN)
 
 
@@ -180,7 +180,7 @@ class Dispatcher:
     async def _hand_on(self, why: str) -> None:
         try:
             await wake_claim_loops(self._pool, why)
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("could not wake the other claim loops", extra={"error": str(exc)})
 
     async def reserve(self) -> Reservation | None:
@@ -261,7 +261,7 @@ class Dispatcher:
                 self._owed.claim_sent()  # sent after every ending owed so far committed
                 try:
                     claims = await self._claim(held)
-                except _DB_ERRORS as exc:
+                except DB_ERRORS as exc:
                     self._release(held)
                     if lost_race(exc):  # claim_runs had already run it again at once
                         log.warning("claim lost a race with other transactions again after a "
@@ -351,7 +351,7 @@ class Dispatcher:
                 continue  # an append landed between our snapshot and our lock: re-read
             except LeaseLost:
                 return
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 log.warning("backstop could not finalize; the reaper will",
                             extra={"run_id": str(claim.run_id), "error": str(exc)})
                 return

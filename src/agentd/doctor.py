@@ -66,7 +66,7 @@ async def _database_checks(settings: Settings, dsn: str) -> list[Check]:
         # the pool's DSN is a transaction pooler).
         conn = await dbmod.connect(settings.direct_dsn(dsn))
     except Exception as exc:  # the doctor reports, never raises
-        return [Check("database", False, f"cannot connect: {_one_line(str(exc))} (check "
+        return [Check("database", False, f"cannot connect: {' '.join(str(exc).split())} (check "
                       "--dsn / AGENTD_DSN, and that the server runs and accepts you)")]
     try:
         version = await dbmod.server_version(conn)
@@ -93,10 +93,6 @@ async def _database_checks(settings: Settings, dsn: str) -> list[Check]:
     finally:
         await hub.close()
     return checks
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 async def _pool_check(settings: Settings, dsn: str) -> Check:

@@ -31,6 +31,7 @@ from agentd.approvals import (
     read_approval,
     request_approval,
 )
+from agentd.db import DB_ERRORS
 from agentd.failures import RunFailure, classify, failure, log_failure
 from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.hub import Hub, Subscription
@@ -76,7 +77,6 @@ log = logging.getLogger("agentd.executor")
 
 # Errors after which a write certainly did not commit: nothing answered is in doubt.
 _ROLLED_BACK = (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.CannotConnectNowError)
-_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 # What the model reads for a call a stop caught while it waited for a device's approval.
 NOT_RUN_STOPPED = "not run: the turn was stopped while the call waited for approval"
 
@@ -284,7 +284,7 @@ class TurnRunner:
         was lost meant to give it (its ending's wake-ups are sent if it ended at all)."""
         try:
             ending = await ended_after_lost_answer(self._pool, claim, self._hint)
-        except _DB_ERRORS:
+        except DB_ERRORS:
             return False  # nothing known: the refusal stands
         return ending is not None and (str(ending.status), ending.error_code) == shown
 
@@ -294,7 +294,7 @@ class TurnRunner:
             await check_lease(self._pool, claim)
         except LeaseLost:
             return True
-        except _DB_ERRORS:
+        except DB_ERRORS:
             return False
         return False
 
@@ -485,7 +485,7 @@ class TurnRunner:
                     if not await expire_approval(self._pool, claim, call_id=call_id, note=note):
                         await check_lease(self._pool, claim)  # LeaseLost, or decided first
                     continue
-            except _DB_ERRORS as exc:
+            except DB_ERRORS as exc:
                 log.warning("approval read failed; retrying",
                             extra={"run_id": str(claim.run_id), "error": str(exc)})
                 state = Waiting(1.0)

@@ -21,6 +21,7 @@ from uuid import UUID
 import asyncpg
 
 from agentd import db as dbmod
+from agentd.db import DB_ERRORS
 from agentd.hub import RECONNECTED, Hub, Subscription
 from agentd.metrics import Metrics
 from agentd.queue import (
@@ -36,7 +37,6 @@ from agentd.vocabulary import Channel
 
 log = logging.getLogger("agentd.heartbeat")
 
-_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4)  # after a failed beat; then every RETRY_CAP_S at most
 RETRY_CAP_S = 1.0
 # How long the retry of a locked run may wait for its row (a mid-append lock lasts milliseconds;
@@ -95,7 +95,7 @@ class LeaseKeeper:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if retire:
-            with contextlib.suppress(*_DB_ERRORS):
+            with contextlib.suppress(*DB_ERRORS):
                 async with asyncio.timeout(2.0):
                     await retire_worker(await self._connection(), self._report().worker_id)
         await self._disconnect()
@@ -178,7 +178,7 @@ class LeaseKeeper:
                         h for h in held if h.claim.run_id in set(result.busy)])
                     renewed.update(late.renewed)
                     lost.extend(late.lost)
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             self._metrics.beat_failures.inc()
             log.warning("heartbeat failed; retrying on a new connection (the database decides "
                         "whether a lease lapsed)", extra={"error": str(exc) or type(exc).__name__,
@@ -253,7 +253,7 @@ class LeaseKeeper:
             return
         try:
             await asyncio.wait_for(conn.close(), timeout=1.0)
-        except _DB_ERRORS:
+        except DB_ERRORS:
             conn.terminate()
         except asyncio.CancelledError:
             conn.terminate()

@@ -20,7 +20,7 @@ from uuid import UUID, uuid4
 
 import asyncpg
 
-from agentd.db import Conn, acquire, fetch_one
+from agentd.db import DB_ERRORS, Conn, acquire, fetch_one
 from agentd.db import Db as Db  # re-exported: callers annotate with queue.Db
 from agentd.group_commit import Batcher
 from agentd.pgtext import clean, clean_text
@@ -105,7 +105,6 @@ def answer_in_doubt(exc: BaseException) -> bool:
                             TimeoutError))
 
 
-_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 
 
 def _in_transaction(db: Db) -> bool:
@@ -574,7 +573,7 @@ async def claims_found_again(pool: asyncpg.Pool, worker_id: str, claim_key: UUID
                 rows = await pool.fetch(*Q.runs_claimed_with_key.bind(
                     worker_id=worker_id, claim_key=claim_key))
             return [_claim_from_row(row) for row in rows]
-        except _DB_ERRORS:
+        except DB_ERRORS:
             if time.monotonic() + pause >= deadline:
                 return None
         # A pause between attempts while the server is away, not a wait for a state.

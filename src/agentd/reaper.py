@@ -12,6 +12,7 @@ import logging
 
 import asyncpg
 
+from agentd.db import DB_ERRORS
 from agentd.metrics import Metrics
 from agentd.pairing import purge_pairings
 from agentd.queue import purge_dead_workers, reap_expired_runs, trim_journal
@@ -20,7 +21,6 @@ from agentd.vocabulary import RunErrorCode, RunStatus
 
 log = logging.getLogger("agentd.reaper")
 
-_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 TRIM_EVERY_N_SWEEPS = 120
 PAIRING_AUDIT_S = 7 * 86_400.0  # spent and expired pairing codes are kept this long
 DEAD_WORKER_ROWS_KEPT_S = 86_400.0  # `agentd status` can still name a worker that died today
@@ -60,5 +60,5 @@ async def reap_forever(pool: asyncpg.Pool, settings: Settings,
                     log.info("trimmed journal", extra={"rows": trimmed})
                 await purge_pairings(pool, older_than_s=PAIRING_AUDIT_S)
                 await purge_dead_workers(pool, older_than_s=DEAD_WORKER_ROWS_KEPT_S)
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("reaper sweep failed; will retry", extra={"error": str(exc)})

@@ -19,6 +19,7 @@ from uuid import UUID
 import asyncpg
 
 from agentd.accounts import revoked_devices_among
+from agentd.db import DB_ERRORS
 from agentd.hub import Hub
 from agentd.vocabulary import Channel
 from agentd.waiting import ended_first
@@ -26,7 +27,6 @@ from agentd.waiting import ended_first
 log = logging.getLogger("agentd.revocation")
 
 T = TypeVar("T")
-_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 
 
 class Revoked(Exception):
@@ -86,7 +86,7 @@ class RevocationWatch:
                 if self._watched:
                     try:
                         await self._check()
-                    except _DB_ERRORS as exc:
+                    except DB_ERRORS as exc:
                         log.warning("revocation check failed; will retry",
                                     extra={"error": str(exc)})
                 hinted = asyncio.create_task(sub.wait(self._poll_s))

@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import asyncpg
-
-from agentd.db import Db, acquire
+from agentd.db import DB_ERRORS, Db, acquire
 from agentd.queries import Q
 
 log = logging.getLogger("agentd.statistics")
@@ -27,7 +25,6 @@ HOT_TABLES = ("agent_run", "run_event", "message", "conversation", "conversation
 MIN_CHANGES = 500  # a table is first analyzed once it has seen this many changes
 GROWN_UP_ROWS = 1_000_000  # from here on autovacuum's own thresholds keep up
 CHECK_EVERY_S = 2.0
-_DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 
 
 async def refresh_if_young(db: Db) -> list[str]:
@@ -52,7 +49,7 @@ async def keep_fresh_forever(db: Db, *, every_s: float = CHECK_EVERY_S) -> None:
         await asyncio.sleep(every_s)
         try:
             analyzed = await refresh_if_young(db)
-        except _DB_ERRORS as exc:
+        except DB_ERRORS as exc:
             log.warning("could not refresh planner statistics", extra={"error": str(exc)})
             continue
         if analyzed:
