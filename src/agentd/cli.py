@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -169,13 +170,20 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
-async def _with_pool(settings: Settings, work: Callable[[Any], Awaitable[int]]) -> int:
+async def _with_pool(settings: Settings, work: Callable[[Any], Awaitable[int]], *,
+                     writes: bool) -> int:
+    """Run `work` on a small pool. A command that writes first brings the schema up to date;
+    one that only reads changes nothing, and asks for `agentd migrate` if the schema is behind
+    (a monitoring script's `agentd status` must not run DDL on a fleet's database)."""
     from agentd import db as dbmod
-    from agentd.startup import migrate_database, open_database
+    from agentd.startup import migrate_database, open_database, require_current_schema
 
     database = await open_database(settings)
     try:
-        await migrate_database(settings.direct_dsn(database.dsn))
+        if writes:
+            await migrate_database(settings.direct_dsn(database.dsn))
+        else:
+            await require_current_schema(settings.direct_dsn(database.dsn))
         pool = await dbmod.create_pool(database.dsn, min_size=1, max_size=2,
                                        pooled=settings.pooled)
         try:
@@ -201,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     from agentd.embedded_pg import EmbeddedPgError
     from agentd.listen import ListenError
     from agentd.logs import configure_logging
-    from agentd.startup import StoppedWhileStarting
+    from agentd.startup import SchemaBehind, StoppedWhileStarting
     from agentd.supervisor import SLOT_ENV
     from agentd.tls import TLSError
 
@@ -210,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     handlers: dict[str, Callable[[Settings, argparse.Namespace], Coroutine[Any, Any, int]]] = {
         "serve": _serve, "pair": _pair, "migrate": _migrate, "token": _token,
         "account": _account, "status": _status, "doctor": _doctor}
+    if args.command != "serve":  # serve stops in its own two phases (runtime.on_stop_signals)
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         code = asyncio.run(handlers[args.command](settings, args))
     except EmbeddedPgError as exc:
@@ -217,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     except TLSError as exc:
         _fail(f"{exc}. Fix tls_cert/tls_key, or remove them to use a self-signed certificate.")
     except ListenError as exc:
+        _fail(str(exc), 1)
+    except SchemaBehind as exc:
         _fail(str(exc), 1)
     except StoppedWhileStarting as exc:  # a stop asked for before it served: done as asked
         print(f"agentd: {exc}", file=sys.stderr)
@@ -233,6 +245,12 @@ def main(argv: list[str] | None = None) -> None:
         log.debug("agentd %s failed", args.command, exc_info=True)
         _fail(f"{args.command} failed: {type(exc).__name__}: {_one_line(str(exc))}", 1)
     raise SystemExit(code)
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    """SIGTERM ends a command as Ctrl-C would: unwinding, so that it stops the embedded server
+    it started (when nothing else uses it) rather than leaving it running for nobody."""
+    raise SystemExit(128 + signum)
 
 
 def _one_line(text: str) -> str:
@@ -295,7 +313,7 @@ async def _pair(settings: Settings, args: argparse.Namespace) -> int:
                   file=sys.stderr)
         return 0
 
-    return await _with_pool(settings, work)
+    return await _with_pool(settings, work, writes=True)
 
 
 async def _migrate(settings: Settings, _args: argparse.Namespace) -> int:
@@ -339,7 +357,7 @@ async def _token(settings: Settings, args: argparse.Namespace) -> int:
             print(f"revoked {device_id}")
         return 0
 
-    return await _with_pool(settings, work)
+    return await _with_pool(settings, work, writes=args.token_command != "list")
 
 
 async def _account(settings: Settings, args: argparse.Namespace) -> int:
@@ -377,7 +395,7 @@ async def _account(settings: Settings, args: argparse.Namespace) -> int:
                   f"{a.queued:>8}  {models}")
         return 0
 
-    return await _with_pool(settings, work)
+    return await _with_pool(settings, work, writes=change is not None)
 
 
 def _own_or_default(own: int | None, default: int) -> str:
@@ -392,7 +410,7 @@ async def _status(settings: Settings, args: argparse.Namespace) -> int:
         print(as_json(status) if args.json else as_text(status))
         return 0
 
-    return await _with_pool(settings, work)
+    return await _with_pool(settings, work, writes=False)
 
 
 async def _doctor(settings: Settings, _args: argparse.Namespace) -> int:

@@ -21,8 +21,9 @@ import asyncpg
 from agentd import db as dbmod
 from agentd.accounts import create_device_token, revoke_device
 from agentd.embedded_pg import EmbeddedPostgres, default_data_root
-from agentd.migrate import migrate
+from agentd.migrate import discover, migrate, pending
 from agentd.settings import Settings, is_loopback_host
+from agentd.systemd import supervised
 
 log = logging.getLogger("agentd.startup")
 _T = TypeVar("_T")
@@ -36,8 +37,11 @@ class Database:
     embedded: EmbeddedPostgres | None = None
 
     def close(self) -> None:
+        """Stop using the embedded server (the last process using it stops it)."""
         if self.embedded is not None:
-            self.embedded.stop()
+            # A stopping systemd unit kills whatever it started that is left once its main
+            # process exits, the server it started too: a clean stop here beats that kill.
+            self.embedded.stop(force=self.embedded.owns_server and supervised())
 
 
 async def open_database(settings: Settings) -> Database:
@@ -77,6 +81,26 @@ async def unless_stopped(stop: asyncio.Event, step: Awaitable[_T], what: str) ->
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await running
     raise StoppedWhileStarting(f"stopped while {what}")
+
+
+class SchemaBehind(Exception):
+    """The database's schema lacks migrations this agentd has, and the command only reads."""
+
+
+async def require_current_schema(dsn: str) -> None:
+    """Raise SchemaBehind unless every migration this agentd knows is applied (read only)."""
+    conn = await dbmod.connect(dsn, application_name="agentd-cli")
+    try:
+        missing = await pending(conn)
+    finally:
+        await conn.close()
+    if not missing:
+        return
+    what = ("holds no agentd schema yet" if len(missing) == len(discover())
+            else f"lacks {len(missing)} migration{'s' if len(missing) > 1 else ''} of this "
+                 f"agentd (from {missing[0]})")
+    raise SchemaBehind(f"the database {what}; this command only reads: run `agentd migrate` "
+                       "(or start `agentd serve`) first")
 
 
 async def migrate_database(dsn: str) -> list[str]:

@@ -25,6 +25,11 @@ def sd_notify(state: str) -> bool:
     return True
 
 
+def supervised() -> bool:
+    """Whether systemd runs us as a service that reports readiness (`Type=notify`)."""
+    return bool(os.environ.get("NOTIFY_SOCKET"))
+
+
 def stopping(within_s: float) -> bool:
     """Tell systemd the stop has begun and may take `within_s` seconds: the unit's own
     TimeoutStopSec= is then a floor, and a longer drain_s is not cut short by SIGKILL."""

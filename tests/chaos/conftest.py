@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,12 +10,16 @@ import pytest
 
 from agentd.embedded_pg import EmbeddedPostgres
 from agentd.migrate import migrate
+from tests.support.db import reachable_dir
 
 
 @pytest.fixture
 def storm_server() -> Iterator[tuple[EmbeddedPostgres, str]]:
-    root = Path(tempfile.mkdtemp(prefix="agentd storm "))
-    root.chmod(0o755)
+    with reachable_dir("agentd storm ") as root:
+        yield from _storm_server(root)
+
+
+def _storm_server(root: Path) -> Iterator[tuple[EmbeddedPostgres, str]]:
     server = EmbeddedPostgres(root, fast=True, settings={"max_connections": "300"})
     try:
         server.start()
@@ -40,4 +42,3 @@ def storm_server() -> Iterator[tuple[EmbeddedPostgres, str]]:
         yield server, server.dsn("storm")
     finally:
         server.stop(force=True)
-        shutil.rmtree(root, ignore_errors=True)

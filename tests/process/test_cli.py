@@ -15,6 +15,7 @@ import asyncpg
 import pytest
 
 from agentd.accounts import authenticate
+from agentd.migrate import discover, migrate, pending
 from tests.support.daemon import free_port
 from tests.support.db import with_database
 
@@ -64,6 +65,51 @@ async def test_migrate_status_and_doctor(dsn: str) -> None:
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert "[ok  ] listen/notify: round trip ok" in doctor.stdout
     assert "[ok  ] pool: direct (pooler = none)" in doctor.stdout
+
+
+async def test_read_commands_apply_no_migration(pg_admin_dsn: str, tmp_path: Path) -> None:
+    """`status`, `token list` and `account show` only read: on a schema that lacks migrations
+    they say to run `agentd migrate` and change nothing. They used to apply every pending
+    migration, DDL on a fleet's database from a monitoring script. A command that writes
+    still brings the schema up to date."""
+    name = f"agentd_reads_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(pg_admin_dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        dsn = with_database(pg_admin_dsn, name)
+        reads = (["status"], ["status", "--json"], ["token", "list"], ["account", "show"])
+        for args in reads:
+            result = agentd(*args, "--dsn", dsn)
+            assert result.returncode == 1, result.stdout + result.stderr
+            assert "holds no agentd schema yet" in result.stderr
+            assert "agentd migrate" in result.stderr and "Traceback" not in result.stderr
+        conn = await asyncpg.connect(dsn)
+        try:
+            assert await conn.fetchval("SELECT count(*) FROM pg_class c JOIN pg_namespace n"
+                                       " ON n.oid = c.relnamespace"
+                                       " WHERE n.nspname = 'public'") == 0
+            # One migration behind, as a fleet is while a newer agentd rolls out.
+            *older, newest = discover()
+            behind = tmp_path / "sql"
+            behind.mkdir()
+            for migration in older:
+                (behind / f"{migration.name}.sql").write_text(migration.sql)
+            await migrate(conn, behind)
+            for args in reads:
+                result = agentd(*args, "--dsn", dsn)
+                assert result.returncode == 1, result.stdout + result.stderr
+                assert f"lacks 1 migration of this agentd (from {newest.name})" in result.stderr
+            assert await pending(conn) == [newest.name]
+
+            created = agentd("token", "create", "--dsn", dsn, "--account", "a", "--device", "d")
+            assert created.returncode == 0, created.stderr
+            assert await pending(conn) == []
+            assert agentd("status", "--dsn", dsn).returncode == 0
+        finally:
+            await conn.close()
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
 
 
 def test_doctor_reports_a_database_it_cannot_reach_and_checks_the_rest() -> None:

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -32,6 +33,19 @@ def with_database(dsn: str, database: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, "/" + database, parts.query, parts.fragment))
 
 
+@contextmanager
+def reachable_dir(prefix: str) -> Iterator[Path]:
+    """A temporary folder every account can traverse, removed afterwards. For an embedded
+    PostgreSQL's data: as root the server runs as an unprivileged account, which cannot enter
+    pytest's 0700 base directory, so this is not under tmp_path."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        path.chmod(0o755)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def pg_admin_dsn() -> Iterator[str]:
     """A DSN with rights to create databases: the configured server or an embedded one."""
@@ -41,17 +55,14 @@ def pg_admin_dsn() -> Iterator[str]:
         return
     from agentd.embedded_pg import EmbeddedPostgres
 
-    # Not under pytest's tmp dir: as root, the server runs as an unprivileged account, which
-    # cannot enter pytest's 0700 base directory. The space in the name keeps that path honest.
-    root = Path(tempfile.mkdtemp(prefix="agentd tests "))
-    root.chmod(0o755)
-    server = EmbeddedPostgres(root, fast=True)
-    try:
-        server.start()
-        yield server.dsn("postgres")
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    # The space in the name keeps the paths honest.
+    with reachable_dir("agentd tests ") as root:
+        server = EmbeddedPostgres(root, fast=True)
+        try:
+            server.start()
+            yield server.dsn("postgres")
+        finally:
+            server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import tomllib
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from agentd.providers.demo import expected_answer
 from agentd.vocabulary import MessageStatus, RunStatus
 from agenttui.locations import config_file
 from tests.support.daemon import Daemon, SpawnDaemon, poll_until
+from tests.support.db import reachable_dir
 from tests.support.factories import Device
 from tests.tui.conftest import READY_TIMEOUT_S
 from tests.tui.helpers import client_for
@@ -189,23 +188,13 @@ async def test_login_verifies_then_stores_the_token_0600_keeping_other_settings(
 
 async def test_a_local_daemon_sets_up_the_client_by_itself(spawn_daemon: SpawnDaemon) -> None:
     assert not config_file().exists()
-    # Embedded PostgreSQL, the first-start path. Not under pytest's 0700 tmp dir: as root the
-    # server runs as an unprivileged account that must reach its data directory.
-    data = reachable_data_dir()
-    try:
+    # Embedded PostgreSQL, the first-start path.
+    with reachable_dir("agenttui local ") as data:
         local = spawn_daemon(dsn=None, name="local", args=["--data-dir", str(data / "pg")])
         await local.wait_ready(timeout=READY_TIMEOUT_S * 2)
         await _ask_with_no_setup()
         local.terminate()
         await local.wait_exit(timeout=READY_TIMEOUT_S)
-    finally:
-        shutil.rmtree(data, ignore_errors=True)
-
-
-def reachable_data_dir() -> Path:
-    data = Path(tempfile.mkdtemp(prefix="agenttui local "))
-    data.chmod(0o755)
-    return data
 
 
 async def _ask_with_no_setup() -> None:

@@ -30,6 +30,7 @@ from agentd.embedded_pg import (
     PgBinaries,
     find_binaries,
 )
+from tests.support.db import reachable_dir
 
 MakePg = Callable[..., EmbeddedPostgres]
 
@@ -41,10 +42,8 @@ needs_root = pytest.mark.skipif(
 @pytest.fixture
 def base_dir() -> Iterator[Path]:
     """A folder every account can traverse (pytest's own tmp_path sits under a 0700 folder)."""
-    path = Path(tempfile.mkdtemp(prefix="agentd-pg-test-"))
-    path.chmod(0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with reachable_dir("agentd-pg-test-") as path:
+        yield path
 
 
 @pytest.fixture
@@ -269,6 +268,26 @@ async def test_second_instance_reuses_the_running_server_and_leaves_it_up(
 
     second.stop(force=True)
     assert not first.is_running()
+
+
+async def test_the_last_user_stops_the_server_whoever_started_it(make_pg: MakePg) -> None:
+    """A server stays up while anyone uses it: the process that started it used to stop it on
+    its way out, under a daemon that had found it running."""
+    starter = make_pg()
+    starter.start()
+    pid = postmaster_pid(starter)
+    finder = make_pg()
+    finder.start()
+    assert starter.owns_server and not finder.owns_server
+
+    starter.stop()
+    assert finder.is_running() and postmaster_pid(finder) == pid
+    assert await fetchval("SELECT 1", dsn=finder.dsn()) == 1
+    starter.stop()  # a second stop of an object that no longer uses it changes nothing
+    assert finder.is_running()
+
+    finder.stop()
+    assert not finder.is_running() and not pid_alive(pid)
 
 
 async def test_concurrent_cold_starts_initialise_one_cluster(make_pg: MakePg) -> None:

@@ -1,6 +1,7 @@
 """Run agentd's own PostgreSQL cluster (initdb/pg_ctl) when no DSN is configured.
 
-Invariant: a data directory gets at most one server, started under an exclusive lock; a stale
+Invariant: a data directory gets at most one server, started under an exclusive lock, and
+stopped only by the last process using it; a stale
 ``postmaster.pid`` is removed, never reused, and the server never runs as root (nor as a shared
 account such as ``nobody``). It authenticates with scram-sha-256 and a generated password kept
 in a 0600 file beside the data; a cluster made by an older agentd with ``trust`` is switched over

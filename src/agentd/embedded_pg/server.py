@@ -1,6 +1,7 @@
 """The server: agentd's own PostgreSQL cluster (initdb/pg_ctl) when no DSN is configured.
 
-Invariant: a data directory gets at most one server, started under an exclusive lock; a stale
+Invariant: a data directory gets at most one server, started under an exclusive lock, and
+stopped only by the last process using it; a stale
 ``postmaster.pid`` is removed, never reused, and the server never runs as root (nor as a shared
 account such as ``nobody``). It authenticates with scram-sha-256 and a generated password kept
 in a 0600 file beside the data; a cluster made by an older agentd with ``trust`` is switched over
@@ -64,6 +65,9 @@ FAST_SETTINGS: Mapping[str, str] = {
 _MANAGED_SETTINGS = frozenset({"listen_addresses", "unix_socket_directories", "port"})
 
 _LOCK_NAME = ".agentd-pg.lock"
+# Every process using the server holds a shared lock on this file while it does (the kernel
+# drops it when the process dies), so the last one out can tell it is the last.
+_USERS_NAME = ".agentd-pg.users"
 _HBA_NAME = "pg_hba.conf"
 _LOG_NAME = "server.log"
 _LOG_ROTATE_BYTES = 16 * 1024 * 1024
@@ -147,6 +151,7 @@ class EmbeddedPostgres:
         self._socket_dir = _socket_dir_for(self.data_dir, port)
         self._settings = {**DEFAULT_SETTINGS, **(FAST_SETTINGS if fast else {}), **(settings or {})}
         self._owns_server = False
+        self._use_fd: int | None = None
         self._account_cache: Account | None = None
 
     # -- public API --------------------------------------------------------------------------
@@ -163,7 +168,7 @@ class EmbeddedPostgres:
 
     @property
     def owns_server(self) -> bool:
-        """Whether this object started the running server (and so stops it in :meth:`stop`)."""
+        """Whether this object started the running server (rather than finding it running)."""
         return self._owns_server
 
     @property
@@ -178,8 +183,12 @@ class EmbeddedPostgres:
             return str(os.geteuid())
 
     def start(self) -> None:
-        """Initialise the cluster if needed and start it, or reuse the server already running."""
-        if self._owns_server and self.is_running():
+        """Initialise the cluster if needed and start it, or reuse the server already running.
+
+        Either way this object uses the server until :meth:`stop`, and the server stays up
+        while any process uses it.
+        """
+        if self._use_fd is not None and self.is_running():
             return
         for path in (self.data_dir, self.binaries.bindir):
             if _SHELL_UNSAFE.intersection(str(path)):
@@ -195,33 +204,56 @@ class EmbeddedPostgres:
                 "choose another one or pass --dsn"
             ) from exc
         with self._locked():
-            running = self._live_server(clean=True)
-            if running is not None:
-                self._adopt(running)
-                self._owns_server = False
-                return
-            account = self._account()
-            if account is not None and not self._can_run_binaries(account):
-                self.binaries = self._mirror_binaries()
-            self._prepare_socket_dir(account)
-            password, made = self._ensure_password()
-            if not (self.data_dir / "PG_VERSION").exists():
-                self._initdb(account, password)
-                made = False
-            self._check_reach(account, [self.data_dir, self._socket_dir])
-            trusting = self._hba_trusts()
-            if made or trusting:
-                self._reset_password(account, password, was_trust=trusting)
-            self._launch(account)
-            self._owns_server = True
+            held = self._use_fd is not None
+            self._take_use()
+            try:
+                self._owns_server = self._start_locked()
+            except BaseException:
+                if not held:
+                    self._drop_use()
+                raise
+
+    def _start_locked(self) -> bool:
+        """Reuse the running server (False) or start one, initialising the cluster (True)."""
+        running = self._live_server(clean=True)
+        if running is not None:
+            self._adopt(running)
+            return False
+        account = self._account()
+        if account is not None and not self._can_run_binaries(account):
+            self.binaries = self._mirror_binaries()
+        self._prepare_socket_dir(account)
+        password, made = self._ensure_password()
+        if not (self.data_dir / "PG_VERSION").exists():
+            self._initdb(account, password)
+            made = False
+        self._check_reach(account, [self.data_dir, self._socket_dir])
+        trusting = self._hba_trusts()
+        if made or trusting:
+            self._reset_password(account, password, was_trust=trusting)
+        self._launch(account)
+        return True
 
     def stop(self, mode: StopMode = "fast", *, force: bool = False) -> None:
-        """Stop the server if this object started it (or always, with ``force``)."""
+        """Stop using the server, and stop it if no other process uses it (always, with
+        ``force``).
+
+        Whoever started it, the last user out stops it: a CLI command that started the
+        server while `agentd serve` came up beside it must not take the daemon's database
+        away when it exits, and the daemon then stops it when it exits in turn.
+        """
         if mode not in ("smart", "fast", "immediate"):
             raise ValueError(f"unknown stop mode {mode!r}")
-        if not (self._owns_server or force) or not self.data_dir.is_dir():
+        if (self._use_fd is None and not force) or not self.data_dir.is_dir():
+            self._drop_use()
             return
         with self._locked():
+            self._drop_use()
+            self._owns_server = False
+            if not force and self._others_use():
+                log.info("the embedded PostgreSQL stays up: another process uses it",
+                         extra={"data_dir": str(self.data_dir)})
+                return
             if self._live_server(clean=True) is not None:
                 result = self._run(
                     [self._tool("pg_ctl"), "stop", "-D", str(self.data_dir), "-m", mode,
@@ -232,7 +264,6 @@ class EmbeddedPostgres:
                 # pg_ctl also fails when the server exited between our check and its signal.
                 if result.returncode != 0 and self._live_server(clean=False) is not None:
                     raise self._error("pg_ctl stop failed", result)
-        self._owns_server = False
 
     def is_running(self) -> bool:
         """Return whether a live server owns this data directory (by its ``postmaster.pid``)."""
@@ -303,6 +334,48 @@ class EmbeddedPostgres:
             yield
         finally:
             os.close(fd)  # also releases the lock
+
+    def _take_use(self) -> None:
+        """Hold a shared lock on the users file while this object uses the server (taken under
+        the start lock, so no stop runs between finding the server and counting as its user).
+
+        Close-on-exec: the server, started by our pg_ctl, must not hold our use forever.
+        """
+        if self._use_fd is not None:
+            return
+        path = self.data_root / _USERS_NAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise EmbeddedPgError(f"cannot open the lock file {path}: {exc}") from exc
+        try:
+            # Never waits: an exclusive holder also holds the start lock, which we hold.
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._use_fd = fd
+
+    def _drop_use(self) -> None:
+        if self._use_fd is not None:
+            os.close(self._use_fd)  # also releases the lock
+            self._use_fd = None
+
+    def _others_use(self) -> bool:
+        """Whether another process (or object) holds a use of the server (under the start
+        lock, so none can take one while we look and then stop the server)."""
+        try:
+            fd = os.open(self.data_root / _USERS_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                         0o600)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
 
     def _account(self) -> Account | None:
         """Return the account to run the server as, or None to run it as ourselves (non-root)."""

@@ -1,0 +1,111 @@
+"""One embedded PostgreSQL, several agentd processes: the server stays up while any of them uses
+it, and the last one out stops it, whichever started it (a daemon and the commands run beside
+it, a command stopped with SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from agentd.db import EMBEDDED_DATABASE, ensure_agentd_database
+from agentd.embedded_pg import EmbeddedPostgres
+from agentd.migrate import MIGRATION_LOCK_KEY
+from agentd.vocabulary import RunStatus
+from tests.support.daemon import SpawnDaemon, poll_until
+from tests.support.db import reachable_dir
+from tests.support.factories import enqueue_demo, new_account, new_conversation
+from tests.support.journal import wait_status
+
+READY_TIMEOUT_S = 60.0
+
+
+@pytest.fixture
+def data_root() -> Iterator[Path]:
+    with reachable_dir("agentd shared ") as root:
+        yield root / "pg"
+
+
+def agentd(*args: str, data_root: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+    return subprocess.Popen([sys.executable, "-m", "agentd", *args, "--data-dir", str(data_root)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+async def test_a_daemon_keeps_the_server_a_command_started(
+        spawn_daemon: SpawnDaemon, data_root: Path) -> None:
+    """A command started the server, then `agentd serve` came up on it: the command's exit
+    used to stop the server under the daemon. Now the daemon runs turns on, and stops the
+    server itself when it exits, being the last."""
+    command = EmbeddedPostgres(data_root)  # stands for the command: it starts the server
+    await asyncio.to_thread(command.start)
+    assert command.owns_server
+    try:
+        daemon = spawn_daemon(dsn=None, name="beside", args=["--data-dir", str(data_root)])
+        await daemon.wait_ready(timeout=READY_TIMEOUT_S)
+        # A third process comes and goes meanwhile, and leaves the server to the daemon too.
+        listed = agentd("token", "list", data_root=data_root)
+        _, stderr = listed.communicate(timeout=READY_TIMEOUT_S)
+        assert listed.returncode == 0, stderr
+
+        await asyncio.to_thread(command.stop)
+        assert command.is_running(), "the command stopped the server under the daemon"
+
+        pool = await asyncpg.create_pool(command.dsn(EMBEDDED_DATABASE), min_size=1, max_size=2)
+        try:
+            account = await new_account(pool)
+            conversation = await new_conversation(pool, account)
+            turn = await enqueue_demo(pool, account, conversation, "after the command",
+                                      tokens=5, delay_ms=0)
+            await wait_status(pool, turn.run_id, RunStatus.COMPLETED, timeout=30)
+        finally:
+            await pool.close()
+
+        daemon.terminate()
+        assert await daemon.wait_exit(timeout=READY_TIMEOUT_S) == 0
+        assert not command.is_running(), "the last process out left the server running"
+    finally:
+        await asyncio.to_thread(command.stop, force=True)
+
+
+async def test_a_command_stopped_with_sigterm_stops_the_server_it_was_last_to_use(
+        data_root: Path) -> None:
+    """SIGTERM ends a command as Ctrl-C does, with exit 143: it stops the server when it is
+    the last user. It used to die on the spot and leave the server running for nobody."""
+    first = EmbeddedPostgres(data_root)
+    await asyncio.to_thread(first.start)
+    try:
+        admin = await asyncpg.connect(first.dsn("postgres"))
+        try:
+            await ensure_agentd_database(admin)
+        finally:
+            await admin.close()
+        holder = await asyncpg.connect(first.dsn(EMBEDDED_DATABASE))
+        # Held by the test: `agentd migrate` waits for it, using the server all the while.
+        await holder.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
+        migrating = agentd("migrate", data_root=data_root)
+
+        async def waiting() -> bool:
+            return bool(await holder.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                "'agentd-migrate' AND wait_event_type = 'Lock'"))
+
+        await poll_until(waiting, READY_TIMEOUT_S, what="the command to wait for the lock")
+        await asyncio.to_thread(first.stop)
+        assert first.is_running(), "stopped under the command that still used it"
+
+        migrating.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.to_thread(migrating.communicate, timeout=READY_TIMEOUT_S)
+        assert migrating.returncode == 128 + signal.SIGTERM, stderr
+        assert "Traceback" not in stderr, stderr
+        assert not first.is_running(), "the command left the server running for nobody"
+        holder.terminate()
+    finally:
+        await asyncio.to_thread(first.stop, force=True)
