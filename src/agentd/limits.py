@@ -147,10 +147,14 @@ def peer_address(request: web.Request) -> str:
 # -- connections ------------------------------------------------------------------------------
 
 
-def _refusal() -> bytes:
+AT_THE_CAP = "the server is at its connection limit; retry"
+AT_THE_ADDRESS_CAP = ("this address holds as many connections as the server allows one address; "
+                      "close some and retry")
+
+
+def _refusal(message: str) -> bytes:
     # Written by hand because the connection is never given to aiohttp: that is the point.
-    body = json.dumps({"error": {"code": "too_many_connections",
-                                 "message": "the server is at its connection limit; retry"}})
+    body = json.dumps({"error": {"code": "too_many_connections", "message": message}})
     head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             f"Retry-After: 1\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n")
     return head.encode() + body.encode()
@@ -162,13 +166,22 @@ REFUSALS_OVER_TLS = 16
 
 
 class ConnectionGuard:
-    """Counts this process's connections and times request heads; see the module docstring."""
+    """Counts this process's connections and times request heads; see the module docstring.
 
-    def __init__(self, *, max_connections: int, header_timeout_s: float) -> None:
+    One client address (an IPv6 host's whole /64) holds at most `per_address` of them, so that
+    one host cannot take every place; loopback is this machine's own and is not capped.
+    """
+
+    def __init__(self, *, max_connections: int, header_timeout_s: float,
+                 per_address: int | None = None) -> None:
         self.max_connections = max_connections
+        self.per_address = per_address or max_connections
         self.header_timeout_s = header_timeout_s
         self.open = 0
         self.refused = 0
+        self.refused_per_address = 0
+        # Only addresses with a connection open: bounded by max_connections.
+        self._by_address: dict[str, int] = {}
         self.head_timeouts = 0
         self.refusing = 0  # over-cap connections in their TLS handshake, to be answered 503
         self._by_handler: dict[RequestHandler, _GuardedProtocol] = {}
@@ -179,6 +192,33 @@ class ConnectionGuard:
         """`tls`: the guard does each accepted connection's handshake with it (over the
         header timeout, the connection is closed)."""
         return lambda: _GuardedProtocol(self, make_handler(), tls)
+
+    def admit(self, peer: object) -> tuple[str | None, str | None]:
+        """Take a place for a connection from `peer` (a socket's peername): (the key its place
+        is counted under, None) or (None, why it is refused)."""
+        if self.open >= self.max_connections:
+            self.refused += 1
+            return None, AT_THE_CAP
+        key = _capped_address(peer)
+        if key is not None:
+            held = self._by_address.get(key, 0)
+            if held >= self.per_address:
+                self.refused += 1
+                self.refused_per_address += 1
+                return None, AT_THE_ADDRESS_CAP
+            self._by_address[key] = held + 1
+        self.open += 1
+        return key, None
+
+    def leave(self, key: str | None) -> None:
+        """Give back a place `admit` took."""
+        self.open -= 1
+        if key is not None:
+            left = self._by_address.get(key, 0) - 1
+            if left > 0:
+                self._by_address[key] = left
+            else:
+                self._by_address.pop(key, None)
 
     @web.middleware
     async def middleware(self, request: web.Request,
@@ -205,10 +245,12 @@ class _GuardedProtocol(asyncio.Protocol):
         self._tls = tls
         self._transport: asyncio.Transport | None = None
         self._admitted = False  # it holds a place under the cap
+        self._address: str | None = None  # and under this address's cap, if one applies
         self._refusing = False  # it holds a place among the refusals over TLS
         self._serving = False  # aiohttp's protocol has the connection
         self._lost = False  # the connection ended before the handshake's task had its answer
         self._busy = False
+        self._refusal = AT_THE_CAP  # why it is refused, when it is
         self._timer: asyncio.TimerHandle | None = None
         self._handshake: asyncio.Task[None] | None = None
         # What the TLS layer decrypted before start_tls returned to us (the client's request
@@ -219,10 +261,11 @@ class _GuardedProtocol(asyncio.Protocol):
         # A stream transport (an event loop's own need not subclass asyncio.Transport).
         transport = self._transport = cast(asyncio.Transport, transport)
         guard = self._guard
-        if guard.open >= guard.max_connections:
-            guard.refused += 1
+        self._address, refused = guard.admit(transport.get_extra_info("peername"))
+        if refused is not None:
+            self._refusal = refused
             if self._tls is None:
-                transport.write(_refusal())
+                transport.write(_refusal(refused))
                 transport.close()
             elif guard.refusing < REFUSALS_OVER_TLS:
                 guard.refusing += 1
@@ -232,7 +275,6 @@ class _GuardedProtocol(asyncio.Protocol):
                 transport.abort()
             return
         self._admitted = True
-        guard.open += 1
         if self._tls is None:
             self._serve(transport)
         else:
@@ -276,7 +318,7 @@ class _GuardedProtocol(asyncio.Protocol):
         transport = self._transport = cast(asyncio.Transport, secure)
         if not admitted:
             # Its place among the refusals is given back once it is closed (connection_lost).
-            transport.write(_refusal())
+            transport.write(_refusal(self._refusal))
             transport.close()
             return
         self._serve(transport)
@@ -301,7 +343,7 @@ class _GuardedProtocol(asyncio.Protocol):
         (once)."""
         if self._admitted:
             self._admitted = False
-            self._guard.open -= 1
+            self._guard.leave(self._address)
         if self._refusing:
             self._refusing = False
             self._guard.refusing -= 1
@@ -362,6 +404,23 @@ class _GuardedProtocol(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _capped_address(peer: object) -> str | None:
+    """Whose connections `peer`'s count as (rate_key), or None for loopback, which is this
+    machine's own (the local TUI, a reverse proxy beside the daemon, a benchmark)."""
+    if not (isinstance(peer, tuple) and peer):
+        return None
+    address = str(peer[0])
+    try:
+        parsed = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return rate_key(address)
+    if parsed.is_loopback or (isinstance(parsed, ipaddress.IPv6Address)
+                              and parsed.ipv4_mapped is not None
+                              and parsed.ipv4_mapped.is_loopback):
+        return None
+    return rate_key(address)
 
 
 class GuardedSite(web.BaseSite):

@@ -201,8 +201,9 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     runtime = Runtime(settings, pool, hub, worker_id, providers, tools=tools)
     runtime.clock_offset_s = await dbmod.clock_offset(pool)
     runtime.certificate = certificate
-    runtime.connection_guard = ConnectionGuard(max_connections=settings.max_connections,
-                                               header_timeout_s=settings.header_timeout_s)
+    runtime.connection_guard = ConnectionGuard(
+        max_connections=settings.max_connections, header_timeout_s=settings.header_timeout_s,
+        per_address=settings.max_connections_per_address)
     # Half a keepalive: a revocation whose hint was lost still ends streams within one.
     runtime.revocations = RevocationWatch(pool, hub, poll_s=settings.keepalive_s / 2)
     runtime.revocations.start()
@@ -360,7 +361,11 @@ def _watch_process(runtime: Runtime) -> None:
     if guard is not None:
         metrics.read_at_scrape(metrics.connections_open, lambda: guard.open)
         metrics.total_at_scrape("agentd_connections_refused",
-                                "Connections refused at max_connections.", lambda: guard.refused)
+                                "Connections refused at max_connections or at "
+                                "max_connections_per_address.", lambda: guard.refused)
+        metrics.total_at_scrape("agentd_connections_refused_per_address",
+                                "Connections refused at max_connections_per_address.",
+                                lambda: guard.refused_per_address)
         metrics.total_at_scrape("agentd_header_timeouts",
                                 "Connections closed for a slow request head.",
                                 lambda: guard.head_timeouts)

@@ -137,6 +137,7 @@ class Settings:
     pair_attempts_per_min: int = 10  # POST /v1/pair per client address
     streams_per_device: int = 16
     max_connections: int = 1000
+    max_connections_per_address: int = 200  # one client address (IPv6: /64); loopback is not
     header_timeout_s: float = 10.0  # a request head must arrive whole within this
     body_timeout_s: float = 30.0  # and its body within this
     idle_timeout_s: float = 60.0  # an idle keep-alive connection is closed after this
@@ -153,7 +154,8 @@ class Settings:
             if getattr(self, key) <= 0:
                 raise SettingsError(f"{key} ({_env(key)}) must be > 0")
         for key in ("max_runs", "claim_batch", "pool_max", "max_tool_steps", "max_content_chars",
-                    "pair_attempts_per_min", "streams_per_device", "max_connections"):
+                    "pair_attempts_per_min", "streams_per_device", "max_connections",
+                    "max_connections_per_address"):
             if getattr(self, key) < 1:
                 raise SettingsError(f"{key} ({_env(key)}) must be >= 1")
         if not 0 <= self.workers <= MAX_WORKERS:

@@ -200,6 +200,75 @@ async def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up(
     assert refusals >= 1
 
 
+async def test_one_address_holds_at_most_its_share_of_connections_and_loopback_is_not_capped(
+        spawn_remote: SpawnRemote) -> None:
+    """One host could take every place under max_connections, and with it the daemon from
+    every other client. It now holds at most max_connections_per_address; this machine's own
+    loopback (the local TUI, a proxy beside the daemon) is not capped."""
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
+    share = 3
+    daemon = spawn_remote(host="0.0.0.0", env={"AGENTD_TLS": "off", "AGENTD_INSECURE_HTTP": "1"},
+                          max_connections=10, max_connections_per_address=share)
+
+    async def answer(host: str) -> bytes:
+        try:
+            reader, writer = await asyncio.open_connection(host, daemon.port)
+        except ConnectionRefusedError:  # not listening yet
+            return b""
+        try:
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            await writer.drain()
+            return await socket_closed(reader, 10)
+        except ConnectionError:
+            return b""
+        finally:
+            writer.close()
+
+    async def ready() -> bool:
+        return (await answer("127.0.0.1")).startswith(b"HTTP/1.1 200")
+
+    await poll_until(ready, 30, interval=0.1, what="the daemon to serve")
+    held: list[asyncio.StreamWriter] = []
+    try:
+        for _ in range(share):  # from the other address: its whole share
+            _, writer = await asyncio.open_connection(address, daemon.port)
+            held.append(writer)
+
+        async def refused() -> bytes | None:
+            over = await answer(address)
+            return over if over.startswith(b"HTTP/1.1 503") else None
+
+        over = await poll_until(refused, 10, interval=0.1, what="a refused connection")
+        error = json.loads(over.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "too_many_connections"
+        assert "this address" in error["message"]
+        # Loopback is served meanwhile, well past the other address's share.
+        loopback = []
+        for _ in range(share + 2):
+            _, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+            loopback.append(writer)
+        held += loopback
+        assert (await answer("127.0.0.1")).startswith(b"HTTP/1.1 200")
+        held.pop(0).close()  # a place of the address's share is free again
+
+        async def served() -> bool:
+            return (await answer(address)).startswith(b"HTTP/1.1 200")
+
+        await poll_until(served, 10, interval=0.1, what="room again in the address's share")
+    finally:
+        for writer in held:
+            writer.close()
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{daemon.port}",
+                                 trust_env=False) as local:
+        metrics = (await local.get("/metrics")).text
+    refusals = next(sample.value for family in text_string_to_metric_families(metrics)
+                    for sample in family.samples
+                    if sample.name == "agentd_connections_refused_per_address_total")
+    assert refusals >= 1
+
+
 async def test_a_new_connection_that_sends_nothing_is_closed_within_the_head_timeout(
         spawn_remote: SpawnRemote) -> None:
     """Its place under the cap is not held until aiohttp's idle timeout (60 s)."""

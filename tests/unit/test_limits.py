@@ -6,7 +6,15 @@ import uuid
 
 import pytest
 
-from agentd.limits import MAX_TRACKED_ADDRESSES, AddressRateLimiter, StreamSlots, Throttled
+from agentd.limits import (
+    AT_THE_ADDRESS_CAP,
+    AT_THE_CAP,
+    MAX_TRACKED_ADDRESSES,
+    AddressRateLimiter,
+    ConnectionGuard,
+    StreamSlots,
+    Throttled,
+)
 
 
 class Clock:
@@ -95,3 +103,22 @@ def test_a_limit_that_spends_on_failures_is_looked_at_without_spending() -> None
     assert wait is not None and 29.9 <= wait <= 30.0
     clock.now += 30
     assert limiter.wait_for("198.51.100.7") is None
+
+
+def test_an_address_holds_its_share_of_connections_and_loopback_is_not_capped() -> None:
+    guard = ConnectionGuard(max_connections=16, header_timeout_s=10, per_address=2)
+    taken = [guard.admit(("2001:db8::1", 40000, 0, 0)), guard.admit(("2001:db8::2", 40001, 0, 0))]
+    assert [why for _, why in taken] == [None, None]
+    # The same /64 from a third address: over its share, not over the cap.
+    assert guard.admit(("2001:db8::3", 40002, 0, 0)) == (None, AT_THE_ADDRESS_CAP)
+    assert guard.admit(("2001:db8:0:1::1", 40003, 0, 0))[1] is None  # another /64
+    assert guard.admit(("192.0.2.7", 40004))[1] is None
+    for loopback in (("127.0.0.1", 1), ("127.9.9.9", 2), ("::1", 3, 0, 0),
+                     ("::ffff:127.0.0.1", 4, 0, 0)):
+        for _ in range(3):
+            assert guard.admit(loopback)[1] is None
+    assert (guard.open, guard.refused, guard.refused_per_address) == (16, 1, 1)
+    assert guard.admit(("198.51.100.1", 5)) == (None, AT_THE_CAP)  # the cap holds for all
+    key, _ = taken[0]
+    guard.leave(key)
+    assert guard.admit(("2001:db8::3", 40005, 0, 0))[1] is None  # its share has room again
