@@ -351,6 +351,7 @@ class TurnRunner:
         call_timeout_s = self._settings.providers[ref.provider].call_timeout_s
         for step in range(self._settings.max_tool_steps + 1):
             calls: list[ToolCallRequest] = []
+            said_before = len(turn.text)
             # aclosing: a cancel landing while we journal a delta still closes the provider's
             # stream (and its upstream connection) at once, not when the generator is collected.
             stream = provider.stream(ref.model, messages, specs, params)
@@ -384,17 +385,21 @@ class TurnRunner:
                 return
             if step == self._settings.max_tool_steps:
                 break  # one step too many: refuse it rather than run it
-            messages.extend(await self._run_tools(turn, ref, calls))
+            # What the model said in this step goes back to it with its calls: its next step
+            # reads that it said it (the stored answer keeps the whole turn's text, as
+            # streamed, so the transcript's shape is unchanged).
+            said = "".join(turn.text[said_before:])
+            messages.extend(await self._run_tools(turn, ref, calls, said))
         raise TooManyToolSteps(f"more than {self._settings.max_tool_steps} tool steps in one turn")
 
-    async def _run_tools(self, turn: _Turn, ref: ModelRef,
-                         calls: list[ToolCallRequest]) -> list[dict[str, Any]]:
+    async def _run_tools(self, turn: _Turn, ref: ModelRef, calls: list[ToolCallRequest],
+                         said: str) -> list[dict[str, Any]]:
         claim = turn.claim
         wire_calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
         turn.asked_tools = True
         await _retried(insert_message, self._pool, claim, role=MessageRole.ASSISTANT,
                        content="", tool_calls=wire_calls, message_id=uuid4())
-        added: list[dict[str, Any]] = [{"role": "assistant", "content": "",
+        added: list[dict[str, Any]] = [{"role": "assistant", "content": said,
                                         "tool_calls": wire_calls}]
         ctx = ToolContext(claim.run_id, claim.conversation_id, claim.account_id, claim.fence,
                           self._tool_store)

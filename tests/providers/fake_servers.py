@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,10 +188,13 @@ def openai_text(*pieces: str, usage: tuple[int, int] = (12, 5)) -> list[bytes]:
 
 
 def openai_tool_calls(calls: list[tuple[str, str, list[str]]],
-                      usage: tuple[int, int] = (30, 20)) -> list[bytes]:
+                      usage: tuple[int, int] = (30, 20), *, said: Sequence[str] = ()
+                      ) -> list[bytes]:
     """Tool calls (id, name, argument fragments), fragments interleaved across calls the way
-    parallel calls stream: the first fragment carries id and name, the rest only text."""
+    parallel calls stream: the first fragment carries id and name, the rest only text. `said`:
+    text the model streams before its calls."""
     frames = [openai_chunk({"role": "assistant", "content": None})]
+    frames += [openai_chunk({"content": piece}) for piece in said]
     for index, (call_id, name, _) in enumerate(calls):
         frames.append(openai_chunk({"tool_calls": [{"index": index, "id": call_id,
                                                     "type": "function",

@@ -124,6 +124,27 @@ async def test_openai_turn_with_a_tool_step_sums_usage_and_keeps_the_answer(
     assert json.loads(second[-1]["content"]) == {"result": {"expression": "6 * 7", "value": 42}}
 
 
+async def test_the_model_reads_what_it_said_before_its_tool_call(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+    """Text a model streams before a tool call goes back to it with the call: its next step
+    used to read an assistant message with no text, as if it had said nothing. The stored
+    answer keeps the whole turn's text, as every device saw it stream."""
+    fake.script(sse(openai_tool_calls([("call_7", "calculator", ['{"expression": "6 * 7"}'])],
+                                      said=["Let me ", "work that out."])),
+                sse(openai_text(" It is 42.")))
+    settings = settings_for(tmp_path, openai_env(fake))
+    row, journal = await run_turn(dsn, pool, settings, "openai:fake")
+
+    assert row["status"] == RunStatus.COMPLETED, row["error"]
+    second = fake.received[1].body["messages"]
+    assert second[-2]["role"] == "assistant"
+    assert second[-2]["content"] == "Let me work that out."
+    assert second[-2]["tool_calls"][0]["id"] == "call_7"
+    streamed = "".join(p["delta"] for p in of_type(journal, EventType.CONTENT_DELTA))
+    assert streamed == "Let me work that out. It is 42."
+    assert (await answer(pool, row["id"]))[-1] == ("assistant", streamed, "complete")
+
+
 async def test_bad_tool_arguments_become_a_tool_error_result_and_the_turn_goes_on(
         dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
     fake.script(sse(openai_tool_calls([("call_1", "calculator", ['{"expr": "6*7"}'])])),
