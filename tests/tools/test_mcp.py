@@ -303,3 +303,32 @@ def test_bad_server_tables_fail_at_start_naming_the_key(tmp_path: Path,
     config = write_config(tmp_path / "agentd.toml", {"s": bad})
     with pytest.raises(SettingsError, match=r"mcp\.s"):
         load_settings(config, env={})
+
+
+async def test_a_server_unavailable_says_whether_it_failed_or_is_still_starting() -> None:
+    """What a caller that gives up on a server reads follows its state: while a new attempt
+    after a failure is under way it is still starting, not 'failed to start'."""
+    from agentd.tool_settings import McpServerConfig
+    from agentd.tools.mcp import McpServer, McpUnavailable
+
+    # It reads what it is sent and never answers: every handshake runs out its time.
+    server = McpServer(McpServerConfig(name="hang", command=sys.executable, args=(
+        "-c", "import sys; sys.stdin.buffer.read()"), start_timeout_s=1.0))
+    try:
+        with pytest.raises(McpUnavailable, match=r"is unavailable: it is still starting$"):
+            await server.ensure_ready(within_s=0.2)
+        with pytest.raises(McpUnavailable, match="it failed to start"):
+            await server.ensure_ready()  # waits out the first attempt
+        assert server.state == "failed"
+
+        async def starting_again() -> str | None:
+            try:
+                await server.ensure_ready(within_s=0.2)
+            except McpUnavailable as exc:
+                return str(exc) if server.state == "starting" else None
+            raise AssertionError("the hanging server got ready")
+
+        said = await poll_until(starting_again, 10, what="the next attempt")
+        assert said.endswith("is unavailable: it is still starting"), said
+    finally:
+        await server.close()

@@ -47,6 +47,11 @@ MAX_RESULT_CHARS = 100_000
 VALID_TOOL_NAME = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
+# By the server's state when a caller gives up on it ("starting" also after a failure: a new
+# attempt is under way).
+_WHY_UNAVAILABLE = {"failed": "it failed to start", "starting": "it is still starting",
+                    "restarting": "it is being restarted"}
+
 class McpUnavailable(ToolError):
     """The server is not connected (and could not be within its start timeout)."""
 
@@ -240,7 +245,7 @@ class McpServer:
         # What the model and every attached device read: the reason stays in the log and
         # `agentd doctor`, since it can name an environment variable, a path or quote the
         # server.
-        why = "it failed to start" if self.error else "it is not ready"
+        why = _WHY_UNAVAILABLE.get(self.state, "it is not ready")
         retry = f"; next attempt in {retry_in:.0f} s" if retry_in is not None else ""
         return f"MCP server {self.config.name!r} is unavailable: {why}{retry}"
 
