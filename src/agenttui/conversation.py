@@ -43,6 +43,7 @@ from agenttui.models import (
     RunEvent,
     StopResult,
     parse_time,
+    tool_arguments,
 )
 
 TOOL_SUMMARY_CHARS = 80
@@ -93,15 +94,18 @@ class ToolStep:
 
     call_id: str
     name: str
-    arguments: dict[str, Any] = field(default_factory=dict)
+    arguments: Any = field(default_factory=dict)  # models.tool_arguments
     result: str | None = None
     error: str | None = None
     done: bool = False
     approval: Approval | None = None
 
     def summary(self) -> str:
-        args = ", ".join(f"{key}={json.dumps(value, ensure_ascii=False, sort_keys=True)}"
-                         for key, value in sorted(self.arguments.items()))
+        if isinstance(self.arguments, dict):
+            args = ", ".join(f"{key}={json.dumps(value, ensure_ascii=False, sort_keys=True)}"
+                             for key, value in sorted(self.arguments.items()))
+        else:  # what a model sent that was no JSON object, quoted as it came
+            args = json.dumps(self.arguments, ensure_ascii=False)
         args = args if len(args) <= 48 else args[:47] + "…"
         head = f"{self.name}({args})"
         if self.approval is not None and (self.approval.pending or not self.done):
@@ -382,7 +386,7 @@ class ConversationModel:
         elif kind == EventType.TOOL_CALL:
             call_id = str(payload.get("call_id") or f"call-{event.seq}")
             step = turn.tools.setdefault(call_id, ToolStep(call_id, str(payload.get("name"))))
-            step.arguments = dict(payload.get("arguments") or {})
+            step.arguments = tool_arguments(payload.get("arguments"))
         elif kind == EventType.TOOL_RESULT:
             call_id = str(payload.get("call_id") or "")
             step = turn.tools.setdefault(call_id, ToolStep(call_id, str(payload.get("name"))))
@@ -668,7 +672,7 @@ def _take_message(turn: Turn, message: Message) -> None:
     elif message.role == MessageRole.ASSISTANT and message.tool_calls:
         for call in message.tool_calls:
             step = turn.tools.setdefault(call.id, ToolStep(call.id, call.name))
-            step.arguments = dict(call.arguments)
+            step.arguments = tool_arguments(call.arguments)
     elif message.role == MessageRole.ASSISTANT:
         turn.answer = message.content
         turn.answer_status = message.status

@@ -70,7 +70,16 @@ class Conversation:
 class ToolCall:
     id: str
     name: str
-    arguments: dict[str, Any]
+    arguments: Any  # a JSON object, or what the model sent that was none (tool_arguments)
+
+
+def tool_arguments(value: Any) -> Any:
+    """A call's arguments as the daemon keeps them: a JSON object, or, when a model sent text
+    that is no JSON object, that text as it came (the model was told it was wrong). Shown as
+    they are, never refused: one bad call must not make a conversation unreadable."""
+    if isinstance(value, dict):
+        return dict(value)
+    return {} if value is None else value
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +99,7 @@ class Message:
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Message:
         calls = tuple(ToolCall(str(c.get("id", "")), str(c.get("name", "")),
-                               dict(c.get("arguments") or {}))
+                               tool_arguments(c.get("arguments")))
                       for c in data.get("tool_calls") or ())
         return cls(data["id"], _enum(MessageRole, data["role"]), data.get("content") or "",
                    _enum(MessageStatus, data["status"]), _opt_str(data.get("run_id")),

@@ -169,3 +169,24 @@ def test_a_stop_requested_elsewhere_shows_cancelling_and_names_the_asker() -> No
     assert model.owner()[1] == "laptop"
     assert model.apply(RunStateChanged("r1", "running", True)).bar
     assert model.state == "cancelling"
+
+
+def test_tool_arguments_that_are_no_json_object_are_shown_as_they_came() -> None:
+    """A model may send arguments that are no JSON object (`{"path": "a`): the daemon keeps
+    that text and tells the model. The client read them with dict(), so one such call made the
+    conversation unreadable on every device, its live feed and every snapshot after it."""
+    broken = '{"path": "a'
+    call = {**message("m2", "assistant", "", "complete", "r1"),
+            "tool_calls": [{"id": "c1", "name": "read_file", "arguments": broken}]}
+    model = ConversationModel(ME, CONV)
+    model.apply(snapshot([message("m1", "user", "q", "complete", "r1"), call],
+                         [run("r1", "completed", OTHER)]))
+    step = model.turns["r1"].tools["c1"]
+    assert step.arguments == broken
+    assert broken.replace('"', '\\"') in step.summary()
+
+    model.apply(event("r2", 1, EventType.USER_MESSAGE, message_id="m3", content="again"))
+    model.apply(event("r2", 2, EventType.TOOL_CALL, call_id="c2", name="read_file",
+                      arguments=[1, 2]))
+    assert model.turns["r2"].tools["c2"].arguments == [1, 2]
+    assert "read_file([1, 2])" in model.turns["r2"].tools["c2"].summary()
