@@ -51,7 +51,24 @@ def acquire(db: Db) -> Any:
 
 # What a database call can raise that says "not now" rather than "a bug": the connection broke
 # or was refused, the server answered with an error, or the wait for it ran out.
-DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
+             asyncpg.InternalClientError, TimeoutError)
+# Of those, the ones that say the database cannot be had right now (a request may be retried,
+# a worker's write retried within its lease): the connection broke or was refused, the server is
+# starting, stopping or restarting after a backend's crash (every session is ended then), or it
+# has no connection left for a pool that grows.
+UNAVAILABLE = (OSError, TimeoutError, asyncpg.InterfaceError,
+               # What asyncpg raises when a pooled connection's backend was ended while it sat
+               # idle (the server restarting, pg_terminate_backend) and the pool lends it once
+               # more before it has noticed.
+               asyncpg.InternalClientError,
+               asyncpg.exceptions.PostgresConnectionError,
+               asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.AdminShutdownError,
+               asyncpg.exceptions.CrashShutdownError, asyncpg.exceptions.TooManyConnectionsError)
+# Of those, the ones raised before a statement could be sent: nothing is in doubt.
+NOT_SENT = (asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.TooManyConnectionsError,
+            asyncpg.exceptions.ClientCannotConnectError,
+            asyncpg.exceptions.ConnectionRejectionError)
 
 @dataclass(frozen=True, slots=True)
 class DbTimeouts:

@@ -31,7 +31,7 @@ from agentd.approvals import (
     read_approval,
     request_approval,
 )
-from agentd.db import DB_ERRORS
+from agentd.db import DB_ERRORS, NOT_SENT
 from agentd.failures import RunFailure, classify, failure, log_failure
 from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.hub import Hub, Subscription
@@ -76,7 +76,7 @@ from agentd.vocabulary import (
 log = logging.getLogger("agentd.executor")
 
 # Errors after which a write certainly did not commit: nothing answered is in doubt.
-_ROLLED_BACK = (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.CannotConnectNowError)
+_ROLLED_BACK = (asyncpg.exceptions.DeadlockDetectedError, *NOT_SENT)
 # What the model reads for a call a stop caught while it waited for a device's approval.
 NOT_RUN_STOPPED = "not run: the turn was stopped while the call waited for approval"
 

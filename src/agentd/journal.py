@@ -17,6 +17,7 @@ from uuid import UUID
 
 import asyncpg
 
+from agentd.db import UNAVAILABLE
 from agentd.queue import (
     Appends,
     Claim,
@@ -38,10 +39,7 @@ DEFAULT_FLUSH_INTERVAL_S = 0.250
 # Shared with the terminal write (executor), which retries its transaction the same way.
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0)
 # A deadlock is retried too: a shared commit holds several runs' row locks until it commits.
-TRANSIENT = (OSError, asyncpg.InterfaceError, asyncpg.exceptions.ConnectionFailureError,
-             asyncpg.exceptions.DeadlockDetectedError,
-              asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.AdminShutdownError,
-              asyncpg.exceptions.ConnectionDoesNotExistError, TimeoutError)
+TRANSIENT = (*UNAVAILABLE, asyncpg.exceptions.DeadlockDetectedError)
 
 
 class Emitter:

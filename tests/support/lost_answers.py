@@ -10,6 +10,14 @@ ReadyForQuery: the implicit transaction has committed) both sides closed. The cl
 a broken link or a restarted server gives it, a connection lost in the middle of an operation,
 for a statement that did commit. No library relays PostgreSQL's protocol this way; the part
 read here is its framing alone (a type byte and a length), on the server's side.
+
+`cutter.stall(marker)` makes the links open now whose first bytes (the startup message, with its
+application_name) held `marker` go silent: the server's answers are dropped from then on and
+nothing is closed, as over a link that died without a word. Links opened later are relayed.
+
+`cutter.refuse_new(sqlstate, message)` answers every link opened from then on as a server that
+takes no more does: a FATAL ErrorResponse to its startup message (e.g. 53300, "sorry, too many
+clients already"), then the close. `refuse_new(None)` lets them through again.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from types import TracebackType
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 _READY_FOR_QUERY = ord("Z")
+_BACKEND_KEY_DATA = ord("K")
 
 
 class AnswerCutter:
@@ -30,6 +39,12 @@ class AnswerCutter:
         self._marker: bytes | None = None
         self._then: bytes | None = None
         self._pumps: set[asyncio.Task[None]] = set()
+        self._startups: list[tuple[bytes, asyncio.Event]] = []  # each link's first bytes
+        self._refusal: bytes | None = None  # what a new link's startup is answered with
+        self.refused = 0
+        # The server's process for each link (from its BackendKeyData): the backends that serve
+        # the relay's clients, to be found in pg_stat_activity.
+        self.backend_pids: set[int] = set()
         self.cut_done = asyncio.Event()  # set once an armed cut has closed its connection
         self.dsn = ""
 
@@ -58,6 +73,23 @@ class AnswerCutter:
         self.cut_done.clear()
         self._marker, self._then = marker, then
 
+    def stall(self, marker: bytes) -> int:
+        """Silence the open links whose startup held `marker`; how many there were."""
+        silenced = [quiet for startup, quiet in self._startups if marker in startup]
+        for quiet in silenced:
+            quiet.set()
+        return len(silenced)
+
+    def refuse_new(self, sqlstate: str | None, message: str = "") -> None:
+        """Answer links opened from now on with a FATAL error (None: relay them again)."""
+        if sqlstate is None:
+            self._refusal = None
+            return
+        fields = b"".join(kind + value.encode() + b"\0" for kind, value in (
+            (b"S", "FATAL"), (b"V", "FATAL"), (b"C", sqlstate), (b"M", message)))
+        body = fields + b"\0"
+        self._refusal = b"E" + struct.pack("!I", len(body) + 4) + body
+
     async def _open_upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         query = dict(parse_qsl(self._upstream.query))
         host = query.get("host") or unquote(self._upstream.hostname or "127.0.0.1")
@@ -72,10 +104,25 @@ class AnswerCutter:
         assert task is not None
         self._pumps.add(task)
         cutting = asyncio.Event()
+        quiet = asyncio.Event()
+        if self._refusal is not None:
+            refusal = self._refusal
+            try:
+                length = struct.unpack("!I", await client_r.readexactly(4))[0]
+                await client_r.readexactly(length - 4)  # the startup message
+                client_w.write(refusal)
+                await client_w.drain()
+                self.refused += 1
+            except (OSError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                client_w.close()
+                self._pumps.discard(task)
+            return
         server_r, server_w = await self._open_upstream()
         try:
-            await asyncio.gather(self._from_client(client_r, server_w, cutting),
-                                 self._from_server(server_r, client_w, cutting))
+            await asyncio.gather(self._from_client(client_r, server_w, cutting, quiet),
+                                 self._from_server(server_r, client_w, cutting, quiet))
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass  # the link closed, or the relay is closing: this task is the relay's own
         finally:
@@ -84,9 +131,13 @@ class AnswerCutter:
             self._pumps.discard(task)
 
     async def _from_client(self, reader: asyncio.StreamReader, server: asyncio.StreamWriter,
-                           cutting: asyncio.Event) -> None:
+                           cutting: asyncio.Event, quiet: asyncio.Event) -> None:
         waiting_for: bytes | None = None  # this connection sent the marker: cut at this
+        first = True
         while chunk := await reader.read(65536):
+            if first:
+                self._startups.append((chunk, quiet))
+                first = False
             if self._marker is not None and self._marker in chunk:
                 self._marker, waiting_for, self._then = None, self._then, None
                 if waiting_for is None:
@@ -99,11 +150,15 @@ class AnswerCutter:
         server.close()
 
     async def _from_server(self, reader: asyncio.StreamReader, client: asyncio.StreamWriter,
-                           cutting: asyncio.Event) -> None:
+                           cutting: asyncio.Event, quiet: asyncio.Event) -> None:
         while True:
             head = await reader.readexactly(5)
             kind, length = head[0], struct.unpack("!I", head[1:])[0]
             body = await reader.readexactly(length - 4)
+            if kind == _BACKEND_KEY_DATA:
+                self.backend_pids.add(struct.unpack("!I", body[:4])[0])
+            if quiet.is_set():
+                continue  # a link that died without a word: nothing comes back, nothing closes
             if not cutting.is_set():
                 client.write(head + body)
                 await client.drain()

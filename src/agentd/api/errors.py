@@ -21,16 +21,15 @@ from aiohttp.web_request import BaseRequest
 
 from agentd.api import RUNTIME
 from agentd.api.sse import OPEN_STREAM
+from agentd.db import UNAVAILABLE
 from agentd.limits import Throttled
 from agentd.queue import lost_race
 from agentd.service import ServiceError
 
 log = logging.getLogger("agentd.api")
 
-_UNAVAILABLE = (OSError, asyncpg.CannotConnectNowError, asyncpg.ConnectionDoesNotExistError,
-                asyncpg.InterfaceError, asyncpg.exceptions.ConnectionFailureError,
-                asyncpg.exceptions.AdminShutdownError, asyncpg.exceptions.QueryCanceledError,
-                asyncpg.exceptions.LockNotAvailableError, TimeoutError)
+_UNAVAILABLE = (*UNAVAILABLE, asyncpg.exceptions.QueryCanceledError,
+                asyncpg.exceptions.LockNotAvailableError)
 
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
