@@ -85,6 +85,11 @@ class LeaseKeeper:
     def __len__(self) -> int:
         return len(self._held)
 
+    @property
+    def attempt_s(self) -> float:
+        """How long one beat may take, connecting included (half a lease)."""
+        return self._settings.lease_ttl_s / 2
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._beat_forever(), name="agentd-heartbeat")
 
@@ -167,8 +172,12 @@ class LeaseKeeper:
         loop = asyncio.get_running_loop()
         started = loop.time()
         try:
-            conn = await self._connection()
-            async with asyncio.timeout(self._settings.lease_ttl_s):
+            # Half a lease at most, connecting included: a beat sent over a link that died
+            # silently is given up in time for a retry on a new connection to land before the
+            # leases lapse (a bound of a whole lease left none), while a slow database still
+            # has long enough to answer.
+            async with asyncio.timeout(self.attempt_s):
+                conn = await self._connection()
                 result = await beat(conn, self._report(), [h.claim for h in held],
                                     self._settings.lease_ttl_s)
                 renewed = dict(result.renewed)
@@ -244,7 +253,7 @@ class LeaseKeeper:
                 self._dsn, application_name="agentd-heartbeat",
                 timeouts=dbmod.DbTimeouts(
                     lock_timeout_ms=STRAGGLER_LOCK_TIMEOUT_MS,
-                    statement_timeout_ms=int(self._settings.lease_ttl_s * 1000)))
+                    statement_timeout_ms=int(self.attempt_s * 1000)))
         return self._conn
 
     async def _disconnect(self) -> None:
