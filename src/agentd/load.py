@@ -59,8 +59,13 @@ class LoadMonitor:
         self._metrics = metrics
         self.max_loop_lag_s = max_loop_lag_s
         self.max_pool_wait_s = max_pool_wait_s
+        self._clock = clock
         self._lag = _Window(clock)
         self._wait = _Window(clock)
+        # When the pool probe still waiting for a connection began: a wait is known to be at
+        # least this long before it ends (it may take POOL_PROBE_TIMEOUT_S), and admission must
+        # not forget it once its last finished sample leaves the window.
+        self._probing_since: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._sampled = asyncio.Event()
         self.holding_back = False
@@ -93,6 +98,8 @@ class LoadMonitor:
     def overload(self) -> str | None:
         """Why this process should not take more work right now, or None."""
         lag, wait = self._lag.worst(), self._wait.worst()
+        if self._probing_since is not None:
+            wait = max(wait, self._clock() - self._probing_since)
         if lag > self.max_loop_lag_s:
             return (f"event loop lag {lag * 1000:.0f} ms > {self.max_loop_lag_s * 1000:.0f} ms "
                     "(max_loop_lag_ms)")
@@ -135,10 +142,14 @@ class LoadMonitor:
         while True:
             await asyncio.sleep(POOL_PROBE_S)
             asked = loop.time()
+            self._probing_since = self._clock()
             try:
                 async with self._pool.acquire(timeout=POOL_PROBE_TIMEOUT_S):
                     waited = loop.time() - asked
+                    self._probing_since = None
             except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
                 # No connection within the probe's bound (or none at all): as bad as it gets.
                 waited = loop.time() - asked
+            finally:
+                self._probing_since = None
             self.record_pool_wait(waited)
