@@ -148,11 +148,12 @@ async def account_devices(db: Db, account_id: UUID) -> list[DeviceInfo]:
 
 
 async def store_pairing(db: Db, *, code_hash: bytes, account_id: UUID, device_name: str | None,
-                        created_by: UUID | None, ttl_s: float) -> datetime:
-    """Keep a one-time code's hash until its deadline (database clock); returns the deadline."""
-    expires_at: datetime = await db.fetchval(*Q.create_pairing.bind(
+                        created_by: UUID | None, ttl_s: float, max_open: int) -> datetime | None:
+    """Keep a one-time code's hash until its deadline (database clock); returns the deadline,
+    or None when the account already holds `max_open` codes neither spent nor expired."""
+    expires_at: datetime | None = await db.fetchval(*Q.create_pairing.bind(
         code_hash=code_hash, account_id=account_id, device_name=device_name,
-        created_by=created_by, ttl_s=ttl_s))
+        created_by=created_by, ttl_s=ttl_s, max_open=max_open))
     return expires_at
 
 

@@ -292,9 +292,12 @@ async def _pair(settings: Settings, args: argparse.Namespace) -> int:
 
     async def work(pool: Any) -> int:
         account_id = await accounts.ensure_account(pool, args.account)
-        made = await pairing.create_pairing(pool, account_id=account_id,
-                                            device_name=args.device, created_by=None,
-                                            ttl_s=settings.pairing_ttl_s)
+        try:
+            made = await pairing.create_pairing(pool, account_id=account_id,
+                                                device_name=args.device, created_by=None,
+                                                ttl_s=settings.pairing_ttl_s)
+        except pairing.TooManyOpenCodes as exc:
+            _fail(str(exc), 1)
         url = public_url(settings)
         minutes = settings.pairing_ttl_s / 60
         print(f"Pairing code for device {args.device!r} of account {args.account!r}: "

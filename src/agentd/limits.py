@@ -37,6 +37,8 @@ MAX_TRACKED_ADDRESSES = 10_000
 # Requests whose bearer token names no one, per client address and minute: past it an address is
 # refused before its token is looked up (each lookup is a database read).
 AUTH_FAILURES_PER_MIN = 300
+# How long a token that named a device is let through an address refused for guessing.
+VALID_TOKEN_MEMORY_S = 600.0
 STREAM_RETRY_AFTER_S = 5
 
 
@@ -107,6 +109,34 @@ class AddressRateLimiter:
         if address in self._buckets:
             tokens, stamp = self._buckets[address]
             self._buckets[address] = (min(self.capacity, tokens + 1.0), stamp)
+
+
+class RecentlyValid:
+    """Hashes of the tokens that named a device in this process within the last `memory_s`
+    (at most MAX_TRACKED_ADDRESSES of them, the oldest forgotten first).
+
+    An address refused for guessing tokens is refused before the lookup, and so would be every
+    device behind it: a reverse proxy or a NAT gives them all one address. A token seen valid
+    lately is still looked up; only tokens not known to work wait out the guesser's penalty.
+    """
+
+    def __init__(self, memory_s: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.memory_s = memory_s
+        self._clock = clock
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+
+    def add(self, digest: bytes) -> None:
+        self._seen.pop(digest, None)
+        self._seen[digest] = self._clock()
+        while len(self._seen) > MAX_TRACKED_ADDRESSES:
+            self._seen.popitem(last=False)
+
+    def discard(self, digest: bytes) -> None:
+        self._seen.pop(digest, None)
+
+    def __contains__(self, digest: object) -> bool:
+        seen = self._seen.get(digest) if isinstance(digest, bytes) else None
+        return seen is not None and self._clock() - seen <= self.memory_s
 
 
 class StreamSlots:

@@ -21,6 +21,9 @@ from agentd.db import Db
 ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford's base32: no I, L, O, U
 CODE_CHARS = 10  # 50 bits
 GROUP = 5
+# Codes of one account neither spent nor expired at once: enough for an operator pairing a
+# team's machines, not a table any device can grow without bound.
+MAX_OPEN_CODES = 20
 _READ_AS = str.maketrans({"O": "0", "I": "1", "L": "1"})
 _SEPARATORS = str.maketrans("", "", "- _")
 
@@ -55,14 +58,23 @@ def code_hash(code: str) -> bytes:
     return hashlib.sha256(code.encode()).digest()
 
 
+class TooManyOpenCodes(Exception):
+    """The account holds MAX_OPEN_CODES codes neither spent nor expired: none is minted."""
+
+
 async def create_pairing(db: Db, *, account_id: UUID, device_name: str | None,
                          created_by: UUID | None, ttl_s: float) -> Pairing:
+    """A new one-time code; TooManyOpenCodes past MAX_OPEN_CODES of the account's."""
     code = new_code()
     normalized = normalize_code(code)
     assert normalized is not None
     expires_at = await accounts.store_pairing(
         db, code_hash=code_hash(normalized), account_id=account_id, device_name=device_name,
-        created_by=created_by, ttl_s=ttl_s)
+        created_by=created_by, ttl_s=ttl_s, max_open=MAX_OPEN_CODES)
+    if expires_at is None:
+        raise TooManyOpenCodes(f"the account already has {MAX_OPEN_CODES} pairing codes that "
+                               "are neither used nor expired; use one, or wait until they "
+                               "expire")
     return Pairing(code, expires_at)
 
 

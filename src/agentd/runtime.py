@@ -32,9 +32,11 @@ from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
 from agentd.limits import (
     AUTH_FAILURES_PER_MIN,
+    VALID_TOKEN_MEMORY_S,
     AddressRateLimiter,
     ConnectionGuard,
     GuardedSite,
+    RecentlyValid,
     StreamSlots,
 )
 from agentd.listen import bind_listen_sockets
@@ -112,6 +114,7 @@ class Runtime:
     stream_slots: StreamSlots = field(init=False)
     pair_limiter: AddressRateLimiter = field(init=False)
     auth_failures: AddressRateLimiter = field(init=False)  # bearer tokens that named no one
+    valid_tokens: RecentlyValid = field(init=False)  # ...and those that named a device lately
     reads: SharedReads = field(init=False)  # tails of one run woken together read once
     # Journal and terminal writes of concurrent turns share commits (group_commit.py).
     finishes: Finishes | None = None
@@ -122,12 +125,21 @@ class Runtime:
         self.stream_slots = StreamSlots(self.settings.streams_per_device)
         self.pair_limiter = AddressRateLimiter(self.settings.pair_attempts_per_min)
         self.auth_failures = AddressRateLimiter(AUTH_FAILURES_PER_MIN)
+        self.valid_tokens = RecentlyValid(VALID_TOKEN_MEMORY_S)
+
+
+def max_body_bytes(settings: Settings) -> int:
+    """The largest request body: 1 MiB, or room for a post of max_content_chars characters
+    however its JSON spells them (`\\uXXXX\\uXXXX`, twelve bytes, for one outside the BMP)
+    plus its other fields, whichever is more. A fixed 1 MiB refused posts within the setting
+    with a bare 413."""
+    return max(1 << 20, 12 * settings.max_content_chars + (64 << 10))
 
 
 def build_app(runtime: Runtime) -> web.Application:
     from agentd.api import RUNTIME, devices, health, metrics, openapi, routes
 
-    app = web.Application(client_max_size=1 << 20)
+    app = web.Application(client_max_size=max_body_bytes(runtime.settings))
     app[RUNTIME] = runtime
     routes.add_routes(app)
     devices.add_routes(app)

@@ -15,7 +15,7 @@ import schemathesis
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentd.accounts import create_device_token, revoke_device
-from agentd.runtime import Runtime, build_app
+from agentd.runtime import Runtime, build_app, max_body_bytes
 from agentd.settings import Settings
 from tests.api.conftest import Api, started_api
 from tests.api.helpers import (
@@ -38,7 +38,7 @@ from tests.support.factories import create_conversation
 from tests.support.sse import iter_sse, read_sse
 
 METHODS = ("get", "post", "put", "patch", "delete")
-ONE_MIB = 1 << 20
+BODY_OVER = max_body_bytes(Settings()) + 1  # one byte more than the body cap
 # Operations whose success case a test below asserts; a new endpoint must join this list.
 SUCCESS_TESTED = {
     ("GET", "/v1/me"), ("POST", "/v1/conversations"), ("GET", "/v1/conversations"),
@@ -497,10 +497,10 @@ BAD_INPUT: list[tuple[str, str, str, dict[str, Any], int, str | None]] = [
     ("NUL in title", "POST", "/v1/conversations", raw(b'{"title": "a\\u0000b"}'), 400, None),
     ("nesting too deep", "POST", "/v1/conversations", raw(deep(100_000)), 400,
      "json_too_deep"),
-    ("body over 1 MiB", "POST", "/v1/conversations",
-     {"json": {"title": "t" * ONE_MIB}}, 413, "payload_too_large"),
-    ("rename: body over 1 MiB", "PATCH", "/v1/conversations/{cid}",
-     {"json": {"title": "t" * ONE_MIB}}, 413, "payload_too_large"),
+    ("body over the limit", "POST", "/v1/conversations",
+     {"json": {"title": "t" * BODY_OVER}}, 413, "payload_too_large"),
+    ("rename: body over the limit", "PATCH", "/v1/conversations/{cid}",
+     {"json": {"title": "t" * BODY_OVER}}, 413, "payload_too_large"),
     ("rename without body", "PATCH", "/v1/conversations/{cid}", {}, 400, "invalid_body"),
     ("rename to null", "PATCH", "/v1/conversations/{cid}", {"json": {"title": None}}, 400,
      "invalid_title"),
@@ -589,7 +589,7 @@ BAD_INPUT: list[tuple[str, str, str, dict[str, Any], int, str | None]] = [
     ("run: Idempotency-Key too long", "POST", RUNS,
      {"json": {"content": "x", "params": FAST}, "headers": {"Idempotency-Key": "k" * 201}},
      400, "invalid_idempotency_key"),
-    ("run: body over 1 MiB", "POST", RUNS, {"json": {"content": "x" * ONE_MIB}}, 413,
+    ("run: body over the limit", "POST", RUNS, {"json": {"content": "x" * BODY_OVER}}, 413,
      "payload_too_large"),
     ("run: content over the default max", "POST", RUNS, {"json": {"content": "x" * 100_001}},
      413, "content_too_large"),
@@ -677,6 +677,20 @@ async def test_bad_input_is_a_json_4xx_that_writes_nothing(api: Api):
     assert not failures, "\n".join(failures)
     assert await db_state(api.pool) == before, "a rejected request changed the database"
     assert (await api.a.get("/readyz")).status_code == 200
+
+
+async def test_a_post_of_max_content_chars_fits_however_its_json_spells_them(api: Api):
+    """100,000 characters outside the BMP, as a JSON encoder that escapes them sends them
+    (twelve bytes each): 1.2 MB, within max_content_chars. The body cap was a fixed 1 MiB, and
+    such a post was refused with a bare 413 `payload_too_large`."""
+    conversation_id = await create_conversation(api.a)
+    content = "\U0001F600" * Settings().max_content_chars
+    posted = await api.a.post(f"/v1/conversations/{conversation_id}/runs",
+                              content=json.dumps({"content": content, "params": FAST}),
+                              headers={"Content-Type": "application/json"})
+    assert posted.status_code == 202, posted.text[:500]
+    done = await wait_run(api.a, posted.json()["run_id"])
+    assert done["status"] == "completed"
 
 
 async def test_content_longer_than_the_configured_max_is_413(spawn_daemon, pool):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import ssl
 import time
 
@@ -336,6 +337,9 @@ async def test_an_address_whose_tokens_name_no_one_is_refused_before_the_lookup(
     daemon = spawn_remote()
     await daemon.wait_ready()
     device = await new_device(pool, "alice", "laptop")
+    known = await new_device(pool, "alice", "desk")
+    async with known.client(daemon) as desk:
+        assert (await desk.get("/v1/me")).status_code == 200  # before the guessing starts
     async with daemon.client(headers={"Authorization": "Bearer agd_guess"}) as guesser:
         answers = []
         # The bucket refills while it is spent (AUTH_FAILURES_PER_MIN a minute): a few more
@@ -349,11 +353,48 @@ async def test_an_address_whose_tokens_name_no_one_is_refused_before_the_lookup(
         assert set(answers[:-1]) == {401}
         assert over.json()["error"]["code"] == "too_many_attempts"
         assert int(over.headers["Retry-After"]) >= 1
-    # The same address, even with a good token, waits too (it cannot be told apart first).
-    async with device.client(daemon) as laptop:
-        assert (await laptop.get("/v1/me")).status_code == 429
+        # While the guessing goes on, the same address with a token not seen working waits
+        # too (it cannot be told apart first); one that named a device lately goes on: the
+        # devices behind a guesser's proxy or NAT were all refused with it before.
+        async with device.client(daemon) as laptop, known.client(daemon) as desk:
+            unseen = []
+            for _ in range(5):
+                await guesser.get("/v1/me")
+                # (Now and then a token comes back to the bucket just between the two.)
+                unseen.append((await laptop.get("/v1/me")).status_code)
+                await guesser.get("/v1/me")
+                assert (await desk.get("/v1/me")).status_code == 200
+            assert 429 in unseen, unseen
     metrics = (await daemon.request("GET", "/metrics")).text
     assert 'agentd_throttled_total{reason="too_many_attempts"}' in metrics
+
+
+async def test_tokens_guessed_at_metrics_count_as_guesses(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    """/metrics and /readyz look a token up too (from another host): their unknown tokens are
+    guesses like any other. They were looked up without a limit."""
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to listen on")
+    daemon: RemoteDaemon = spawn_remote(tls=True, host=address, env={"AGENTD_TLS": "auto"})
+    await daemon.wait_ready()
+    async with daemon.client(headers={"Authorization": "Bearer agd_guess"}) as guesser:
+        started = time.monotonic()
+        for n in range(AUTH_FAILURES_PER_MIN):
+            assert (await guesser.get("/metrics")).status_code == 401, n
+        # The bucket refills while it is spent: as many more as came back meanwhile may pass
+        # (before, the metrics' guesses were not counted at all: AUTH_FAILURES_PER_MIN more).
+        refilled = math.ceil((time.monotonic() - started) * AUTH_FAILURES_PER_MIN / 60) + 1
+        for _ in range(refilled + 1):
+            over = await guesser.get("/v1/me")
+            if over.status_code != 401:
+                break
+        assert over.status_code == 429, (refilled, over.text)
+        assert over.json()["error"]["code"] == "too_many_attempts"
+        # Readiness still answers, without its detail; metrics still refuse.
+        ready = await guesser.get("/readyz")
+        assert ready.status_code == 200 and set(ready.json()) == {"status"}
+        assert (await guesser.get("/metrics")).status_code == 401
 
 
 async def test_operational_detail_only_for_loopback_or_a_token(

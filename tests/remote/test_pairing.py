@@ -13,6 +13,7 @@ import httpx
 from agentd import pairing
 from agentd.accounts import ensure_account
 from tests.remote.helpers import RemoteDaemon, SpawnRemote
+from tests.support.factories import new_device
 from tests.support.races import lose_races, race_attempts
 
 RACERS = 8
@@ -137,3 +138,25 @@ async def test_one_code_raced_from_many_connections_mints_exactly_one_device(
             await client.aclose()
     assert await pool.fetchval("SELECT count(*) FROM pairing WHERE device_id IS NOT NULL") \
         == ROUNDS
+
+
+async def test_an_account_holds_a_bounded_number_of_open_codes(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    """Any logged-in device could mint codes without end, each a row kept for days. An account
+    now holds at most MAX_OPEN_CODES codes neither used nor expired; a used one makes room."""
+    daemon = spawn_remote()
+    await daemon.wait_ready()
+    device = await new_device(pool, "alice", "laptop")
+    async with device.client(daemon) as laptop:
+        codes = []
+        for n in range(pairing.MAX_OPEN_CODES):
+            made = await laptop.post("/v1/pairings", json={})
+            assert made.status_code == 201, (n, made.text)
+            codes.append(made.json()["code"])
+        over = await laptop.post("/v1/pairings", json={})
+        assert over.status_code == 429, over.text
+        assert over.json()["error"]["code"] == "too_many_pairings"
+        assert int(over.headers["Retry-After"]) >= 1
+        assert await pool.fetchval("SELECT count(*) FROM pairing") == pairing.MAX_OPEN_CODES
+        assert (await redeem(daemon, codes[0], "tablet")).status_code == 201
+        assert (await laptop.post("/v1/pairings", json={})).status_code == 201

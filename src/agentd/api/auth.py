@@ -11,7 +11,7 @@ import ipaddress
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from agentd.accounts import Principal, authenticate
+from agentd.accounts import Principal, authenticate, hash_token
 from agentd.api import RUNTIME
 from agentd.api.errors import error_response
 from agentd.limits import Throttled, peer_address
@@ -32,20 +32,34 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     token = _bearer(request)
     if not token:
         return _unauthorized("missing bearer token")
-    # Each token costs a database read: an address whose tokens keep naming no one is refused
-    # before the read, as pairing attempts are (its failures are what it spends).
-    failures = request.app[RUNTIME].auth_failures
-    address = peer_address(request)
-    wait = failures.wait_for(address)
-    if wait is not None:
-        raise Throttled("too_many_attempts", "too many requests with unknown or revoked tokens "
-                        "from this address; wait and retry", wait)
-    who = await _principal_of(request, token)
+    who = await _looked_up(request, token)
     if who is None:
-        failures.take(address)
         return _unauthorized("unknown or revoked token")
     request[PRINCIPAL] = who
     return await handler(request)
+
+
+async def _looked_up(request: web.Request, token: str) -> Principal | None:
+    """Who `token` names. Each token costs a database read: an address whose tokens keep naming
+    no one is refused before the read (Throttled), as pairing attempts are (its failures are
+    what it spends), unless this token named a device lately (limits.RecentlyValid: the devices
+    behind a guesser's proxy or NAT go on)."""
+    runtime = request.app[RUNTIME]
+    address = peer_address(request)
+    # Tokens are printable ASCII; anything else (a header's undecodable bytes) names no one.
+    digest = hash_token(token) if token.isascii() and token.isprintable() else b""
+    if digest not in runtime.valid_tokens:
+        wait = runtime.auth_failures.wait_for(address)
+        if wait is not None:
+            raise Throttled("too_many_attempts", "too many requests with unknown or revoked "
+                            "tokens from this address; wait and retry", wait)
+    who = await _principal_of(request, token)
+    if who is None:
+        runtime.auth_failures.take(address)
+        runtime.valid_tokens.discard(digest)
+    else:
+        runtime.valid_tokens.add(digest)
+    return who
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -84,7 +98,12 @@ async def trusted(request: web.Request) -> bool:
     if loopback_peer(request):
         return True
     token = _bearer(request)
-    return token is not None and await _principal_of(request, token) is not None
+    if token is None:
+        return False
+    try:
+        return await _looked_up(request, token) is not None
+    except Throttled:
+        return False  # an address refused for guessing is not looked up here either
 
 
 DEVICE_REVOKED = "device_revoked"  # what a revocation that cuts a request or stream short says

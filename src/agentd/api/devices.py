@@ -8,6 +8,7 @@ went wrong (unknown, spent, expired), with nothing created.
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import asyncpg
@@ -73,9 +74,13 @@ async def create_pairing(request: web.Request) -> web.Response:
         raise ServiceError(400, "invalid_body", f"unknown fields: {', '.join(sorted(unknown))}")
     name = _device_name(body["device"], "device") if body.get("device") is not None else None
     who = principal(request)
-    made = await pairing.create_pairing(runtime.pool, account_id=who.account_id,
-                                        device_name=name, created_by=who.device_id,
-                                        ttl_s=runtime.settings.pairing_ttl_s)
+    try:
+        made = await pairing.create_pairing(runtime.pool, account_id=who.account_id,
+                                            device_name=name, created_by=who.device_id,
+                                            ttl_s=runtime.settings.pairing_ttl_s)
+    except pairing.TooManyOpenCodes as exc:
+        raise ServiceError(429, "too_many_pairings", str(exc),
+                           retry_after_s=math.ceil(runtime.settings.pairing_ttl_s)) from None
     return web.json_response(await pairing_answer(runtime, made), status=201)
 
 

@@ -35,14 +35,16 @@ def _error(description: str) -> dict[str, Any]:
 
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {
     "type": "integer", "minimum": 1}}}
-_ERRORS = {"401": _error("missing, unknown or revoked token"),
-           "503": {**_error("the database is unavailable, or the request lost a race with "
-                            "concurrent writes and wrote nothing; retry after Retry-After"),
-                   "headers": _RETRY_AFTER}}
 _TOO_MANY = {"description": "over a limit (stable code); retry after Retry-After",
              "headers": _RETRY_AFTER,
              "content": {"application/json": {"schema": _ref("Error")}}}
-_STREAM_ERRORS = {**_ERRORS, "429": _TOO_MANY}
+# Every authenticated request: its address may be refused for guessing tokens (a 429
+# too_many_attempts), as any other limit says.
+_ERRORS = {"401": _error("missing, unknown or revoked token"),
+           "429": _TOO_MANY,
+           "503": {**_error("the database is unavailable, or the request lost a race with "
+                            "concurrent writes and wrote nothing; retry after Retry-After"),
+                   "headers": _RETRY_AFTER}}
 _ID = {"name": "id", "in": "path", "required": True, "schema": UUID}
 _PAGE_LIMIT = {"name": "limit", "in": "query", "description": "transcript page: the newest "
                "`limit` messages (widened to whole turns); default: the whole transcript",
@@ -503,9 +505,10 @@ def build_spec() -> dict[str, Any]:
                                             "unknown tool (invalid_params) or a tool whose MCP "
                                             "server is unavailable (tool_unavailable: names "
                                             "the tool, not why)"),
+                              **_ERRORS,
                               "429": {**_TOO_MANY, "description": "queue_full: the account "
-                                      "is at its queued limit; nothing was written"},
-                              **_ERRORS}}},
+                                      "is at its queued limit, or too_many_attempts; nothing "
+                                      "was written"}}}},
             "/v1/conversations/{id}/stop": {"post": {
                 "summary": "stop the conversation: cancel queued turns (drafts handed back) "
                            "and ask the running one to stop, atomically",
@@ -524,7 +527,7 @@ def build_spec() -> dict[str, Any]:
                                 "before; default: all of it"}],
                 "responses": {"200": _sse("ConversationStreamEvent"),
                               "400": _error("bad cursor or limit"),
-                              "404": _error("no such conversation"), **_STREAM_ERRORS}}},
+                              "404": _error("no such conversation"), **_ERRORS}}},
             "/v1/runs/{id}": {"get": {"summary": "the run", "parameters": [_ID], "responses": {
                 "200": _json(_ref("Run"), "the run"), "404": _error("no such run"),
                 **_ERRORS}}},
@@ -577,7 +580,7 @@ def build_spec() -> dict[str, Any]:
                 "parameters": [_ID, {"name": "from", "in": "query", "schema": {
                     "type": "integer", "minimum": 0}}],
                 "responses": {"200": _sse("RunStreamEvent"), "400": _error("bad cursor"),
-                              "404": _error("no such run"), **_STREAM_ERRORS}}},
+                              "404": _error("no such run"), **_ERRORS}}},
             "/v1/pairings": {"post": {
                 "summary": "mint a one-time pairing code for another device of this account",
                 "requestBody": {"required": False, "content": {"application/json": {"schema": {

@@ -331,17 +331,20 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
         cursor = _checked_cursor(cursor_text) if cursor_text else None
     except BadCursor as exc:
         raise ServiceError(400, "invalid_cursor", str(exc)) from None
-    start = await service.feed_snapshot(who, conversation_id, limit=page_limit(request.query))
-    state = start.state
-    if cursor is None:
-        cursor = FeedCursor(start.watermark or (EPOCH, NIL_UUID),
-                            {run.id: 0 for run in state.runs})
-    stream = open_device_stream(request, who)  # 429 over the limit
+    # The slot first (429 over the limit): a device at its limit must not cost a snapshot read
+    # at every retry.
+    stream = open_device_stream(request, who)
     try:
+        start = await service.feed_snapshot(who, conversation_id,
+                                            limit=page_limit(request.query))
         presence_id = await service.attach(who, conversation_id, PRESENCE_TTL_S)
     except BaseException:
         stream.release()
         raise
+    state = start.state
+    if cursor is None:
+        cursor = FeedCursor(start.watermark or (EPOCH, NIL_UUID),
+                            {run.id: 0 for run in state.runs})
     if presence_id is None:
         stream.release()
         raise not_found("conversation")  # deleted since the snapshot was read
