@@ -6,9 +6,12 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
+import asyncpg
 import pytest
 
+from agentd.accounts import revoke_device
 from agentd.providers.demo import expected_answer
 from agentd.vocabulary import MessageStatus, RunStatus
 from agenttui.client import ConnectionState
@@ -315,3 +318,37 @@ async def test_daemon_killed_mid_stream_reconnects_and_shows_the_whole_answer_on
         assert answer.md.source == expected  # nothing repeated, nothing missing
         assert app.main.model.connection.state == ConnectionState.RESUMED
         assert "resumed from seq" in app.main.bar.plain
+
+
+async def test_a_list_that_cannot_be_read_is_said_once_not_at_every_refresh(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path, pool: asyncpg.Pool) -> None:
+    """With the device revoked (or the daemon down) the list's refresh, every 30 s, warned
+    each time, without end, beside the bar that already said why."""
+    async with running_tui(daemon.url, desk, agenttui_dirs) as (app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.me is not None, "the device to log in")
+        await revoke_device(pool, UUID(desk.device_id))
+        for _ in range(3):
+            await screen._refresh_list()
+        assert sum("Could not list conversations" in n for n in screen.notices) == 1
+
+
+async def test_a_conversation_opened_twice_quickly_is_followed(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    """A second open of the same conversation (a double click) cancelled the first before its
+    feed began, then saw it open with a feed running (the previous conversation's) and did
+    nothing: the conversation showed, never followed, `connecting…` for good."""
+    async with client_for(daemon, desk) as api:
+        first = await api.create_conversation("first")
+        second = await api.create_conversation("second")
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=first.id) as (
+            app, pilot):
+        screen = app.main
+        await wait_for(pilot, lambda: screen.model and screen.model.snapshots, "the first feed")
+        async with screen._render_lock:  # the transcript busy: the open waits for it
+            screen.action_open(second.id)
+            await pilot.pause()
+            screen.action_open(second.id)
+            await pilot.pause()
+        await wait_for(pilot, lambda: screen.model.conversation_id == second.id and
+                       screen.model.snapshots, "the second conversation followed")

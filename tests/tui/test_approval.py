@@ -9,6 +9,7 @@ from textual.binding import Binding
 
 from agentd.vocabulary import RunStatus
 from agenttui.screens.main import MainScreen
+from agenttui.widgets.approval import MIN_SHOWN_S
 from tests.support.daemon import SpawnDaemon
 from tests.support.factories import Device
 from tests.tui.conftest import READY_TIMEOUT_S
@@ -45,6 +46,8 @@ async def test_both_devices_prompt_one_approves_and_both_show_who(
         await wait_for(their_pilot, lambda: theirs.main.model and theirs.main.model.snapshots,
                        "attach")
         assert "approve_tool" not in footer_keys(mine)  # nothing to answer yet
+        clock = [0.0]  # the laptop's panel's clock: the call appears at 0
+        theirs.main.approval_panel.clock = lambda: clock[0]
         mine.main.composer.text = "compute"
         await my_pilot.press("enter")
         for app, pilot in ((mine, my_pilot), (theirs, their_pilot)):
@@ -55,6 +58,13 @@ async def test_both_devices_prompt_one_approves_and_both_show_who(
             # The arguments literally, the escape character spelled out, never interpreted.
             assert '"expression": "6 * 7\\u001b[31m"' in text, text
             assert {"approve_tool", "deny_tool"} <= footer_keys(app)
+        # A key pressed as the call appears does not answer it: it may have been meant for a
+        # call this one just replaced (decided elsewhere, or timed out).
+        await their_pilot.press("ctrl+t")
+        await their_pilot.pause()
+        assert "has just appeared" in " ".join(str(n.message) for n in theirs._notifications)
+        assert theirs.main.approval_panel.current is not None
+        clock[0] = MIN_SHOWN_S
         await their_pilot.press("ctrl+t")  # the laptop approves the desk's call
         for app, pilot in ((mine, my_pilot), (theirs, their_pilot)):
             await wait_for(pilot, lambda app=app: "approved by laptop" in panel_text(app),

@@ -20,7 +20,7 @@ from agenttui.widgets.transcript import TurnView
 from tests.support.daemon import Daemon, SpawnDaemon
 from tests.support.factories import Device
 from tests.tui.conftest import READY_TIMEOUT_S
-from tests.tui.helpers import client_for, running_tui, wait_for
+from tests.tui.helpers import Valve, client_for, running_tui, wait_for
 
 FAST = {"tokens": 4, "delay_ms": 0}
 SLOW = {"tokens": 2000, "delay_ms": 40}
@@ -278,6 +278,28 @@ async def test_archive_then_delete_and_every_device_sees_it_go(
         assert "Conversation deleted." in mine.main.notices
     async with client_for(daemon, desk) as api:
         assert [c.id for c in await api.list_conversations()] == [stays.id]
+
+
+async def test_a_conversation_deleted_while_this_device_was_away_is_left(
+        daemon: Daemon, desk: Device, laptop: Device, agenttui_dirs: Path) -> None:
+    """The deletion's frame never reached the laptop (its link was down): its reconnect met a
+    404 and it stayed on a dead screen, every Enter refused. It now leaves the conversation
+    as when the deletion is heard."""
+    async with client_for(daemon, desk) as api:
+        stays = await api.create_conversation("stays")
+        goes = await api.create_conversation("goes")
+        valve = Valve()
+        async with running_tui(daemon.url, laptop, agenttui_dirs, conversation=goes.id,
+                               transport=valve) as (theirs, pilot):
+            await wait_for(pilot, lambda: attached(theirs), "the laptop to attach")
+            valve.down()
+            valve.cut()  # the link goes: the feed reconnects, and waits for the host
+            await api.delete_conversation(goes.id)
+            valve.up()
+            await wait_for(pilot, lambda: theirs.main.model is not None and
+                           theirs.main.model.conversation_id == stays.id,
+                           "the laptop to leave the deleted conversation")
+            assert "This conversation was deleted on another device." in theirs.main.notices
 
 
 async def api_state(daemon: Daemon, device: Device, conversation_id: str) -> Any:

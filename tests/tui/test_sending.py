@@ -74,6 +74,35 @@ async def test_a_message_goes_where_it_was_typed_though_a_slow_send_outlasts_a_s
                                           for n in screen.notices), "the notice")
 
 
+async def test_two_lost_sends_handed_back_together_are_resent_one_by_one(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    """Two sends whose answers were both lost come back as one composer text. Only the second
+    one's key was kept, so Enter posted a third turn, both texts joined, beside the two that
+    had reached the daemon. Each now goes again under its own key: both are replayed."""
+    async with sending_tui(daemon, desk, agenttui_dirs, "two lost") as (
+            conversation, posts, screen, pilot):
+        posts.lose_answers = True
+        posts.hold()  # a slow link: the second is typed and sent while the first waits
+        screen.composer.text = "first words"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: posts.held == 1, "the first send to wait on the daemon")
+        screen.composer.text = "second words"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "", "the second Enter")
+        posts.release()
+        await wait_for(pilot, lambda: screen.composer.text == "first words\n\nsecond words",
+                       "both texts back in the composer, in order")
+        assert await user_messages(daemon, desk, conversation) == ["first words",
+                                                                   "second words"]
+        posts.lose_answers = False
+        await pilot.press("enter")  # both, unchanged
+        await wait_for(pilot, lambda: screen.composer.text == "" and
+                       sum("had reached the daemon" in n for n in screen.notices) == 2,
+                       "both sends replayed")
+        assert await user_messages(daemon, desk, conversation) == ["first words",
+                                                                   "second words"]
+
+
 async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
         daemon: Daemon, desk: Device, agenttui_dirs: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

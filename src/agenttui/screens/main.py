@@ -48,7 +48,7 @@ from agenttui.screens.prompt import TextPrompt
 from agenttui.screens.search import SearchScreen
 from agenttui.settings import export_directory
 from agenttui.widgets.approval import ApprovalPanel
-from agenttui.widgets.composer import Composer
+from agenttui.widgets.composer import SEPARATOR, Composer
 from agenttui.widgets.conversation_list import ConversationList
 from agenttui.widgets.ownership_bar import OwnershipBar
 from agenttui.widgets.transcript import Transcript
@@ -88,6 +88,20 @@ class UncertainSend:
     text: str
     key: str  # its Idempotency-Key
     at: float  # time.monotonic() when its answer was lost
+
+
+def resent(text: str, uncertain: list[UncertainSend]) -> list[UncertainSend] | None:
+    """The uncertain sends `text` is, in the order they were sent: one sent again as it was, or
+    several the composer handed back joined (SEPARATOR between them) and sent again unedited.
+    None: `text` is a new message."""
+    by_text = {u.text.strip(): u for u in uncertain}
+    parts = [part.strip() for part in text.split(SEPARATOR)] if SEPARATOR in text \
+        else [text.strip()]
+    found = [by_text.get(part) for part in parts]
+    if not all(found) or len({id(u) for u in found}) != len(found):
+        whole = by_text.get(text.strip())
+        return [whole] if whole is not None else None
+    return [u for u in found if u is not None]
 
 
 @dataclass
@@ -157,10 +171,13 @@ class MainScreen(LifecycleScreen):
         # Handed-back drafts put in the composer, not yet sent nor deleted: id -> text.
         self._drafts_shown: dict[str, str] = {}
         self._feed: Worker[None] | None = None  # the open conversation's feed
+        self._followed: ConversationModel | None = None  # the model that feed applies to
         # conversation id -> its latest send whose answer was lost: the same text sent there
         # again within RESEND_WINDOW_S reuses its Idempotency-Key, so the daemon replays the run
         # it may already have instead of adding a second one.
-        self._uncertain: dict[str, UncertainSend] = {}
+        self._list_failure: str | None = None  # the last refresh's failure, once said
+        # Per conversation, the sends whose answers were lost (within RESEND_WINDOW_S).
+        self._uncertain: dict[str, list[UncertainSend]] = {}
 
     def notify(self, message: str, *, title: str = "",
                markup: bool = False, **kwargs: Any) -> None:
@@ -250,8 +267,12 @@ class MainScreen(LifecycleScreen):
         try:
             conversations = await self.client.list_conversations(archived=self.showing_archived)
         except ApiError as exc:
-            self.notify(f"Could not list conversations: {describe(exc)}", severity="warning")
+            said = f"Could not list conversations: {describe(exc)}"
+            if said != self._list_failure:  # said once, not at every refresh while it lasts
+                self._list_failure = said
+                self.notify(said, severity="warning")
             return []
+        self._list_failure = None
         current = self.model.conversation_id if self.model else None
         self.conversation_list.set_conversations(conversations, current)
         return conversations
@@ -267,8 +288,11 @@ class MainScreen(LifecycleScreen):
         if self.me is None:
             return
         if self.model is not None and self.model.conversation_id == conversation_id and \
+                self._followed is self.model and \
                 self._feed is not None and not self._feed.is_finished:
-            return  # already open and followed (a feed that gave up starts again below)
+            # Already open and followed. A feed that gave up starts again below, and so does
+            # an open cut short before its feed began (the running feed is another model's).
+            return
         self.model = ConversationModel(self.me, conversation_id,
                                        is_consumed=self._draft_settled)
         self._new_conversation = None  # Enter now sends to this one
@@ -276,6 +300,7 @@ class MainScreen(LifecycleScreen):
         async with self._render_lock:
             await self.transcript.reset()
         self.bar.show(self.model)
+        self._followed = self.model
         self._feed = self.follow(self.model)
 
     @work(group="follow", exclusive=True, exit_on_error=False)
@@ -300,6 +325,13 @@ class MainScreen(LifecycleScreen):
                         target, self._jump_to = self._jump_to, None
                         self.jump_to(model, target)
         except NotFound:
+            known = model.snapshots or any(c.id == model.conversation_id
+                                           for c in self.conversation_list.conversations)
+            if known:
+                # Deleted while this device did not listen (a closed lid, a dropped link), or
+                # since the list was read: leave it, as when the deletion is heard.
+                await self.conversation_gone(model)
+                return
             self.bar.show(None, f"✗ conversation {model.conversation_id} does not exist "
                                 f"(or belongs to another account)")
         except ApiError as exc:
@@ -481,15 +513,32 @@ class MainScreen(LifecycleScreen):
             return False
         conversation_id = target if isinstance(target, str) else target.conversation_id
         assert conversation_id is not None
-        earlier = self._uncertain.get(conversation_id)
-        if earlier is not None and earlier.text == text and \
-                time.monotonic() - earlier.at < RESEND_WINDOW_S:
-            key = earlier.key  # the same message again: the daemon replays it if it has it
-            del self._uncertain[conversation_id]
-        else:
-            # Another message (one queued behind the uncertain send, say) leaves that send's
-            # key for its own resend.
-            key = new_idempotency_key()
+        now = time.monotonic()
+        earlier = [u for u in self._uncertain.get(conversation_id, [])
+                   if now - u.at < RESEND_WINDOW_S]
+        again = resent(text, earlier)
+        if again is None:
+            # A new message (one queued behind an uncertain send, say): it leaves those sends'
+            # keys for their own resends.
+            return await self._post(conversation_id, text, new_idempotency_key(), earlier)
+        # Sent again as it was: under its own key, so the daemon replays what it has. Two lost
+        # sends handed back together go again one by one, never as a third, joined message.
+        left = [u for u in earlier if u not in again]
+        for number, send in enumerate(again):
+            if not await self._post(conversation_id, send.text, send.key, left):
+                for later in again[number + 1:]:  # not tried: back in the composer, still keyed
+                    self.composer.put_back(later.text)
+                    left.append(later)
+                self._uncertain[conversation_id] = left
+                return False
+        self._uncertain[conversation_id] = left
+        return True
+
+    async def _post(self, conversation_id: str, text: str, key: str,
+                    uncertain: list[UncertainSend]) -> bool:
+        """One message under `key`; False (back in the composer) if not known to be posted:
+        a lost answer joins `uncertain`, the conversation's sends to be sent again unchanged."""
+        settings = self.app.settings
         try:
             run = await self.client.create_run(conversation_id, text, params=settings.params,
                                                idempotency_key=key)
@@ -498,10 +547,8 @@ class MainScreen(LifecycleScreen):
             if not outcome_unknown(exc):
                 self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
                 return False
-            now = time.monotonic()
-            self._uncertain = {c: u for c, u in self._uncertain.items()
-                               if now - u.at < RESEND_WINDOW_S}
-            self._uncertain[conversation_id] = UncertainSend(text, key, now)
+            uncertain.append(UncertainSend(text, key, time.monotonic()))
+            self._uncertain[conversation_id] = uncertain
             here = self.model is not None and self.model.conversation_id == conversation_id
             self.notify(f"Your message{'' if here else ' to another conversation'} may not "
                         f"have been sent: {describe(exc)}. It is back in the composer. Sent "
@@ -547,6 +594,11 @@ class MainScreen(LifecycleScreen):
         approval = self.approval_panel.current
         if approval is None:
             self.notify("No tool call is waiting for approval.")
+            return
+        if self.approval_panel.just_shown():
+            # It replaced another a moment ago: the key may have been meant for that one.
+            self.notify(f"{approval.tool}: this call has just appeared; read it, then press "
+                        "the key again.", severity="warning")
             return
         self.decide_tool(approval.run_id, approval.call_id, approval.tool, approve)
 

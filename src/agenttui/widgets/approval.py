@@ -8,7 +8,9 @@ markup. The keys that answer live on the screen (MainScreen's approval bindings)
 from __future__ import annotations
 
 import json
+import time
 import unicodedata
+from collections.abc import Callable
 from typing import Any
 
 from rich.text import Text
@@ -17,6 +19,10 @@ from textual.widgets import Static
 from agenttui.conversation import Approval
 
 MAX_ARGUMENT_LINES = 12
+# A call must have been on screen this long before a key answers it. The daemon asks about a
+# step's calls one after another: when one is decided elsewhere (or times out) the next shows
+# at once, and a key pressed for the first would otherwise approve one nobody read.
+MIN_SHOWN_S = 0.5
 
 
 def literal_json(value: Any) -> str:
@@ -71,11 +77,21 @@ class ApprovalPanel(Static):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.current: Approval | None = None  # the one the keys answer
+        self.clock: Callable[[], float] = time.monotonic
+        self._shown: tuple[str, str] | None = None  # (run, call) of `current`, and since when
+        self._shown_at = 0.0
 
     def show_approvals(self, approvals: list[Approval], approve_key: str,
                        deny_key: str) -> None:
         self.current = next((a for a in approvals if a.pending), None)
+        shown = (self.current.run_id, self.current.call_id) if self.current else None
+        if shown != self._shown:
+            self._shown, self._shown_at = shown, self.clock()
         self.set_class(bool(approvals), "-shown")
         self.set_class(bool(approvals) and self.current is None, "-decided")
         if approvals:
             self.update(approval_text(approvals, approve_key, deny_key))
+
+    def just_shown(self) -> bool:
+        """Whether `current` came on screen less than MIN_SHOWN_S ago (too soon to answer)."""
+        return self.current is not None and self.clock() - self._shown_at < MIN_SHOWN_S
