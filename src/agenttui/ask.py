@@ -20,6 +20,7 @@ import json
 import re
 import signal
 import sys
+import termios
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -117,12 +118,21 @@ class Approver:
                   f"(--approve-all allows every tool call)", file=err, flush=True)
             return "deny", "agenttui ask: no terminal to ask on"
         asked = payload.get("device") or "a device"
+        _discard_typed_ahead(self.stdin)
         # The prompt goes to a terminal: names from a tool server or a device stay printable.
         err.write(without_controls(f"agenttui: the model wants to run {tool} {arguments} "
                                    f"(asked from {asked}). Allow it? [y/N] "))
         err.flush()
         line = await _read_line(self.stdin)
         return ("approve", None) if line.strip().lower() in ("y", "yes") else ("deny", None)
+
+
+def _discard_typed_ahead(stream: TextIO) -> None:
+    """Drop what the terminal holds unread: a line typed before the question (for a call that
+    another device or the timeout decided meanwhile, or while the model was still talking)
+    must not answer it."""
+    with contextlib.suppress(OSError, ValueError, termios.error):
+        termios.tcflush(stream.fileno(), termios.TCIFLUSH)
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -103,6 +103,44 @@ async def test_on_a_terminal_it_asks_and_takes_the_answer(asking_daemon: Daemon,
     assert await decisions(asking_daemon, desk) == [("approve", "desk")]
 
 
+async def test_a_line_typed_before_the_question_does_not_answer_it(
+        asking_daemon: Daemon, desk: Device, tmp_path: Path) -> None:
+    """A `y` typed ahead (while the model talked, or for a call another device decided just
+    before) sat in the terminal and answered the next question at once: a call approved that
+    nobody read."""
+    master, slave = pty.openpty()
+    errors = tmp_path / "stderr.txt"
+    try:
+        with errors.open("wb") as sink:
+            proc = agenttui("ask", *PARAMS, "compute", url=asking_daemon.url,
+                            token=desk.token, stdin=slave, stderr=sink)
+            os.write(master, b"y\n")  # long before the question: the process is just starting
+
+            async def asked() -> bool:
+                assert proc.poll() is None, errors.read_text()
+                return "Allow it? [y/N]" in errors.read_text()
+
+            await poll_until(asked, RUN_S, interval=0.05, what="the question on the terminal")
+            async with client_for(asking_daemon, desk) as api:
+                [conversation] = await api.list_conversations()
+                state = await api.get_conversation(conversation.id)
+                run_id = state.messages[0].run_id or ""
+
+                async def pending() -> bool:
+                    approvals = (await api._json("GET", f"/v1/runs/{run_id}/approvals"))[
+                        "approvals"]
+                    return bool(approvals) and approvals[0]["decision"] is None
+
+                await poll_until(pending, RUN_S, what="the call waiting for its answer")
+            os.write(master, b"n\n")  # the answer given to the question once it is read
+            code = await finished(proc)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert code == 0, errors.read_text()
+    assert await decisions(asking_daemon, desk) == [("deny", "desk")]
+
+
 async def test_another_devices_decision_is_printed_without_control_characters(
         asking_daemon: Daemon, desk: Device, pool: asyncpg.Pool, tmp_path: Path) -> None:
     # A device name and a note are other people's words: they must not retitle the window or

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import defaultdict
 from types import SimpleNamespace
@@ -170,3 +171,26 @@ async def test_run_stream_survives_random_disconnects_exactly_once(
         assert events[-1].payload["status"] == RunStatus.COMPLETED
         assert "".join(e.delta for e in events) == expected_answer("demo", "stream me", 150)
         assert stream.reconnects >= 2, stream.reconnects
+
+
+async def test_a_plain_http_daemon_is_never_reached_through_an_environment_proxy(
+        daemon: Daemon, desk: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With HTTP_PROXY set (common at work), the client sent its requests for the local
+    daemon, bearer token and all, in clear text to the proxy (httpx's NO_PROXY=localhost does
+    not cover 127.0.0.1), and could not reach the daemon through it either."""
+    seen: list[bytes] = []
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await reader.read(65536))
+        writer.close()
+
+    server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+    try:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        monkeypatch.setenv("ALL_PROXY", os.environ["HTTP_PROXY"])
+        async with AgentClient(daemon.url, desk.token) as client:
+            assert (await client.me()).device == "desk"
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert seen == [], seen

@@ -109,7 +109,11 @@ class AgentClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.AsyncClient(
-            base_url=self.url, headers=headers, transport=transport, trust_env=trust_env,
+            # The environment's proxies only for https://: through a proxy, a plain http:// URL
+            # (the local daemon's default) would hand the proxy the bearer token in clear, and
+            # httpx's NO_PROXY=localhost does not cover 127.0.0.1.
+            base_url=self.url, headers=headers, transport=transport,
+            trust_env=trust_env and self.url.startswith("https://"),
             timeout=httpx.Timeout(timeout, connect=min(timeout, 5.0)),
             # httpx's own caps on connections, with a longer keep-alive.
             limits=httpx.Limits(max_connections=100, max_keepalive_connections=20,
