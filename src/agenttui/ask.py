@@ -34,7 +34,7 @@ from agenttui.client import (
     ConnectionStatus,
     describe,
 )
-from agenttui.models import RunEvent
+from agenttui.models import CreatedRun, RunEvent
 
 EXIT_COMPLETED = 0
 EXIT_FAILED = 1
@@ -62,6 +62,7 @@ class AskOutcome:
     conversation_id: str | None
     error: str | None
     interrupted: bool
+    note: str | None = None  # what `report` says instead of its usual line
 
     @property
     def exit_code(self) -> int:
@@ -193,11 +194,15 @@ async def ask(client: AgentClient, text: str, *, conversation: str | None = None
             loop.add_signal_handler(signal.SIGINT, interrupts)
             installed = True
     try:
-        conversation_id, created = await resolve_conversation(client, conversation, text,
-                                                              model)
-        if created and err.isatty():
-            print(f"agenttui: conversation {conversation_id}", file=err)
-        run = await client.create_run(conversation_id, text, model=model, params=params)
+        # Ctrl-C while the turn is being posted (a slow or unreachable daemon retries for up
+        # to a minute) ends `ask` there: it used to wait for the post, then stop the turn.
+        posting = asyncio.create_task(_post_turn(client, conversation, text, model, params,
+                                                 err))
+        if not await _unless_interrupted(posting, interrupts.first):
+            return AskOutcome(RunStatus.CANCELLED, None, None, None, True, note=(
+                "stopped before the daemon answered the post; if the turn had reached it, "
+                "it runs, and agenttui shows it"))
+        conversation_id, run = posting.result()
         follow = asyncio.create_task(_follow(client, run.run_id, out, err, show_tools,
                                              screens, approver))
         stopper = asyncio.create_task(_stop_on_interrupt(client, run.run_id, interrupts, err))
@@ -205,15 +210,22 @@ async def ask(client: AgentClient, text: str, *, conversation: str | None = None
         try:
             await asyncio.wait([follow, giving_up], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (stopper, giving_up):
-                task.cancel()
+            giving_up.cancel()
             if not follow.done():
                 follow.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stopper
         if not follow.done() or follow.cancelled():
+            # Gave up waiting: the stop asked for at the first Ctrl-C gets a moment to be
+            # answered, and the line says whether it was (the run may otherwise go on).
+            asked = await _stop_answered(stopper)
             return AskOutcome(RunStatus.CANCELLED, run.run_id, conversation_id,
-                              "stopped waiting", True)
+                              "stopped waiting", True, note=(
+                                  "stopped waiting; the run was asked to stop, and what it "
+                                  "wrote is kept in the conversation" if asked else
+                                  "stopped waiting; the run could not be asked to stop and "
+                                  "may still be running (stop it from agenttui)"))
+        stopper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopper
         status, error, wrote = follow.result()
         if wrote and out.isatty():
             out.write("\n")
@@ -224,14 +236,58 @@ async def ask(client: AgentClient, text: str, *, conversation: str | None = None
             loop.remove_signal_handler(signal.SIGINT)
 
 
+async def _post_turn(client: AgentClient, conversation: str | None, text: str,
+                     model: str | None, params: Mapping[str, Any] | None,
+                     err: TextIO) -> tuple[str, CreatedRun]:
+    conversation_id, created = await resolve_conversation(client, conversation, text, model)
+    if created and err.isatty():
+        print(f"agenttui: conversation {conversation_id}", file=err)
+    return conversation_id, await client.create_run(conversation_id, text, model=model,
+                                                     params=params)
+
+
+async def _unless_interrupted(task: asyncio.Task[Any], interrupted: asyncio.Event) -> bool:
+    """Whether `task` finished (its result or error is then there) before `interrupted`; if
+    not, it is cancelled."""
+    stop = asyncio.create_task(interrupted.wait())
+    try:
+        await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if task.done():
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, ApiError):
+        await task
+    return False
+
+
+# How long giving up waiting still waits for the answer to the stop already asked for.
+STOP_ANSWER_WAIT_S = 5.0
+
+
+async def _stop_answered(stopper: asyncio.Task[bool]) -> bool:
+    """Whether the stop asked for was answered (within STOP_ANSWER_WAIT_S)."""
+    done, _ = await asyncio.wait([stopper], timeout=STOP_ANSWER_WAIT_S)
+    if not done:
+        stopper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopper
+        return False
+    return not stopper.cancelled() and stopper.result()
+
+
 async def _stop_on_interrupt(client: AgentClient, run_id: str, interrupts: _Interrupts,
-                             err: TextIO) -> None:
+                             err: TextIO) -> bool:
+    """At the first Ctrl-C, ask the daemon to stop the run; whether it answered."""
     await interrupts.first.wait()
     print("\nagenttui: stopping the run (Ctrl-C again to stop waiting)…", file=err)
     try:
         await client.cancel_run(run_id)
     except ApiError as exc:
         print(f"agenttui: could not stop the run: {describe(exc)}", file=err)
+        return False
+    return True
 
 
 async def _answer(client: AgentClient, run_id: str, payload: dict[str, Any],
@@ -320,7 +376,9 @@ def report(outcome: AskOutcome, err: TextIO) -> None:
     """One line on stderr for anything but success."""
     if outcome.status == RunStatus.COMPLETED:
         return
-    if outcome.status == RunStatus.CANCELLED:
+    if outcome.note is not None:
+        print(f"agenttui: {outcome.note}", file=err)
+    elif outcome.status == RunStatus.CANCELLED:
         print(f"agenttui: the run was cancelled ({outcome.error or 'stopped'}); "
               f"any partial answer is kept in the conversation", file=err)
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -150,6 +151,33 @@ async def test_ctrl_c_stops_the_run_on_the_server(daemon: Daemon, desk: Device,
     assert run.status == RunStatus.CANCELLED
     assert answer[0].status == MessageStatus.PARTIAL
     assert read(out) == answer[0].content
+
+
+async def test_ctrl_c_while_the_daemon_does_not_answer_the_post_ends_ask_there() -> None:
+    """A daemon that takes the connection and never answers (a black-holed link): Ctrl-C did
+    nothing until the post's retries ran out, about a minute, and the turn was posted anyway.
+    It now ends `ask` at once, saying the turn may have reached the daemon."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # reads nothing, answers nothing
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        proc = agenttui("ask", "anyone there?", url=url, token="agd_silent")
+        await poll_until(lambda: accepted, RUN_S, what="ask to connect")
+        proc.send_signal(signal.SIGINT)
+        code = await finished(proc, within=10)
+        stderr = proc.stderr.read().decode() if proc.stderr else ""
+    finally:
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+    assert code == 130, stderr
+    assert "stopped before the daemon answered the post" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
 
 
 async def test_login_verifies_then_stores_the_token_0600_keeping_other_settings(
