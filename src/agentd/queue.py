@@ -995,12 +995,14 @@ async def release_lease(db: Db, *, account_id: UUID, conversation_id: UUID,
 
 
 async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID,
-                            run_ids: Sequence[UUID] | None = None) -> StopResult:
+                            run_ids: Sequence[UUID] | None = None,
+                            queued_only: bool = False) -> StopResult:
     """Stop a conversation in ONE transaction (stop is a state: docs/architecture.md), or only
     `run_ids` of it.
 
     Queued turns are cancelled outright and their text handed back as drafts; the running one is
-    flagged and woken; its worker finalizes it 'cancelled'.
+    flagged and woken (unless `queued_only`: a turn picked as queued that has started since is
+    left alone); its worker finalizes it 'cancelled'.
     """
     async with acquire(pool) as conn, conn.transaction():
         # The conversation row first: a turn enqueued concurrently either commits before the
@@ -1013,7 +1015,8 @@ async def stop_conversation(pool: Db, *, account_id: UUID, conversation_id: UUID
             wanted = set(run_ids)
             locked = [row for row in locked if row["id"] in wanted]
         queued = [row["id"] for row in locked if row["status"] == RunStatus.QUEUED]
-        running = [row["id"] for row in locked if row["status"] == RunStatus.RUNNING]
+        running = [] if queued_only else [row["id"] for row in locked
+                                          if row["status"] == RunStatus.RUNNING]
         cancelled = await conn.fetch(*Q.cancel_queued_runs.bind(run_ids=queued)) \
             if queued else []
         await journal_endings(conn, [dataclasses.replace(_ending(row),

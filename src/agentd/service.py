@@ -695,11 +695,14 @@ class Service:
                     return run
                 await sub.wait(min(left, 1.0 if not self.hub.connected else 5.0))
 
-    async def cancel_run(self, who: Principal, run_id: UUID) -> queue.StopResult:
+    async def cancel_run(self, who: Principal, run_id: UUID, *,
+                         queued_only: bool = False) -> queue.StopResult:
+        """Cancel one run; with `queued_only`, only while it is still queued (a client that
+        picked a queued turn must not stop the answer it has become meanwhile)."""
         run = await self.get_run(who, run_id)
         return await queue.stop_conversation(self.pool, account_id=who.account_id,
                                              conversation_id=run.conversation_id,
-                                             run_ids=[run_id])
+                                             run_ids=[run_id], queued_only=queued_only)
 
     async def stop_conversation(self, who: Principal,
                                 conversation_id: UUID) -> queue.StopResult:

@@ -364,7 +364,16 @@ async def test_cancel_and_stop_answer_202_with_drafts(api: Api):
     assert lease["worker_id"] == api.daemon.worker_id
     assert_time(lease["expires_at"])
 
-    cancelled = await api.a.post(f"/v1/runs/{queued['run_id']}/cancel")
+    # Only while queued: the running turn, picked as if it were still queued, is left alone
+    # (a client dropping a queued turn that has just started must not stop the answer).
+    left = await api.a.post(f"/v1/runs/{running['run_id']}/cancel?only=queued")
+    assert left.status_code == 202 and assert_json(left)["flagged"] == []
+    assert assert_json(left)["cancelled"] == []
+    assert (await api.a.get(f"/v1/runs/{running['run_id']}")).json()["cancel_requested"] \
+        is False
+    assert_error(await api.a.post(f"/v1/runs/{running['run_id']}/cancel?only=running"), 400,
+                 "invalid_query")
+    cancelled = await api.a.post(f"/v1/runs/{queued['run_id']}/cancel?only=queued")
     assert cancelled.status_code == 202
     body = assert_json(cancelled)
     assert body["cancelled"] == [queued["run_id"]] and body["flagged"] == []

@@ -543,8 +543,14 @@ def build_spec() -> dict[str, Any]:
             "/v1/runs/{id}/cancel": {"post": {
                 "summary": "cancel one run: a queued one ends at once and its text comes back "
                            "as a draft (to the device that asked it); a running one is asked "
-                           "to stop", "parameters": [_ID],
+                           "to stop (not with only=queued)",
+                "parameters": [_ID, {"name": "only", "in": "query", "required": False,
+                                     "schema": {"type": "string", "enum": ["queued"]},
+                                     "description": "queued: cancel it only while it is "
+                                                    "queued; a run started since is left "
+                                                    "alone"}],
                 "responses": {"202": _json(_ref("StopResult"), "cancel recorded"),
+                              "400": _error("invalid_query: only is not 'queued'"),
                               "404": _error("no such run"), **_ERRORS}}},
             "/v1/runs/{id}/approvals": {"get": {
                 "summary": "the run's tool approvals, oldest first, pending and decided",

@@ -255,7 +255,11 @@ def _stop_answer(request: web.Request, result: Any) -> web.Response:
 
 async def cancel_run(request: web.Request) -> web.Response:
     run_id = _path_id(request, "run")
-    result = await asyncio.shield(_service(request).cancel_run(principal(request), run_id))
+    only = request.query.get("only")
+    if only not in (None, "queued"):
+        raise ServiceError(400, "invalid_query", "only must be 'queued' (or left out)")
+    result = await asyncio.shield(_service(request).cancel_run(
+        principal(request), run_id, queued_only=only == "queued"))
     return _stop_answer(request, result)
 
 

@@ -336,11 +336,11 @@ class AgentClient:
             "GET", f"/v1/runs/{quote_id(run_id)}/wait", params={"timeout": wait_s},
             timeout=httpx.Timeout(wait_s + 15.0, connect=5.0), retries=2))
 
-    async def cancel_run(self, run_id: str) -> StopResult:
+    async def cancel_run(self, run_id: str, *, queued_only: bool = False) -> StopResult:
         """Cancel one run: a queued one ends at once (its text comes back as a draft), a
-        running one is asked to stop."""
-        return StopResult.from_wire(await self._json("POST", f"/v1/runs/{quote_id(run_id)}/cancel",
-                                                     retries=3))
+        running one is asked to stop, unless `queued_only`."""
+        path = f"/v1/runs/{quote_id(run_id)}/cancel" + ("?only=queued" if queued_only else "")
+        return StopResult.from_wire(await self._json("POST", path, retries=3))
 
     async def stop_conversation(self, conversation_id: str) -> StopResult:
         """The atomic sweep: queued turns cancelled (drafts handed back), the running flagged."""

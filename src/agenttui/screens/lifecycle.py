@@ -284,7 +284,9 @@ class LifecycleScreen(Screen[None]):
     @work(group="lifecycle", exit_on_error=False)
     async def cancel_queued(self, model: ConversationModel, run_id: str) -> None:
         try:
-            result = await self.client.cancel_run(run_id)
+            # Only while queued: the turn picked may have started since, and its answer must go
+            # on (docs/tui.md: the running turn and the other queued ones go on).
+            result = await self.client.cancel_run(run_id, queued_only=True)
         except ApiError as exc:
             self.notify(f"Cancel failed: {describe(exc)}", severity="error")
             return
@@ -294,10 +296,9 @@ class LifecycleScreen(Screen[None]):
             whose = "your composer" if turn is not None and model.mine(turn) else \
                 "the composer of the device that asked it"
             self.notify(f"Queued turn cancelled; its text went back to {whose}.")
-        elif result.flagged:
-            self.notify("That turn had already started: asked it to stop.")
         else:
-            self.notify("That turn had already ended.")
+            self.notify("That turn had already started (stop it with Esc) or ended; it was "
+                        "left alone.")
 
     # -- model ---------------------------------------------------------------------------------
 
