@@ -17,7 +17,7 @@ import asyncpg
 from tests.process.helpers import wait_status
 from tests.support.daemon import ADMIT_ANY_LOAD
 from tests.support.factories import create_conversation, new_device
-from tests.support.lost_answers import AnswerCutter
+from tests.support.lost_answers import AnswerCutter, relayed
 
 UNLOADED = {"tick_s": 60, **ADMIT_ANY_LOAD}  # a turn posted to a free slot always starts at once
 
@@ -130,15 +130,10 @@ async def relayed_daemon(spawn_daemon: Any, pool: asyncpg.Pool, dsn: str,
                          ) -> AsyncIterator[tuple[AnswerCutter, Any, Any, str]]:
     """A daemon whose database link goes through a relay that can lose answers, a device's
     client of it and a conversation: (relay, daemon, client, conversation id)."""
-    async with AnswerCutter(dsn) as cutter:
-        daemon = spawn_daemon(dsn=cutter.dsn, **UNLOADED)
-        try:
-            await daemon.wait_ready()
-            device = await new_device(pool, "beside", "laptop")
-            async with device.client(daemon) as client:
-                yield cutter, daemon, client, await create_conversation(client)
-        finally:
-            daemon.close()  # before the relay it talks through goes
+    async with relayed(spawn_daemon, dsn, **UNLOADED) as (cutter, daemon):
+        device = await new_device(pool, "beside", "laptop")
+        async with device.client(daemon) as client:
+            yield cutter, daemon, client, await create_conversation(client)
 
 
 async def _assert_every_run_started_once(pool: asyncpg.Pool) -> None:

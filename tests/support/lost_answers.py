@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 _READY_FOR_QUERY = ord("Z")
@@ -168,3 +170,17 @@ class AnswerCutter:
                     client.transport.abort()
                 self.cut_done.set()
                 return
+
+
+@contextlib.asynccontextmanager
+async def relayed(spawn_daemon: Callable[..., Any], dsn: str,
+                  **settings: Any) -> AsyncIterator[tuple[AnswerCutter, Any]]:
+    """A ready daemon (tests/support/daemon.py) whose every link to the database goes through
+    a relay: (the relay, the daemon). The daemon goes before the relay it talks through."""
+    async with AnswerCutter(dsn) as relay:
+        daemon = spawn_daemon(dsn=relay.dsn, **settings)
+        try:
+            await daemon.wait_ready()
+            yield relay, daemon
+        finally:
+            daemon.close()

@@ -310,11 +310,7 @@ class EmbeddedPostgres:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         """Hold an exclusive lock on the data root so concurrent starts cannot both initdb."""
-        lock_path = self.data_root / _LOCK_NAME
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise EmbeddedPgError(f"cannot open the lock file {lock_path}: {exc}") from exc
+        fd = self._open_lock_file(_LOCK_NAME)
         try:
             # Poll rather than block so that a wedged holder yields an error, not a hang.
             deadline = time.monotonic() + _LOCK_TIMEOUT_S
@@ -335,19 +331,22 @@ class EmbeddedPostgres:
         finally:
             os.close(fd)  # also releases the lock
 
+    def _open_lock_file(self, name: str) -> int:
+        """A descriptor of a lock file beside the data (close-on-exec: the server, which our
+        pg_ctl starts, must never inherit one of our locks)."""
+        path = self.data_root / name
+        try:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise EmbeddedPgError(f"cannot open the lock file {path}: {exc}") from exc
+
     def _take_use(self) -> None:
         """Hold a shared lock on the users file while this object uses the server (taken under
         the start lock, so no stop runs between finding the server and counting as its user).
-
-        Close-on-exec: the server, started by our pg_ctl, must not hold our use forever.
         """
         if self._use_fd is not None:
             return
-        path = self.data_root / _USERS_NAME
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise EmbeddedPgError(f"cannot open the lock file {path}: {exc}") from exc
+        fd = self._open_lock_file(_USERS_NAME)
         try:
             # Never waits: an exclusive holder also holds the start lock, which we hold.
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -365,9 +364,8 @@ class EmbeddedPostgres:
         """Whether another process (or object) holds a use of the server (under the start
         lock, so none can take one while we look and then stop the server)."""
         try:
-            fd = os.open(self.data_root / _USERS_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                         0o600)
-        except OSError:
+            fd = self._open_lock_file(_USERS_NAME)
+        except EmbeddedPgError:
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
