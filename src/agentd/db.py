@@ -51,8 +51,7 @@ def acquire(db: Db) -> Any:
 
 # What a database call can raise that says "not now" rather than "a bug": the connection broke
 # or was refused, the server answered with an error, or the wait for it ran out.
-DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
-             asyncpg.InternalClientError, TimeoutError)
+DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
 # Of those, the ones that say the database cannot be had right now (a request may be retried,
 # a worker's write retried within its lease): the connection broke or was refused, the server is
 # starting, stopping or restarting after a backend's crash (every session is ended then), or it
@@ -60,9 +59,14 @@ DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
 UNAVAILABLE = (OSError, TimeoutError, asyncpg.InterfaceError,
                # What asyncpg raises when a pooled connection's backend was ended while it sat
                # idle (the server restarting, pg_terminate_backend) and the pool lends it once
-               # more before it has noticed.
+               # more before it has noticed. asyncpg's own faults are of this class too: they
+               # are logged with their traceback wherever this tuple is caught for a client.
                asyncpg.InternalClientError,
-               asyncpg.exceptions.PostgresConnectionError,
+               # Class 08 but its protocol violation (08P01: a statement sent wrong, a bug).
+               asyncpg.exceptions.ConnectionDoesNotExistError,
+               asyncpg.exceptions.ConnectionFailureError,
+               asyncpg.exceptions.ClientCannotConnectError,
+               asyncpg.exceptions.ConnectionRejectionError,
                asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.AdminShutdownError,
                asyncpg.exceptions.CrashShutdownError, asyncpg.exceptions.TooManyConnectionsError)
 # Of those, the ones raised before a statement could be sent: nothing is in doubt.

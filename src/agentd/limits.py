@@ -438,7 +438,8 @@ class _GuardedProtocol(asyncio.Protocol):
 
 def _capped_address(peer: object) -> str | None:
     """Whose connections `peer`'s count as (rate_key), or None for loopback, which is this
-    machine's own (the local TUI, a reverse proxy beside the daemon, a benchmark)."""
+    machine's own (the local TUI, a reverse proxy that reaches the daemon over loopback, a
+    benchmark). A proxy in a container on a bridge network is another address."""
     if not (isinstance(peer, tuple) and peer):
         return None
     address = str(peer[0])

@@ -128,16 +128,11 @@ class Runtime:
         self.valid_tokens = RecentlyValid(VALID_TOKEN_MEMORY_S)
 
 
-def max_body_bytes(settings: Settings) -> int:
-    """The largest request body: 1 MiB, or room for a post of max_content_chars characters
-    however its JSON spells them (`\\uXXXX\\uXXXX`, twelve bytes, for one outside the BMP)
-    plus its other fields, whichever is more. A fixed 1 MiB refused posts within the setting
-    with a bare 413."""
-    return max(1 << 20, 12 * settings.max_content_chars + (64 << 10))
 
 
 def build_app(runtime: Runtime) -> web.Application:
     from agentd.api import RUNTIME, devices, health, metrics, openapi, routes
+    from agentd.api.bodies import max_body_bytes
 
     app = web.Application(client_max_size=max_body_bytes(runtime.settings))
     app[RUNTIME] = runtime
@@ -185,7 +180,7 @@ async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
             finally:
                 await pool.close()
         finally:
-            await asyncio.to_thread(database.close)
+            await asyncio.to_thread(database.close, service=True)
     finally:
         if parent is not None:
             parent.cancel()

@@ -359,9 +359,10 @@ class Service:
         it: three attempts in all. The third attempt's loss reaches the client as any request's
         lost race does, a 503 to retry (api/errors.py)."""
         tool = (ask.params or {}).get("tool")
-        if isinstance(tool, str):
+        if isinstance(tool, str) and ask.retry_of is None:
             # Before a claim slot is held: a tool's MCP server may take start_timeout_s to
-            # start, and a slot held that long is one no other post here can start beside.
+            # start, and a slot held that long is one no other post here can start beside. (A
+            # retry refuses an unavailable tool only after its replay and its 409s: _retry.)
             await self._check_tool(tool)
         slot = await self.starter.reserve() if self.starter is not None else None
         for beside in (slot, None):

@@ -36,12 +36,13 @@ class Database:
     dsn: str
     embedded: EmbeddedPostgres | None = None
 
-    def close(self) -> None:
-        """Stop using the embedded server (the last process using it stops it)."""
+    def close(self, *, service: bool = False) -> None:
+        """Stop using the embedded server (the last process using it stops it). `service`:
+        the daemon itself (serve, or a supervisor) closes it."""
         if self.embedded is not None:
             # A stopping systemd unit kills whatever it started that is left once its main
             # process exits, the server it started too: a clean stop here beats that kill.
-            self.embedded.stop(force=self.embedded.owns_server and supervised())
+            self.embedded.stop(force=service and self.embedded.owns_server and supervised())
 
 
 async def open_database(settings: Settings) -> Database:
@@ -50,14 +51,28 @@ async def open_database(settings: Settings) -> Database:
         return Database(settings.dsn)
     server = EmbeddedPostgres(settings.data_dir or default_data_root(), run_as=settings.pg_user)
     started = time.monotonic()
-    await asyncio.to_thread(server.start)
-    log.info("embedded postgresql ready", extra={
-        "data_dir": str(server.data_dir), "seconds": round(time.monotonic() - started, 3)})
-    admin = await asyncpg.connect(server.dsn("postgres"))
+    loop = asyncio.get_running_loop()
+    # The executor's own future, not a task: asyncio.run's shutdown cancels every task, and a
+    # cancelled wait would not know when the start in its thread ended.
+    starting = loop.run_in_executor(None, server.start)
     try:
-        await dbmod.ensure_agentd_database(admin)
-    finally:
-        await admin.close()
+        # Shielded: a stop (SIGTERM, Ctrl-C) or an error from here on still lets the start
+        # finish, and then stops using the server, which the last user out stops: a command
+        # ended mid-start used to leave the server it started running for nobody.
+        await asyncio.shield(starting)
+        log.info("embedded postgresql ready", extra={
+            "data_dir": str(server.data_dir), "seconds": round(time.monotonic() - started, 3)})
+        admin = await asyncpg.connect(server.dsn("postgres"))
+        try:
+            await dbmod.ensure_agentd_database(admin)
+        finally:
+            await admin.close()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await starting
+        with contextlib.suppress(Exception):
+            await loop.run_in_executor(None, server.stop)
+        raise
     return Database(server.dsn(dbmod.EMBEDDED_DATABASE), server)
 
 

@@ -487,7 +487,7 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
                                     stop, hurry, certificate.fingerprint if certificate else None,
                                     embedded=database.embedded is not None)
         finally:
-            await asyncio.to_thread(database.close)
+            await asyncio.to_thread(database.close, service=True)
     finally:
         for sock in sockets:
             sock.close()

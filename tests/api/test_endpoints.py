@@ -15,7 +15,8 @@ import schemathesis
 from prometheus_client.parser import text_string_to_metric_families
 
 from agentd.accounts import create_device_token, revoke_device
-from agentd.runtime import Runtime, build_app, max_body_bytes
+from agentd.api.bodies import MAX_BODY_BYTES, max_body_bytes
+from agentd.runtime import Runtime, build_app
 from agentd.settings import Settings
 from tests.api.conftest import Api, started_api
 from tests.api.helpers import (
@@ -506,10 +507,10 @@ BAD_INPUT: list[tuple[str, str, str, dict[str, Any], int, str | None]] = [
     ("NUL in title", "POST", "/v1/conversations", raw(b'{"title": "a\\u0000b"}'), 400, None),
     ("nesting too deep", "POST", "/v1/conversations", raw(deep(100_000)), 400,
      "json_too_deep"),
-    ("body over the limit", "POST", "/v1/conversations",
-     {"json": {"title": "t" * BODY_OVER}}, 413, "payload_too_large"),
-    ("rename: body over the limit", "PATCH", "/v1/conversations/{cid}",
-     {"json": {"title": "t" * BODY_OVER}}, 413, "payload_too_large"),
+    ("body over 1 MiB", "POST", "/v1/conversations",
+     {"json": {"title": "t" * MAX_BODY_BYTES}}, 413, "payload_too_large"),
+    ("rename: body over 1 MiB", "PATCH", "/v1/conversations/{cid}",
+     {"json": {"title": "t" * MAX_BODY_BYTES}}, 413, "payload_too_large"),
     ("rename without body", "PATCH", "/v1/conversations/{cid}", {}, 400, "invalid_body"),
     ("rename to null", "PATCH", "/v1/conversations/{cid}", {"json": {"title": None}}, 400,
      "invalid_title"),

@@ -109,3 +109,18 @@ async def test_a_command_stopped_with_sigterm_stops_the_server_it_was_last_to_us
         holder.terminate()
     finally:
         await asyncio.to_thread(first.stop, force=True)
+
+
+async def test_a_command_stopped_while_it_starts_the_server_stops_it(data_root: Path) -> None:
+    """SIGTERM while the command is still starting the server (a first start runs initdb, about
+    a second): the start finishes, and the command, the last user, stops what it started. It
+    used to leave that server running for nobody."""
+    status = agentd("status", data_root=data_root)
+    lock = data_root / ".agentd-pg.lock"
+    await poll_until(lock.exists, READY_TIMEOUT_S, interval=0.01,
+                     what="the command to begin starting the server")
+    status.send_signal(signal.SIGTERM)
+    _, stderr = await asyncio.to_thread(status.communicate, timeout=READY_TIMEOUT_S)
+    assert status.returncode == 128 + signal.SIGTERM, stderr
+    assert "Traceback" not in stderr, stderr
+    assert not EmbeddedPostgres(data_root).is_running(), "left running for nobody"

@@ -12,8 +12,9 @@ for a statement that did commit. No library relays PostgreSQL's protocol this wa
 read here is its framing alone (a type byte and a length), on the server's side.
 
 `cutter.stall(marker)` makes the links open now whose first bytes (the startup message, with its
-application_name) held `marker` go silent: the server's answers are dropped from then on and
-nothing is closed, as over a link that died without a word. Links opened later are relayed.
+application_name) held `marker` go silent: from then on nothing they send reaches the server and
+nothing it answers comes back, and nothing is closed, as over a link that died without a word.
+Links opened later are relayed.
 
 `cutter.refuse_new(sqlstate, message)` answers every link opened from then on as a server that
 takes no more does: a FATAL ErrorResponse to its startup message (e.g. 53300, "sorry, too many
@@ -130,6 +131,7 @@ class AnswerCutter:
         finally:
             for writer in (client_w, server_w):
                 writer.close()
+            self._startups = [(first, q) for first, q in self._startups if q is not quiet]
             self._pumps.discard(task)
 
     async def _from_client(self, reader: asyncio.StreamReader, server: asyncio.StreamWriter,
@@ -140,6 +142,8 @@ class AnswerCutter:
             if first:
                 self._startups.append((chunk, quiet))
                 first = False
+            if quiet.is_set():
+                continue  # lost on the way, like everything on a dead link
             if self._marker is not None and self._marker in chunk:
                 self._marker, waiting_for, self._then = None, self._then, None
                 if waiting_for is None:

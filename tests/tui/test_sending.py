@@ -18,6 +18,7 @@ from tests.support.factories import Device
 from tests.tui.helpers import WAIT_S, Posts, client_for, running_tui, wait_for
 
 QUICK = {"tokens": 3, "delay_ms": 0}
+FIRST = "Plan:\n\nfirst words"
 
 
 async def user_messages(daemon: Daemon, device: Device, conversation_id: str) -> list[str]:
@@ -83,24 +84,22 @@ async def test_two_lost_sends_handed_back_together_are_resent_one_by_one(
             conversation, posts, screen, pilot):
         posts.lose_answers = True
         posts.hold()  # a slow link: the second is typed and sent while the first waits
-        screen.composer.text = "first words"
+        screen.composer.text = FIRST  # a message with a blank line of its own
         await pilot.press("enter")
         await wait_for(pilot, lambda: posts.held == 1, "the first send to wait on the daemon")
         screen.composer.text = "second words"
         await pilot.press("enter")
         await wait_for(pilot, lambda: screen.composer.text == "", "the second Enter")
         posts.release()
-        await wait_for(pilot, lambda: screen.composer.text == "first words\n\nsecond words",
+        await wait_for(pilot, lambda: screen.composer.text == FIRST + "\n\nsecond words",
                        "both texts back in the composer, in order")
-        assert await user_messages(daemon, desk, conversation) == ["first words",
-                                                                   "second words"]
+        assert await user_messages(daemon, desk, conversation) == [FIRST, "second words"]
         posts.lose_answers = False
         await pilot.press("enter")  # both, unchanged
         await wait_for(pilot, lambda: screen.composer.text == "" and
                        sum("had reached the daemon" in n for n in screen.notices) == 2,
                        "both sends replayed")
-        assert await user_messages(daemon, desk, conversation) == ["first words",
-                                                                   "second words"]
+        assert await user_messages(daemon, desk, conversation) == [FIRST, "second words"]
 
 
 async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(

@@ -290,6 +290,21 @@ async def test_the_last_user_stops_the_server_whoever_started_it(make_pg: MakePg
     assert not finder.is_running() and not pid_alive(pid)
 
 
+async def test_a_server_an_agentd_counting_no_users_started_is_left_up(make_pg: MakePg) -> None:
+    """An older agentd, still serving through an upgrade, holds no use of the server it
+    started and records no pid: a newer command that found the server running must leave it,
+    as every agentd did before, though it sees no other user."""
+    older = make_pg()
+    older.start()
+    older._drop_use()  # it counts no users...
+    (older.data_root / ".agentd-pg.users").write_text("")  # ...and recorded no pid
+    command = make_pg()
+    command.start()
+    assert not command.owns_server
+    command.stop()
+    assert older.is_running()
+
+
 async def test_concurrent_cold_starts_initialise_one_cluster(make_pg: MakePg) -> None:
     servers = [make_pg(), make_pg()]
     barrier = threading.Barrier(len(servers))

@@ -14,6 +14,7 @@ from uuid import UUID
 from aiohttp import web
 
 from agentd.api import RUNTIME
+from agentd.providers.params import MAX_SYSTEM_CHARS
 from agentd.service import (
     LAST,
     ConversationChange,
@@ -40,8 +41,25 @@ PAGING_FIELDS = {"before", "limit", "until"}
 MAX_JSON_DEPTH = 64
 
 
-async def json_body(request: web.Request, *, optional: bool = False) -> Any:
-    """The request's JSON, strictly: no NaN/Infinity, finite numbers, storable strings."""
+# Every request body but a turn's post (max_body_bytes): a title, a decision, a code.
+MAX_BODY_BYTES = 1 << 20
+
+
+def max_body_bytes(settings: Settings) -> int:
+    """The largest body of a turn's post, and so the app's cap: 1 MiB, or room for its
+    content and system prompt at their limits however its JSON spells them (`\\uXXXX\\uXXXX`,
+    twelve bytes, for a character outside the BMP) and its other fields, whichever is more. A
+    fixed 1 MiB refused posts within max_content_chars with a bare 413."""
+    return max(MAX_BODY_BYTES,
+               12 * (settings.max_content_chars + MAX_SYSTEM_CHARS) + (64 << 10))
+
+
+async def json_body(request: web.Request, *, optional: bool = False,
+                    max_bytes: int = MAX_BODY_BYTES) -> Any:
+    """The request's JSON, strictly: no NaN/Infinity, finite numbers, storable strings; at
+    most `max_bytes` of it (the app's own cap is a turn's, the largest)."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise _too_large()  # refused before a byte of it is read
     try:
         # A body trickled in byte by byte must not hold a connection for ever.
         async with asyncio.timeout(request.app[RUNTIME].settings.body_timeout_s):
@@ -49,6 +67,8 @@ async def json_body(request: web.Request, *, optional: bool = False) -> Any:
     except TimeoutError:
         raise ServiceError(408, "body_timeout", "the request body did not arrive in time") \
             from None
+    if len(raw) > max_bytes:
+        raise _too_large()
     if not raw.strip():
         if optional:
             return {}
@@ -66,6 +86,10 @@ async def json_body(request: web.Request, *, optional: bool = False) -> Any:
         raise ServiceError(400, "invalid_json", "the body's strings must be valid Unicode "
                            "without NUL characters")
     return body
+
+
+def _too_large() -> ServiceError:
+    return ServiceError(413, "payload_too_large", "request body is too large")
 
 
 def _too_deep() -> ServiceError:

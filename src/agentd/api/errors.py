@@ -82,7 +82,10 @@ def _answer(request: web.Request, exc: Exception) -> web.StreamResponse:
         headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return error_response(exc.status, code, message, headers=headers or None)
     if isinstance(exc, _UNAVAILABLE):
-        log.warning("database unavailable", extra={"path": request.path, "error": str(exc)})
+        # asyncpg's internal errors follow a connection ended under it, or are its own faults:
+        # the traceback goes to the log either way, so a fault is never only a 503.
+        log.warning("database unavailable", extra={"path": request.path, "error": str(exc)},
+                    exc_info=exc if isinstance(exc, asyncpg.InternalClientError) else None)
         return error_response(503, "unavailable", "the database is unavailable; retry shortly",
                               headers={"Retry-After": "1"})
     if lost_race(exc):

@@ -17,6 +17,7 @@ from agentd.api.auth import auth_middleware, device_revoked, principal
 from agentd.api.bodies import (
     MAX_CALL_ID,
     json_body,
+    max_body_bytes,
     page_limit,
     storable_text,
     validate_approval,
@@ -198,7 +199,7 @@ async def search(request: web.Request) -> web.Response:
 async def create_run(request: web.Request) -> web.Response:
     service = _service(request)
     conversation_id = _path_id(request, "conversation")
-    body = await json_body(request)
+    body = await json_body(request, max_bytes=max_body_bytes(service.settings))
     req = validate_run_request(body, service.settings)
     key = request.headers.get("Idempotency-Key")
     # Shielded: a client that hangs up mid-request must not cut the transaction in half.

@@ -232,6 +232,7 @@ class EmbeddedPostgres:
         if made or trusting:
             self._reset_password(account, password, was_trust=trusting)
         self._launch(account)
+        self._record_launch()
         return True
 
     def stop(self, mode: StopMode = "fast", *, force: bool = False) -> None:
@@ -240,7 +241,8 @@ class EmbeddedPostgres:
 
         Whoever started it, the last user out stops it: a CLI command that started the
         server while `agentd serve` came up beside it must not take the daemon's database
-        away when it exits, and the daemon then stops it when it exits in turn.
+        away when it exits, and the daemon then stops it when it exits in turn. A server no
+        agentd of this kind started (its pid is not the one recorded at launch) is left up.
         """
         if mode not in ("smart", "fast", "immediate"):
             raise ValueError(f"unknown stop mode {mode!r}")
@@ -250,20 +252,28 @@ class EmbeddedPostgres:
         with self._locked():
             self._drop_use()
             self._owns_server = False
+            running = self._live_server(clean=True)
+            if running is None:
+                return
             if not force and self._others_use():
                 log.info("the embedded PostgreSQL stays up: another process uses it",
                          extra={"data_dir": str(self.data_dir)})
                 return
-            if self._live_server(clean=True) is not None:
-                result = self._run(
-                    [self._tool("pg_ctl"), "stop", "-D", str(self.data_dir), "-m", mode,
-                     "-w", "-t", str(_START_TIMEOUT_S), "-s"],
-                    self._account(),
-                    timeout=_START_TIMEOUT_S + 30,
-                )
-                # pg_ctl also fails when the server exited between our check and its signal.
-                if result.returncode != 0 and self._live_server(clean=False) is not None:
-                    raise self._error("pg_ctl stop failed", result)
+            if not force and self._launched_pid() != running.pid:
+                # Started by an agentd that counts no users (an older one, still serving
+                # through an upgrade): as before, one that found it running leaves it.
+                log.info("the embedded PostgreSQL stays up: this agentd did not start it",
+                         extra={"data_dir": str(self.data_dir)})
+                return
+            result = self._run(
+                [self._tool("pg_ctl"), "stop", "-D", str(self.data_dir), "-m", mode,
+                 "-w", "-t", str(_START_TIMEOUT_S), "-s"],
+                self._account(),
+                timeout=_START_TIMEOUT_S + 30,
+            )
+            # pg_ctl also fails when the server exited between our check and its signal.
+            if result.returncode != 0 and self._live_server(clean=False) is not None:
+                raise self._error("pg_ctl stop failed", result)
 
     def is_running(self) -> bool:
         """Return whether a live server owns this data directory (by its ``postmaster.pid``)."""
@@ -355,6 +365,23 @@ class EmbeddedPostgres:
             raise
         self._use_fd = fd
 
+    def _record_launch(self) -> None:
+        """Write the server's pid in the users file: the server counts its users, so the last
+        of them may stop it (`_launched_pid`)."""
+        running = self._live_server(clean=False)
+        if running is None or self._use_fd is None:
+            return
+        os.ftruncate(self._use_fd, 0)
+        os.pwrite(self._use_fd, f"{running.pid}\n".encode(), 0)
+
+    def _launched_pid(self) -> int | None:
+        """The pid of the server this agentd's kind last started here (None: none recorded)."""
+        try:
+            text = (self.data_root / _USERS_NAME).read_text().strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None
+
     def _drop_use(self) -> None:
         if self._use_fd is not None:
             os.close(self._use_fd)  # also releases the lock
@@ -365,8 +392,11 @@ class EmbeddedPostgres:
         lock, so none can take one while we look and then stop the server)."""
         try:
             fd = self._open_lock_file(_USERS_NAME)
-        except EmbeddedPgError:
-            return False
+        except EmbeddedPgError as exc:
+            # Unknown: stopping the server under its users would be the worse mistake.
+            log.warning("cannot tell whether another process uses the embedded PostgreSQL; "
+                        "it stays up", extra={"error": str(exc)})
+            return True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

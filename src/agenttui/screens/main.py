@@ -92,16 +92,16 @@ class UncertainSend:
 
 def resent(text: str, uncertain: list[UncertainSend]) -> list[UncertainSend] | None:
     """The uncertain sends `text` is, in the order they were sent: one sent again as it was, or
-    several the composer handed back joined (SEPARATOR between them) and sent again unedited.
-    None: `text` is a new message."""
-    by_text = {u.text.strip(): u for u in uncertain}
-    parts = [part.strip() for part in text.split(SEPARATOR)] if SEPARATOR in text \
-        else [text.strip()]
-    found = [by_text.get(part) for part in parts]
-    if not all(found) or len({id(u) for u in found}) != len(found):
-        whole = by_text.get(text.strip())
-        return [whole] if whole is not None else None
-    return [u for u in found if u is not None]
+    several the composer handed back joined (SEPARATOR between them, in the order they came
+    back) and sent again unedited. None: `text` is a new message. Matched as whole texts joined,
+    never by splitting `text`: a message may hold blank lines of its own."""
+    wanted = text.strip()
+    for first in range(len(uncertain)):
+        for last in range(first, len(uncertain)):
+            run = uncertain[first:last + 1]
+            if SEPARATOR.join(u.text for u in run).strip() == wanted:
+                return run
+    return None
 
 
 @dataclass
