@@ -51,7 +51,8 @@ def acquire(db: Db) -> Any:
 
 # What a database call can raise that says "not now" rather than "a bug": the connection broke
 # or was refused, the server answered with an error, or the wait for it ran out.
-DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)
+DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError,
+             asyncpg.InternalClientError, TimeoutError)
 # Of those, the ones that say the database cannot be had right now (a request may be retried,
 # a worker's write retried within its lease): the connection broke or was refused, the server is
 # starting, stopping or restarting after a backend's crash (every session is ended then), or it
@@ -62,11 +63,10 @@ UNAVAILABLE = (OSError, TimeoutError, asyncpg.InterfaceError,
                # more before it has noticed. asyncpg's own faults are of this class too: they
                # are logged with their traceback wherever this tuple is caught for a client.
                asyncpg.InternalClientError,
-               # Class 08 but its protocol violation (08P01: a statement sent wrong, a bug).
-               asyncpg.exceptions.ConnectionDoesNotExistError,
-               asyncpg.exceptions.ConnectionFailureError,
-               asyncpg.exceptions.ClientCannotConnectError,
-               asyncpg.exceptions.ConnectionRejectionError,
+               # Class 08, its protocol violation (08P01) too: PgBouncer reports most of its
+               # own refusals so (a query_wait_timeout, a server connection lost). It is also
+               # what a statement sent wrong gets: logged with its traceback like the above.
+               asyncpg.exceptions.PostgresConnectionError,
                asyncpg.exceptions.CannotConnectNowError, asyncpg.exceptions.AdminShutdownError,
                asyncpg.exceptions.CrashShutdownError, asyncpg.exceptions.TooManyConnectionsError)
 # Of those, the ones raised before a statement could be sent: nothing is in doubt.

@@ -128,8 +128,6 @@ class Runtime:
         self.valid_tokens = RecentlyValid(VALID_TOKEN_MEMORY_S)
 
 
-
-
 def build_app(runtime: Runtime) -> web.Application:
     from agentd.api import RUNTIME, devices, health, metrics, openapi, routes
     from agentd.api.bodies import max_body_bytes

@@ -68,12 +68,21 @@ async def open_database(settings: Settings) -> Database:
         finally:
             await admin.close()
     except BaseException:
-        with contextlib.suppress(Exception):
-            await starting
-        with contextlib.suppress(Exception):
-            await loop.run_in_executor(None, server.stop)
+        await _to_the_end(starting)
+        await _to_the_end(loop.run_in_executor(None, server.stop))
         raise
     return Database(server.dsn(dbmod.EMBEDDED_DATABASE), server)
+
+
+async def _to_the_end(work: asyncio.Future[None]) -> None:
+    """Wait for `work` (in a thread) to end, whatever a second Ctrl-C or SIGTERM raises here
+    meanwhile: a start or stop of the embedded server cut short leaves it to nobody."""
+    while not work.done():
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(work)
+    if not work.cancelled() and work.exception() is not None:
+        log.warning("the embedded postgresql's start or stop failed while the command ended",
+                    extra={"error": str(work.exception())})
 
 
 class StoppedWhileStarting(Exception):

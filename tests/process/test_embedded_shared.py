@@ -117,10 +117,13 @@ async def test_a_command_stopped_while_it_starts_the_server_stops_it(data_root: 
     used to leave that server running for nobody."""
     status = agentd("status", data_root=data_root)
     lock = data_root / ".agentd-pg.lock"
-    await poll_until(lock.exists, READY_TIMEOUT_S, interval=0.01,
-                     what="the command to begin starting the server")
-    status.send_signal(signal.SIGTERM)
-    _, stderr = await asyncio.to_thread(status.communicate, timeout=READY_TIMEOUT_S)
-    assert status.returncode == 128 + signal.SIGTERM, stderr
-    assert "Traceback" not in stderr, stderr
-    assert not EmbeddedPostgres(data_root).is_running(), "left running for nobody"
+    try:
+        await poll_until(lock.exists, READY_TIMEOUT_S, interval=0.01,
+                         what="the command to begin starting the server")
+        status.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.to_thread(status.communicate, timeout=READY_TIMEOUT_S)
+        assert status.returncode == 128 + signal.SIGTERM, stderr
+        assert "Traceback" not in stderr, stderr
+        assert not EmbeddedPostgres(data_root).is_running(), "left running for nobody"
+    finally:
+        await asyncio.to_thread(EmbeddedPostgres(data_root).stop, force=True)

@@ -31,6 +31,8 @@ log = logging.getLogger("agentd.api")
 _UNAVAILABLE = (*UNAVAILABLE, asyncpg.exceptions.QueryCanceledError,
                 asyncpg.exceptions.LockNotAvailableError)
 
+# Unavailable by the look of it, but also what a fault of ours or asyncpg's raises.
+_MAYBE_A_FAULT = (asyncpg.InternalClientError, asyncpg.exceptions.ProtocolViolationError)
 _HTTP_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
                405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
                415: "unsupported_media_type", 422: "unprocessable", 429: "too_many_requests",
@@ -82,10 +84,10 @@ def _answer(request: web.Request, exc: Exception) -> web.StreamResponse:
         headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return error_response(exc.status, code, message, headers=headers or None)
     if isinstance(exc, _UNAVAILABLE):
-        # asyncpg's internal errors follow a connection ended under it, or are its own faults:
-        # the traceback goes to the log either way, so a fault is never only a 503.
+        # Those may be faults as well as outages: their traceback goes to the log, so a fault
+        # is never only a 503.
         log.warning("database unavailable", extra={"path": request.path, "error": str(exc)},
-                    exc_info=exc if isinstance(exc, asyncpg.InternalClientError) else None)
+                    exc_info=exc if isinstance(exc, _MAYBE_A_FAULT) else None)
         return error_response(503, "unavailable", "the database is unavailable; retry shortly",
                               headers={"Retry-After": "1"})
     if lost_race(exc):

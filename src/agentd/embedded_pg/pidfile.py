@@ -20,6 +20,12 @@ class PidFile:
     port: int | None
     socket_dir: str
     status: str
+    started: str = ""  # the postmaster's start time (epoch seconds): with the pid, one server
+
+    @property
+    def identity(self) -> str:
+        """This server and no other: a pid a later server could reuse, and its start time."""
+        return f"{self.pid} {self.started}"
 
 
 def read_pid_file(path: Path) -> PidFile | None:
@@ -38,7 +44,8 @@ def read_pid_file(path: Path) -> PidFile | None:
     def at(n: int) -> str:
         return lines[n].strip() if len(lines) > n else ""
     port = int(at(3)) if at(3).isdigit() else None
-    return PidFile(pid=pid, data_dir=at(1), port=port, socket_dir=at(4), status=at(7))
+    return PidFile(pid=pid, data_dir=at(1), port=port, socket_dir=at(4), status=at(7),
+                   started=at(2))
 
 
 def is_our_postgres(pid: int, data_dir: Path) -> bool:

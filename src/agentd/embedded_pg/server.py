@@ -232,7 +232,7 @@ class EmbeddedPostgres:
         if made or trusting:
             self._reset_password(account, password, was_trust=trusting)
         self._launch(account)
-        self._record_launch()
+        self._record_launch(self._live_server(clean=False))
         return True
 
     def stop(self, mode: StopMode = "fast", *, force: bool = False) -> None:
@@ -252,14 +252,14 @@ class EmbeddedPostgres:
         with self._locked():
             self._drop_use()
             self._owns_server = False
-            running = self._live_server(clean=True)
-            if running is None:
-                return
             if not force and self._others_use():
                 log.info("the embedded PostgreSQL stays up: another process uses it",
                          extra={"data_dir": str(self.data_dir)})
                 return
-            if not force and self._launched_pid() != running.pid:
+            running = self._live_server(clean=True)
+            if running is None:
+                return
+            if not force and self._launched() != running.identity:
                 # Started by an agentd that counts no users (an older one, still serving
                 # through an upgrade): as before, one that found it running leaves it.
                 log.info("the embedded PostgreSQL stays up: this agentd did not start it",
@@ -274,6 +274,7 @@ class EmbeddedPostgres:
             # pg_ctl also fails when the server exited between our check and its signal.
             if result.returncode != 0 and self._live_server(clean=False) is not None:
                 raise self._error("pg_ctl stop failed", result)
+            self._record_launch(None)
 
     def is_running(self) -> bool:
         """Return whether a live server owns this data directory (by its ``postmaster.pid``)."""
@@ -365,22 +366,29 @@ class EmbeddedPostgres:
             raise
         self._use_fd = fd
 
-    def _record_launch(self) -> None:
-        """Write the server's pid in the users file: the server counts its users, so the last
-        of them may stop it (`_launched_pid`)."""
-        running = self._live_server(clean=False)
-        if running is None or self._use_fd is None:
-            return
-        os.ftruncate(self._use_fd, 0)
-        os.pwrite(self._use_fd, f"{running.pid}\n".encode(), 0)
-
-    def _launched_pid(self) -> int | None:
-        """The pid of the server this agentd's kind last started here (None: none recorded)."""
+    def _record_launch(self, server: PidFile | None) -> None:
+        """Write in the users file which server counts its users (its pid and start time), so
+        that the last of them may stop it (`_launched`); None: none (it was stopped). Under
+        the start lock, which every reader holds too. A failure is logged, never the start's:
+        the server then stays up when its users are gone, as before this record."""
+        text = f"{server.identity}\n".encode() if server is not None else b""
         try:
-            text = (self.data_root / _USERS_NAME).read_text().strip()
+            fd = self._open_lock_file(_USERS_NAME)
+            try:
+                os.pwrite(fd, text, 0)
+                os.ftruncate(fd, len(text))
+            finally:
+                os.close(fd)  # a lock only ever taken on another descriptor: none is lost
+        except (OSError, EmbeddedPgError) as exc:
+            log.warning("could not record the embedded PostgreSQL's launch; it will not be "
+                        "stopped when its users are gone", extra={"error": str(exc)})
+
+    def _launched(self) -> str | None:
+        """Which server an agentd that counts users last started here (None: none recorded)."""
+        try:
+            return (self.data_root / _USERS_NAME).read_text().strip() or None
         except OSError:
             return None
-        return int(text) if text.isdigit() else None
 
     def _drop_use(self) -> None:
         if self._use_fd is not None:

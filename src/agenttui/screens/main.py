@@ -494,7 +494,7 @@ class MainScreen(LifecycleScreen):
         """Post `text`; True once posted, False when it was put back in the composer."""
         settings = self.app.settings
         if self.me is None:
-            self.composer.put_back(text)
+            self.composer.put_back(text, unless_here=False)
             self.notify(f"Not connected to {self.client.url} yet; your message is still here.",
                         severity="warning")
             return False
@@ -508,7 +508,7 @@ class MainScreen(LifecycleScreen):
                     await self.open_conversation(created.id)
                 await self._refresh_list()
         except ApiError as exc:
-            self.composer.put_back(text)
+            self.composer.put_back(text, unless_here=False)
             self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
             return False
         conversation_id = target if isinstance(target, str) else target.conversation_id
@@ -527,7 +527,7 @@ class MainScreen(LifecycleScreen):
         for number, send in enumerate(again):
             if not await self._post(conversation_id, send.text, send.key, left):
                 for later in again[number + 1:]:  # not tried: back in the composer, still keyed
-                    self.composer.put_back(later.text)
+                    self.composer.put_back(later.text, unless_here=False)
                     left.append(later)
                 self._uncertain[conversation_id] = left
                 return False
@@ -543,7 +543,7 @@ class MainScreen(LifecycleScreen):
             run = await self.client.create_run(conversation_id, text, params=settings.params,
                                                idempotency_key=key)
         except ApiError as exc:
-            self.composer.put_back(text)
+            self.composer.put_back(text, unless_here=False)
             if not outcome_unknown(exc):
                 self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
                 return False

@@ -95,15 +95,17 @@ class Composer(TextArea):
     def action_newline(self) -> None:
         self.insert("\n")
 
-    def put_back(self, text: str) -> None:
+    def put_back(self, text: str, *, unless_here: bool = True) -> None:
         """Return text to the composer (a failed send, a draft); what is typed stays too.
 
         Texts handed back one after another stay in that order, ahead of what was typed since:
-        drafts a stop returns come back in the order they were queued.
+        drafts a stop returns come back in the order they were queued. A draft already here
+        word for word (handed back before) is not added again; a send that failed always
+        comes back (`unless_here=False`): its text may also be a paragraph of another one.
         """
         current = self.text
         paragraphs = {part.strip() for part in current.split(SEPARATOR)}
-        if not text.strip() or text.strip() in paragraphs:  # already here, word for word
+        if not text.strip() or (unless_here and text.strip() in paragraphs):
             return
         block = SEPARATOR.join(self._handed_back)
         if self._handed_back and current.startswith(block):
