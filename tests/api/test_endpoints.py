@@ -703,6 +703,23 @@ async def test_a_post_of_max_content_chars_fits_however_its_json_spells_them(api
     assert done["status"] == "completed"
 
 
+async def test_a_chunked_body_is_read_no_further_than_its_limit(api: Api):
+    """A body whose length is not said first (chunked) is refused once past its route's limit
+    (1 MiB for a title); one within it is read as any other."""
+    async def chunks(body: bytes):
+        for start in range(0, len(body), 1 << 16):
+            yield body[start:start + (1 << 16)]
+
+    big = json.dumps({"title": "t" * MAX_BODY_BYTES}).encode()
+    over = await api.a.post("/v1/conversations", content=chunks(big),
+                            headers={"Content-Type": "application/json"})
+    assert_error(over, 413, "payload_too_large")
+    small = json.dumps({"title": "chunked"}).encode()
+    made = await api.a.post("/v1/conversations", content=chunks(small),
+                            headers={"Content-Type": "application/json"})
+    assert made.status_code == 201 and made.json()["title"] == "chunked", made.text
+
+
 async def test_content_longer_than_the_configured_max_is_413(spawn_daemon, pool):
     async with started_api(spawn_daemon, pool, max_content_chars=1000) as api:
         conversation_id = await create_conversation(api.a)

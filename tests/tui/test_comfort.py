@@ -101,6 +101,12 @@ async def test_text_put_back_keeps_its_order_and_what_was_typed(desk: Device,
         composer.text = "edited"
         composer.put_back("after an edit")
         assert composer.text == "after an edit\n\nedited"
+        # A send that failed always comes back, also when its text is a paragraph of another
+        # text there (it was dropped as if already here, though only its words were).
+        composer.text = ""
+        composer.put_back("Run the migration.\n\nthanks", unless_here=False)
+        composer.put_back("thanks", unless_here=False)
+        assert composer.text == "Run the migration.\n\nthanks\n\nthanks"
 
 
 async def test_copy_export_search_rename_and_new(daemon: Daemon, desk: Device,

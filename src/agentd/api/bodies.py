@@ -63,12 +63,10 @@ async def json_body(request: web.Request, *, optional: bool = False,
     try:
         # A body trickled in byte by byte must not hold a connection for ever.
         async with asyncio.timeout(request.app[RUNTIME].settings.body_timeout_s):
-            raw = await request.read()
+            raw = await _read_at_most(request, max_bytes)
     except TimeoutError:
         raise ServiceError(408, "body_timeout", "the request body did not arrive in time") \
             from None
-    if len(raw) > max_bytes:
-        raise _too_large()
     if not raw.strip():
         if optional:
             return {}
@@ -86,6 +84,17 @@ async def json_body(request: web.Request, *, optional: bool = False,
         raise ServiceError(400, "invalid_json", "the body's strings must be valid Unicode "
                            "without NUL characters")
     return body
+
+
+async def _read_at_most(request: web.Request, max_bytes: int) -> bytes:
+    """The body, refused (413) once it passes `max_bytes`: a chunked one, whose length is not
+    said first, is read no further than that, not up to the app's cap (a turn's)."""
+    raw = bytearray()
+    async for chunk in request.content.iter_chunked(1 << 16):
+        raw += chunk
+        if len(raw) > max_bytes:
+            raise _too_large()
+    return bytes(raw)
 
 
 def _too_large() -> ServiceError:
