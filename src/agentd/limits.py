@@ -67,6 +67,18 @@ def rate_key(address: str) -> str:
     return str(parsed)
 
 
+def loopback_address(address: str) -> bool:
+    """Whether a peer's address is this machine's loopback (an IPv4 client of a dual-stack
+    socket included); a unix socket or no address at all is not a TCP client of this machine."""
+    try:
+        parsed = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return False
+    if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+        return parsed.ipv4_mapped.is_loopback
+    return parsed.is_loopback
+
+
 class AddressRateLimiter:
     """A token bucket per client address: `per_minute` attempts, refilled continuously.
 
@@ -443,15 +455,7 @@ def _capped_address(peer: object) -> str | None:
     if not (isinstance(peer, tuple) and peer):
         return None
     address = str(peer[0])
-    try:
-        parsed = ipaddress.ip_address(address.split("%")[0])
-    except ValueError:
-        return rate_key(address)
-    if parsed.is_loopback or (isinstance(parsed, ipaddress.IPv6Address)
-                              and parsed.ipv4_mapped is not None
-                              and parsed.ipv4_mapped.is_loopback):
-        return None
-    return rate_key(address)
+    return None if loopback_address(address) else rate_key(address)
 
 
 class GuardedSite(web.BaseSite):

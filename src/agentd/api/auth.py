@@ -6,15 +6,13 @@ one exception is POST /v1/pair, where a pairing code stands in for the token (ra
 
 from __future__ import annotations
 
-import ipaddress
-
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from agentd.accounts import Principal, authenticate, hash_token
 from agentd.api import RUNTIME
 from agentd.api.errors import error_response
-from agentd.limits import Throttled, peer_address
+from agentd.limits import Throttled, loopback_address, peer_address
 
 UNAUTHENTICATED = frozenset({("POST", "/v1/pair")})
 
@@ -80,13 +78,7 @@ async def _principal_of(request: web.Request, token: str) -> Principal | None:
 
 def loopback_peer(request: web.Request) -> bool:
     """Whether the request came over this machine's loopback (not from another host)."""
-    try:
-        address = ipaddress.ip_address(peer_address(request).split("%")[0])
-    except ValueError:
-        return False  # a unix socket or no peer at all: not a TCP client of this machine
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped  # an IPv4 client of a dual-stack socket
-    return address.is_loopback
+    return loopback_address(peer_address(request))
 
 
 async def trusted(request: web.Request) -> bool:
