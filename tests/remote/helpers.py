@@ -17,8 +17,9 @@ from typing import Any, Protocol
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.daemon import Daemon, free_port, launch, tracked_daemons
+from tests.support.daemon import Daemon, free_port, launch, poll_until, tracked_daemons
 
 CLI_TIMEOUT_S = 120.0
 
@@ -116,6 +117,24 @@ def non_loopback_address() -> str | None:
             continue
         return address
     return None
+
+
+def metric(scraped: str, name: str) -> float:
+    """The value of the first sample called `name` in a /metrics answer."""
+    return next(sample.value for family in text_string_to_metric_families(scraped)
+                for sample in family.samples if sample.name == name)
+
+
+async def only_this_connection_open(client: httpx.AsyncClient) -> None:
+    """Wait until the daemon counts no connection open but the one `client` asks it on (and
+    keeps open). A closed connection's place is given back once the daemon has read its close,
+    which can come after the next connections are accepted (over TLS the close is an exchange):
+    a test filling the cap right after a request could see its last connection refused and its
+    probe served."""
+    async def settled() -> bool:
+        return metric((await client.get("/metrics")).text, "agentd_connections_open") == 1
+
+    await poll_until(settled, 10, interval=0.05, what="no other connection open")
 
 
 def run_cli(program: str, *args: str, env: Mapping[str, str],

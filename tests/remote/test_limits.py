@@ -14,12 +14,18 @@ import time
 import asyncpg
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from agentd.limits import AUTH_FAILURES_PER_MIN
 from agentd.settings import Settings
 from tests.process.helpers import wait_status
-from tests.remote.helpers import RemoteDaemon, SpawnRemote, non_loopback_address, socket_closed
+from tests.remote.helpers import (
+    RemoteDaemon,
+    SpawnRemote,
+    metric,
+    non_loopback_address,
+    only_this_connection_open,
+    socket_closed,
+)
 from tests.streams.helpers import post_run
 from tests.support.daemon import poll_until
 from tests.support.factories import (
@@ -164,27 +170,29 @@ async def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up(
     daemon = spawn_remote(max_connections=cap)
     await daemon.wait_ready()
     held: list[asyncio.StreamWriter] = []
-    try:
-        for _ in range(cap):
-            _, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
-            held.append(writer)
+    async with daemon.client() as scraper:  # its connection holds one place throughout
+        await only_this_connection_open(scraper)
+        try:
+            for _ in range(cap - 1):
+                _, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+                held.append(writer)
 
-        async def refused() -> bytes | None:
-            reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
-            try:
-                answer = await socket_closed(reader, 10)
-            finally:
+            async def refused() -> bytes | None:
+                reader, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+                try:
+                    answer = await socket_closed(reader, 10)
+                finally:
+                    writer.close()
+                return answer or None
+
+            answer = await poll_until(refused, 10, interval=0.1, what="a refused connection")
+            assert answer.startswith(b"HTTP/1.1 503"), answer
+            assert b"Retry-After: 1" in answer
+            body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+            assert body["error"]["code"] == "too_many_connections"
+        finally:
+            for writer in held:
                 writer.close()
-            return answer or None
-
-        answer = await poll_until(refused, 10, interval=0.1, what="a refused connection")
-        assert answer.startswith(b"HTTP/1.1 503"), answer
-        assert b"Retry-After: 1" in answer
-        body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
-        assert body["error"]["code"] == "too_many_connections"
-    finally:
-        for writer in held:
-            writer.close()
 
     async def served() -> bool:
         try:
@@ -194,10 +202,7 @@ async def test_connections_over_the_cap_get_a_503_and_the_cap_frees_up(
 
     await poll_until(served, 10, interval=0.1, what="room again under the cap")
     metrics = (await daemon.request("GET", "/metrics")).text
-    refusals = next(sample.value for family in text_string_to_metric_families(metrics)
-                    for sample in family.samples
-                    if sample.name == "agentd_connections_refused_total")
-    assert refusals >= 1
+    assert metric(metrics, "agentd_connections_refused_total") >= 1
 
 
 async def test_one_address_holds_at_most_its_share_of_connections_and_loopback_is_not_capped(
@@ -263,10 +268,7 @@ async def test_one_address_holds_at_most_its_share_of_connections_and_loopback_i
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{daemon.port}",
                                  trust_env=False) as local:
         metrics = (await local.get("/metrics")).text
-    refusals = next(sample.value for family in text_string_to_metric_families(metrics)
-                    for sample in family.samples
-                    if sample.name == "agentd_connections_refused_per_address_total")
-    assert refusals >= 1
+    assert metric(metrics, "agentd_connections_refused_per_address_total") >= 1
 
 
 async def test_a_new_connection_that_sends_nothing_is_closed_within_the_head_timeout(
@@ -306,21 +308,23 @@ async def test_connections_still_in_their_tls_handshake_count_against_the_cap(
 
     assert (await answer_to_a_request()).startswith(b"HTTP/1.1 200")
     silent: list[asyncio.StreamWriter] = []
-    try:
-        for _ in range(cap):  # no TLS hello: they sit in their handshake
-            _, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
-            silent.append(writer)
+    async with daemon.client() as scraper:  # its connection holds one place throughout
+        await only_this_connection_open(scraper)
+        try:
+            for _ in range(cap - 1):  # no TLS hello: they sit in their handshake
+                _, writer = await asyncio.open_connection("127.0.0.1", daemon.port)
+                silent.append(writer)
 
-        async def refused() -> bytes | None:
-            answer = await answer_to_a_request()
-            return answer if answer.startswith(b"HTTP/1.1 503") else None
+            async def refused() -> bytes | None:
+                answer = await answer_to_a_request()
+                return answer if answer.startswith(b"HTTP/1.1 503") else None
 
-        answer = await poll_until(refused, 10, interval=0.1, what="a refused connection")
-        body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
-        assert body["error"]["code"] == "too_many_connections"
-    finally:
-        for writer in silent:
-            writer.close()
+            answer = await poll_until(refused, 10, interval=0.1, what="a refused connection")
+            body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+            assert body["error"]["code"] == "too_many_connections"
+        finally:
+            for writer in silent:
+                writer.close()
 
     async def served() -> bool:
         return (await answer_to_a_request()).startswith(b"HTTP/1.1 200")
