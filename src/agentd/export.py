@@ -1,11 +1,20 @@
-"""A conversation as Markdown: the durable transcript, for people and for archives."""
+"""A conversation as Markdown: the durable transcript, for people and for archives.
+
+Nothing stored is left out or cut: tool arguments and results go whole into fenced blocks, and
+an exchange that a retry or an edit replaced is kept, marked as replaced (as the API and the TUI
+mark it), so the archive says which answer stood.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+from typing import Any
 
-from agentd.conversations import ConversationState
+from agentd.conversations import ConversationState, Message
 from agentd.vocabulary import MessageRole, MessageStatus
+
+_BACKTICKS = re.compile(r"`+")
 
 
 def conversation_markdown(state: ConversationState) -> str:
@@ -15,17 +24,47 @@ def conversation_markdown(state: ConversationState) -> str:
     for message in state.messages:
         if message.status == MessageStatus.DRAFT:
             continue
-        stamp = message.created_at.strftime("%Y-%m-%d %H:%M UTC")
-        if message.role == MessageRole.USER:
-            lines += [f"## You · {stamp}", "", message.content, ""]
-        elif message.role == MessageRole.ASSISTANT and message.tool_calls:
-            for call in message.tool_calls:
-                args = json.dumps(call.get("arguments", {}), ensure_ascii=False)
-                lines += [f"> tool call `{call.get('name')}` {args}", ""]
-        elif message.role == MessageRole.ASSISTANT:
-            mark = "" if message.status == MessageStatus.COMPLETE else f" ({message.status})"
-            lines += [f"## Assistant{mark} · {stamp}", "", message.content, ""]
-        else:
-            cancelled = " (cancelled)" if message.status == MessageStatus.CANCELLED else ""
-            lines += [f"> tool result{cancelled}: `{message.content[:500]}`", ""]
+        lines += _message_lines(message)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _message_lines(message: Message) -> list[str]:
+    stamp = message.created_at.strftime("%Y-%m-%d %H:%M UTC")
+    replaced = " (replaced)" if message.superseded_by is not None else ""
+    if message.role == MessageRole.USER:
+        return [f"## You{replaced} · {stamp}", "", message.content, ""]
+    if message.role == MessageRole.ASSISTANT and message.tool_calls:
+        lines: list[str] = []
+        for call in message.tool_calls:
+            arguments = call.get("arguments", {})
+            # Arguments that are no JSON object are kept as the model sent them (text).
+            text = arguments if isinstance(arguments, str) else _json(arguments)
+            lines += [f"**Tool call** `{call.get('name')}`{replaced}", "", _fenced(text, "json"),
+                      ""]
+        return lines
+    if message.role == MessageRole.ASSISTANT:
+        mark = "" if message.status == MessageStatus.COMPLETE else f" ({message.status})"
+        return [f"## Assistant{mark}{replaced} · {stamp}", "", message.content, ""]
+    cancelled = " (cancelled)" if message.status == MessageStatus.CANCELLED else ""
+    return [f"**Tool result**{cancelled}{replaced}", "", _fenced(_readable(message.content)), ""]
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _readable(content: str) -> str:
+    """A result stored as JSON, with its non-ASCII text as itself rather than \\u escapes."""
+    try:
+        value = json.loads(content)
+    except ValueError:
+        return content
+    # Only the escapes change: a result stored some other way is shown exactly as stored.
+    return _json(value) if json.dumps(value) == content else content
+
+
+def _fenced(text: str, language: str = "") -> str:
+    """`text` in a fenced code block whose fence no run of backticks inside it can close."""
+    longest = max((len(run) for run in _BACKTICKS.findall(text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{language}\n{text}\n{fence}"
