@@ -682,6 +682,14 @@ WHERE account_id = $1::uuid AND (archived_at IS NOT NULL) = $3::bool
 ORDER BY updated_at DESC, id
 LIMIT $2::int;
 
+-- migration_session_unbounded --
+-- A migrator waits for the lock and for the tables it alters as long as that takes, whatever
+-- timeouts the database sets for its sessions (a pooled fleet sets lock and statement ones):
+-- cut short, a fleet starting together would fail instead of waiting, and a long migration
+-- could never finish.
+SELECT set_config('lock_timeout', '0', false), set_config('statement_timeout', '0', false),
+       set_config('idle_in_transaction_session_timeout', '0', false);
+
 -- migration_lock --
 -- params: key
 -- One migrator at a time across the fleet; the others wait, then find nothing left to do.

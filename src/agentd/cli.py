@@ -204,6 +204,13 @@ def main(argv: list[str] | None = None) -> None:
         settings = _settings(args)
     except SettingsError as exc:
         _fail(f"invalid setting: {exc}")
+    if args.command == "serve":
+        from agentd.providers.catalog import default_model_problem
+
+        # A typo here would refuse every run that names no model, from the first one on.
+        problem = default_model_problem(settings)
+        if problem is not None:
+            _fail(f"invalid setting: default_model (AGENTD_DEFAULT_MODEL): {problem}")
     import asyncpg
 
     from agentd.embedded_pg import EmbeddedPgError
@@ -223,7 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = asyncio.run(handlers[args.command](settings, args))
     except EmbeddedPgError as exc:
-        _fail(f"{exc}. Pass --dsn (or AGENTD_DSN) to use an existing PostgreSQL server.")
+        # The database cannot be had, as when a server cannot be reached: exit 1 (2 is for
+        # a malformed value, checked before anything starts).
+        _fail(f"{exc}. Pass --dsn (or AGENTD_DSN) to use an existing PostgreSQL server.", 1)
     except TLSError as exc:
         _fail(f"{exc}. Fix tls_cert/tls_key, or remove them to use a self-signed certificate.")
     except ListenError as exc:
@@ -434,6 +443,10 @@ def _install_service(args: argparse.Namespace) -> int:
     extra, moved = systemd.split_secrets([a for a in args.serve_args if a != "--"])
     variables = {k: v for k, v in os.environ.items() if k.startswith("AGENTD_")}
     variables.update(moved)
+    # Paths as this shell means them (the unit runs from another directory), as the flags'.
+    for key in ("AGENTD_DATA_DIR", "AGENTD_CONFIG"):
+        if variables.get(key):
+            variables[key] = str(Path(variables[key]).expanduser().resolve())
     # The unit's `serve` must start: refuse what it would refuse, before writing anything.
     serve_args = _parser().parse_args(["serve", *extra])
     # Paths as this shell means them: the unit runs from another directory.
@@ -446,13 +459,19 @@ def _install_service(args: argparse.Namespace) -> int:
                        "workers": serve_args.workers})
     except SettingsError as exc:
         _fail(f"invalid setting for the service: {exc}")
-    variables.update(_provider_keys(serve_args.config))
+    secrets, unset = _secret_variables(settings)
+    variables.update(secrets)
     try:
         path, env_path = _write_service_files(extra, variables, settings.data_dir)
+    except ValueError as exc:  # a value an environment file cannot carry
+        _fail(f"cannot write the service: {exc}")
     except OSError as exc:
         _fail(f"cannot write the service: {exc}", 1)
     print(f"wrote {path}")
     print(f"wrote {env_path} (mode 0600: {', '.join(sorted(variables)) or 'no variables'})")
+    for variable, user in unset:
+        print(f"note: {user} reads {variable}, which is not set in this shell, so the service "
+              f"will not have it: set it and run install-service again", file=sys.stderr)
     if args.no_enable:
         return 0
     if shutil.which("systemctl") is None:
@@ -489,14 +508,21 @@ def _write_service_files(extra: list[str], variables: dict[str, str],
     return path, env_path
 
 
-def _provider_keys(config: Path | None) -> dict[str, str]:
-    """The provider API keys set in this environment, by the names the config gives them."""
-    try:
-        names = {p.api_key_env for p in load_settings(config).providers.values()
-                 if p.api_key_env}
-    except SettingsError:  # `serve` will say what is wrong; take the built-in providers' keys
-        names = {"OPENAI_API_KEY", "ANTHROPIC_API_KEY"}
-    return {name: os.environ[name] for name in sorted(names) if os.environ.get(name)}
+def _secret_variables(settings: Settings) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The secrets the service reads from its environment, by the names the config gives
+    them (providers' API keys, MCP servers' header values), as set in this shell; and those
+    named but not set here, with what reads each."""
+    wanted = {config.api_key_env: f"provider {name}"
+              for name, config in settings.providers.items()
+              if config.api_key_env and config.enabled}
+    for name, server in settings.mcp.items():
+        for header, variable in server.headers.items():
+            wanted.setdefault(variable, f"MCP server {name}'s {header} header")
+    found = {name: os.environ[name] for name in sorted(wanted) if os.environ.get(name)}
+    # A built-in provider's key that is not set is no fault: most use one provider or none.
+    unset = [(name, user) for name, user in sorted(wanted.items())
+             if name not in found and user.startswith("MCP")]
+    return found, unset
 
 
 def _default_data_root() -> Path:

@@ -63,6 +63,7 @@ async def migrate(conn: asyncpg.Connection, directory: Path | None = None) -> li
     """Apply pending migrations; returns the names applied (empty when already current)."""
     migrations = discover(directory)
     applied: list[str] = []
+    await conn.execute(Q.migration_session_unbounded.sql)
     if not await conn.fetchval(*Q.migration_try_lock.bind(key=MIGRATION_LOCK_KEY)):
         # Another process is migrating (or holds the lock): this start waits, and says why.
         log.info("waiting for another process's migration (the migration lock is held)")

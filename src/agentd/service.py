@@ -205,6 +205,9 @@ class Service:
 
     async def create_conversation(self, who: Principal,
                                   change: ConversationChange) -> convs.Conversation:
+        # A model the account may not use would make every post that names none a 403.
+        if change.model is not None:
+            _require_allowed(who, change.model)
         return self._seen(who, await convs.create_conversation(
             self.pool, who.account_id, change.title or "", _model_name(change.model)))
 
@@ -216,6 +219,8 @@ class Service:
     async def update_conversation(self, who: Principal, conversation_id: UUID,
                                   change: ConversationChange) -> convs.Conversation:
         """Rename, set or clear the model, archive or restore; the feeds show it live."""
+        if change.model is not None:
+            _require_allowed(who, change.model)
         updated = await convs.update_conversation(
             self.pool, who.account_id, conversation_id, title=change.title,
             set_model=change.set_model, model=_model_name(change.model),
@@ -644,11 +649,7 @@ class Service:
         left queued: one started here needs none of them. What the claim started is `started`,
         valid once `db`'s transaction has committed. With `guess`, the request was built on
         that model of the conversation's, which the statement checks (queue.ModelChanged)."""
-        if not model_allowed(str(req.model), who.models):
-            raise ServiceError(403, "model_not_allowed",
-                               f"model {str(req.model)!r} is {NOT_ALLOWED} "
-                               f"(allowed: {', '.join(who.models or ())})",
-                               model=str(req.model))
+        _require_allowed(who, req.model)
         turn = queue.NewRun(conversation_id, req.content, req.snapshot(), idempotency_key)
         try:
             run, claim = await queue.post_turn(
@@ -790,6 +791,14 @@ def _unavailable_tool(name: str) -> str:
     server = name.partition(".")[0]
     return (f"tool {name!r} is unavailable: its MCP server {server!r} could not be started or "
             f"reached; try again later (the daemon's log and `agentd doctor` say why)")
+
+
+def _require_allowed(who: Principal, model: ModelRef) -> None:
+    """403 model_not_allowed unless the account's model patterns allow `model`."""
+    if not model_allowed(str(model), who.models):
+        raise ServiceError(403, "model_not_allowed",
+                           f"model {str(model)!r} is {NOT_ALLOWED} "
+                           f"(allowed: {', '.join(who.models or ())})", model=str(model))
 
 
 def _model_name(model: ModelRef | None) -> str | None:

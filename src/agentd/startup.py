@@ -68,7 +68,8 @@ async def open_database(settings: Settings) -> Database:
         finally:
             await admin.close()
     except BaseException:
-        await _to_the_end(starting)
+        if not starting.done():  # a failed start is the error raised here: said once, not twice
+            await _to_the_end(starting)
         await _to_the_end(loop.run_in_executor(None, server.stop))
         raise
     return Database(server.dsn(dbmod.EMBEDDED_DATABASE), server)

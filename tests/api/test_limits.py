@@ -69,6 +69,15 @@ async def test_a_model_outside_the_allowlist_is_403_naming_it(api: Api):
     assert error["model"] == "demo" and "'demo'" in error["message"]
     assert "openai:*" in error["message"]
     assert await db_state(api.pool) == before
+    # Nor can a conversation be set to it, which would make every post naming no model a 403
+    # (both were accepted before).
+    created = await api.a.post("/v1/conversations", json={"title": "t", "model": "demo"})
+    assert assert_error(created, 403, "model_not_allowed")["model"] == "demo"
+    patched = await api.a.patch(f"/v1/conversations/{conversation}", json={"model": "demo"})
+    assert assert_error(patched, 403, "model_not_allowed")["model"] == "demo"
+    assert await db_state(api.pool) == before
+    cleared = await api.a.patch(f"/v1/conversations/{conversation}", json={"model": None})
+    assert cleared.status_code == 200, cleared.text
     # Its offer says so too; bob, with no patterns, sees the operator's offer alone.
     mine = {m["name"]: m for m in (await api.a.get("/v1/models")).json()["models"]}
     theirs = {m["name"]: m for m in (await api.b.get("/v1/models")).json()["models"]}

@@ -21,6 +21,7 @@ import pytest
 from agentd.migrate import MIGRATION_LOCK_KEY, MigrationError, discover, migrate
 from agentd.queries import Q, sql_dir
 from agentd.vocabulary import Channel, EventType, MessageRole, MessageStatus, RunStatus
+from tests.support.daemon import poll_until
 from tests.support.db import with_database
 from tests.support.factories import enqueue, new_tenant
 
@@ -135,6 +136,42 @@ async def test_two_processes_migrating_at_once_apply_the_schema_once(empty_dsn: 
         assert await conn.fetchval("SELECT to_regclass('agent_run') IS NOT NULL")
     finally:
         await conn.close()
+
+
+async def test_a_migration_outlasts_the_timeouts_a_database_sets_for_its_sessions(
+        empty_dsn: str, tmp_path: Path) -> None:
+    """A pooled fleet sets lock and statement timeouts on its database (docs/operations.md):
+    a migrator that waits for another's lock, then runs a long migration, must not be cut
+    short by them (before, it failed with a lock timeout, and a long migration never could
+    finish)."""
+    admin = await asyncpg.connect(empty_dsn)
+    try:
+        database = await admin.fetchval("SELECT current_database()")
+        await admin.execute(f'ALTER DATABASE "{database}" SET lock_timeout = \'100ms\'')
+        await admin.execute(f'ALTER DATABASE "{database}" SET statement_timeout = \'100ms\'')
+        (tmp_path / "001_long.sql").write_text("SELECT pg_sleep(0.3); CREATE TABLE long (x int);")
+        holder = await asyncpg.connect(empty_dsn)
+        migrator = await asyncpg.connect(empty_dsn)
+        try:
+            await holder.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
+            migrating = asyncio.create_task(migrate(migrator, tmp_path))
+            pid = migrator.get_server_pid()
+
+            async def waited_past_the_timeout() -> bool:  # waiting for the lock, 3× its timeout
+                return bool(await admin.fetchval(
+                    "SELECT wait_event_type = 'Lock' AND now() - state_change > '300ms'"
+                    " FROM pg_stat_activity WHERE pid = $1", pid))
+
+            await poll_until(waited_past_the_timeout, 10, what="the migrator to wait long")
+            assert not migrating.done()
+            await holder.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
+            assert await asyncio.wait_for(migrating, 30) == ["001_long"]
+        finally:
+            await holder.close()
+            await migrator.close()
+        assert await admin.fetchval("SELECT to_regclass('long') IS NOT NULL")
+    finally:
+        await admin.close()
 
 
 async def test_an_edited_migration_is_refused(dsn: str, tmp_path: Path) -> None:

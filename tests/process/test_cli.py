@@ -15,6 +15,7 @@ import asyncpg
 import pytest
 
 from agentd.accounts import authenticate
+from agentd.embedded_pg.server import _LOCK_NAME
 from agentd.migrate import discover, migrate, pending
 from tests.support.daemon import free_port
 from tests.support.db import with_database
@@ -131,6 +132,18 @@ def test_invalid_settings_fail_naming_the_key() -> None:
     assert "lease_ttl_s" in result.stderr and "AGENTD_LEASE_TTL_S" in result.stderr
     result = agentd("serve", "--listen", "nowhere")
     assert result.returncode == 2 and "listen" in result.stderr
+    # A default model no provider offers would refuse every run that names none: serve stops
+    # at once (it started before), and doctor fails on it (it passed before).
+    down = f"postgresql://nobody@127.0.0.1:{free_port()}/none"  # never reached
+    for typo, said in (("opnai:gpt-4o", "unknown model provider 'opnai'"),
+                       ("demo:other", "'demo:other' is not a model provider 'demo' offers")):
+        result = agentd("serve", "--dsn", down, env={"AGENTD_DEFAULT_MODEL": typo})
+        assert result.returncode == 2, result.stderr
+        assert "default_model (AGENTD_DEFAULT_MODEL)" in result.stderr and said in result.stderr
+        assert "cannot reach the database" not in result.stderr  # nothing was started
+        doctor = agentd("doctor", "--dsn", down, env={"AGENTD_DEFAULT_MODEL": typo})
+        said_by_doctor = doctor.stdout.replace('"', "'")
+        assert f"[FAIL] provider default_model: {said}" in said_by_doctor, doctor.stdout
 
 
 def test_unreachable_database_is_a_clear_error() -> None:
@@ -138,6 +151,18 @@ def test_unreachable_database_is_a_clear_error() -> None:
     result = agentd("status", "--dsn", f"postgresql://nobody@127.0.0.1:{port}/none")
     assert result.returncode == 1
     assert "cannot reach the database" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_embedded_server_that_cannot_start_is_exit_1(tmp_path: Path) -> None:
+    """A database that cannot be had is exit 1, whether a server is unreachable or the
+    embedded one cannot start (it was 2, the code for a malformed value)."""
+    data_dir = tmp_path / "data"
+    (data_dir / _LOCK_NAME).mkdir(parents=True)  # the start lock cannot be opened
+    result = agentd("status", "--data-dir", str(data_dir))
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("cannot open the lock file") == 1, result.stderr  # said once
+    assert "--dsn" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -256,6 +281,43 @@ def test_install_service_reads_serve_arguments_as_serve_does(tmp_path: Path) -> 
     client_dir = tmp_path / "agenttui"
     assert client_dir.is_dir() and stat.S_IMODE(client_dir.stat().st_mode) == 0o700
     assert f"-{client_dir}" in writable
+
+
+def test_install_service_carries_every_secret_the_config_names(tmp_path: Path) -> None:
+    """An MCP server's header values come from variables the config names: the service gets
+    them as it gets the providers' keys (before, it never had them, and the server failed
+    under systemd though it worked from the shell). A relative AGENTD_DATA_DIR is made
+    absolute, as --data-dir is; a value an environment file cannot carry is one line, exit 2
+    (it was a traceback)."""
+    workdir = tmp_path / "here"
+    workdir.mkdir()
+    config = workdir / "agentd.toml"
+    config.write_text('[mcp.tracker]\nurl = "https://mcp.example.test/"\n'
+                      '[mcp.tracker.headers]\nAuthorization = "TRACKER_AUTH"\n'
+                      'X-Team = "TRACKER_TEAM"\n')
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("AGENTD_", "TRACKER_"))}
+
+    def install(**env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "agentd", "install-service", "--no-enable", "--",
+             "--config", "agentd.toml"], capture_output=True, text=True, timeout=120,
+            check=False, cwd=workdir,
+            env={**clean, "XDG_CONFIG_HOME": str(tmp_path), **env})
+
+    result = install(TRACKER_AUTH="Bearer mcp-secret-1", AGENTD_DATA_DIR="state")
+    assert result.returncode == 0, result.stderr
+    env_text = (tmp_path / "agentd" / "agentd.env").read_text()
+    assert 'TRACKER_AUTH="Bearer mcp-secret-1"' in env_text
+    assert f'AGENTD_DATA_DIR="{(workdir / "state").resolve()}"' in env_text
+    unit = (tmp_path / "systemd" / "user" / "agentd.service").read_text()
+    assert "mcp-secret-1" not in unit and "mcp-secret-1" not in result.stdout + result.stderr
+    # The one it names but this shell lacks is said, not silently left out.
+    assert "TRACKER_TEAM" in result.stderr and "mcp" in result.stderr.lower()
+
+    broken = install(TRACKER_AUTH="Bearer a\nb")
+    assert broken.returncode == 2, broken.stderr
+    assert "TRACKER_AUTH holds a newline" in broken.stderr and "Traceback" not in broken.stderr
 
 
 def test_help_names_every_command() -> None:

@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentd.providers import ModelRef
+from agentd.providers import ModelRef, parse_model
+from agentd.providers.base import UnknownModel
 from agentd.providers.local import BUNDLED_MODEL, bundled_model_path
 from agentd.settings import MAX_MODEL_NAME, ProviderConfig, Settings
 
@@ -117,6 +118,20 @@ class ProviderCheck:
     usable: bool = True
 
 
+def default_model_problem(settings: Settings) -> str | None:
+    """Why `default_model` names no model on offer (a typo, a provider that lists no such
+    model), or None. Every run that names no model would be refused as unknown."""
+    try:
+        ref = parse_model(None, settings)
+    except UnknownModel as exc:
+        return str(exc)
+    offered = offered_models(settings.providers[ref.provider])
+    if ref.model not in offered:
+        return (f"{settings.default_model!r} is not a model provider {ref.provider!r} offers "
+                f"({', '.join(offered) or 'it lists none: set its models'})")
+    return None
+
+
 def provider_checks(settings: Settings) -> list[ProviderCheck]:
     checks = []
     default = settings.default_model.partition(":")[0]
@@ -138,7 +153,11 @@ def provider_checks(settings: Settings) -> list[ProviderCheck]:
         else:
             checks.append(ProviderCheck(name, True, f"usable ({config.kind}): "
                                                     f"{', '.join(models) or 'no models listed'}"))
-    if default in settings.providers and not settings.providers[default].enabled:
+    unknown = default_model_problem(settings)
+    if unknown is not None:
+        checks.append(ProviderCheck("default_model", False,
+                                    f"{unknown}: runs naming no model are refused"))
+    elif default in settings.providers and not settings.providers[default].enabled:
         checks.append(ProviderCheck("default_model", False,
                                     f"{settings.default_model!r} belongs to the switched-off "
                                     f"provider {default!r}: runs naming no model are refused"))
