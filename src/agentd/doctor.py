@@ -44,7 +44,7 @@ async def run_checks(settings: Settings) -> list[Check]:
         checks += await _database_checks(settings, database.dsn)
     finally:
         await asyncio.to_thread(database.close)
-    checks.append(_port_check(settings))
+    checks.append(await _port_check(settings))
     checks.append(await asyncio.to_thread(_tls_check, settings))
     checks.extend(await mcp_checks(settings))
     return checks
@@ -143,20 +143,41 @@ async def mcp_checks(settings: Settings) -> list[Check]:
         await servers.close()
 
 
-def _port_check(settings: Settings) -> Check:
+async def _port_check(settings: Settings) -> Check:
     from agentd.listen import ListenError, bind_listen_sockets
 
     try:
         sockets = bind_listen_sockets(settings.listen_host, settings.listen_port)
     except ListenError as exc:
+        # Busy because this agentd is running: what a healthy install looks like.
+        if await _agentd_answers(settings):
+            return Check("listen address", True,
+                         f"{settings.listen} is served by a running agentd")
         return Check("listen address", False, str(exc))
     for sock in sockets:
         sock.close()
     return Check("listen address", True, f"{settings.listen} is free")
 
 
+async def _agentd_answers(settings: Settings) -> bool:
+    """Is what holds the listen address an agentd? Its /healthz names its worker to a caller
+    on this machine. Only asked, never trusted with a token: the certificate is not checked."""
+    import aiohttp
+
+    from agentd.tls import local_url
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session, \
+                session.get(f"{local_url(settings)}/healthz", ssl=False) as response:
+            body = await response.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return False
+    return response.status == 200 and isinstance(body, dict) and body.get("status") == "ok" \
+        and "worker_id" in body
+
+
 def _tls_check(settings: Settings) -> Check:
-    from agentd.tls import TLSError, server_certificate
+    from agentd.tls import TLSError, expiry_problem, server_certificate
 
     if not settings.serves_tls:
         if settings.listen_is_loopback:
@@ -168,5 +189,10 @@ def _tls_check(settings: Settings) -> Check:
     except TLSError as exc:
         return Check("tls", False, str(exc))
     kind = "self-signed" if cert.self_signed else "configured"
+    ending = expiry_problem(cert)
+    if ending is not None and not cert.self_signed:  # a self-signed one is made anew in time
+        expired = ending.startswith("expired")
+        return Check("tls", not expired, f"configured certificate {cert.cert_path} {ending}: "
+                     "renew it (clients refuse an expired one)", warn=not expired)
     return Check("tls", True, f"{kind} certificate {cert.fingerprint}, valid until "
                  f"{cert.not_after:%Y-%m-%d} ({cert.cert_path})")

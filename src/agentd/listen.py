@@ -2,7 +2,9 @@
 
 `agentd serve` binds its sockets first (bound, not yet listening) and hands them to aiohttp once
 the daemon is ready: a busy address fails before the embedded PostgreSQL starts, a migration
-runs or a file is written, and no other process can take the port in between.
+runs or a file is written. Two processes starting at once can both bind the port (SO_REUSEADDR
+lets sockets share one as long as none listens), so the one that comes second to `claim` is told
+there, in the same words, rather than failing in aiohttp with a bare errno.
 """
 
 from __future__ import annotations
@@ -45,17 +47,31 @@ def bind_listen_sockets(host: str, port: int) -> list[socket.socket]:
             try:
                 sock.bind(address)
             except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise ListenError(
-                        f"cannot listen on {listen}: the address is already in use by "
-                        f"{holder_of(host, port)}. Stop it, or choose another address with "
-                        f"--listen (or AGENTD_LISTEN).") from None
-                raise ListenError(f"cannot listen on {listen}: {exc.strerror}") from None
+                raise _refused(exc, host, port) from None
     except BaseException:
         for sock in sockets:
             sock.close()
         raise
     return sockets
+
+
+def claim(sockets: list[socket.socket], host: str, port: int, backlog: int = 128) -> None:
+    """Start listening on the bound sockets: only now is the port this process's alone."""
+    for sock in sockets:
+        try:
+            sock.listen(backlog)
+        except OSError as exc:
+            raise _refused(exc, host, port) from None
+
+
+def _refused(exc: OSError, host: str, port: int) -> ListenError:
+    listen = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return ListenError(
+            f"cannot listen on {listen}: the address is already in use by "
+            f"{holder_of(host, port)}. Stop it, or choose another address with "
+            f"--listen (or AGENTD_LISTEN).")
+    return ListenError(f"cannot listen on {listen}: {exc.strerror}")
 
 
 def holder_of(host: str, port: int) -> str:

@@ -39,7 +39,7 @@ from agentd.limits import (
     RecentlyValid,
     StreamSlots,
 )
-from agentd.listen import bind_listen_sockets
+from agentd.listen import bind_listen_sockets, claim
 from agentd.load import LoadMonitor
 from agentd.metrics import Metrics
 from agentd.notifier import Notifier
@@ -72,7 +72,13 @@ from agentd.supervisor import (
     watch_parent,
 )
 from agentd.systemd import sd_notify, stopping
-from agentd.tls import ServerCertificate, local_url, server_certificate, server_context
+from agentd.tls import (
+    ServerCertificate,
+    local_url,
+    say_expiry,
+    server_certificate,
+    server_context,
+)
 from agentd.tools import ToolRegistry, default_tools
 from agentd.tools.mcp import McpTools
 from agentd.vocabulary import Channel
@@ -161,6 +167,8 @@ async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
         # The certificate next: a bad one fails the start before the database is touched.
         certificate = await asyncio.to_thread(server_certificate, settings) \
             if settings.serves_tls else None
+        if handoff is None:  # a supervisor says it once for its workers
+            say_expiry(certificate)
         raise_open_files_limit(settings.max_connections + 256)
         database = await open_database(settings)
         try:
@@ -255,6 +263,8 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
             await ensure_local_client(pool, local_url(settings),
                                       certificate.fingerprint if certificate else None,
                                       create=database.embedded is not None)
+        if handoff is None:  # a supervisor claims the port before it starts its workers
+            claim(sockets, settings.listen_host, settings.listen_port)
         ssl_context = server_context(certificate) if certificate else None
         from agentd.api.errors import json_error_handlers  # as build_app imports the API
 

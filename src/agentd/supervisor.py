@@ -441,7 +441,7 @@ class Fleet:
 async def supervise(settings: Settings, count: int, config: ConfigSource) -> int:
     """The supervisor's whole life; returns the exit code."""
     from agentd import db as dbmod
-    from agentd.listen import bind_listen_sockets
+    from agentd.listen import bind_listen_sockets, claim
     from agentd.startup import (
         ensure_local_client,
         migrate_database,
@@ -449,7 +449,7 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
         raise_open_files_limit,
         unless_stopped,
     )
-    from agentd.tls import local_url, server_certificate
+    from agentd.tls import local_url, say_expiry, server_certificate
 
     stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -459,6 +459,7 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
         # Made once here, so N workers starting together only ever load it.
         certificate = await asyncio.to_thread(server_certificate, settings) \
             if settings.serves_tls else None
+        say_expiry(certificate)
         raise_open_files_limit(settings.max_connections + 256)
         database = await open_database(settings)
         try:
@@ -483,6 +484,7 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
                                           create=database.embedded is not None)
             finally:
                 await pool.close()
+            claim(sockets, settings.listen_host, settings.listen_port)
             return await _run_fleet(Fleet(settings, database.dsn, sockets, count, config),
                                     stop, hurry, certificate.fingerprint if certificate else None,
                                     embedded=database.embedded is not None)

@@ -52,6 +52,31 @@ class ServerCertificate:
     self_signed: bool
 
 
+# A configured certificate this close to its end is said at start and by `agentd doctor`: it
+# is renewed outside agentd, and a daemon that serves an expired one fails every client's check.
+EXPIRY_WARNING = dt.timedelta(days=14)
+
+
+def expiry_problem(cert: ServerCertificate, now: dt.datetime | None = None) -> str | None:
+    """"expired on …" or "expires on … (in N days)" for a certificate past or near its end."""
+    now = now or dt.datetime.now(dt.UTC)
+    if cert.not_after <= now:
+        return f"expired on {cert.not_after:%Y-%m-%d %H:%M} UTC"
+    if cert.not_after - now <= EXPIRY_WARNING:
+        return (f"expires on {cert.not_after:%Y-%m-%d %H:%M} UTC (in "
+                f"{(cert.not_after - now).days} days)")
+    return None
+
+
+def say_expiry(cert: ServerCertificate | None) -> None:
+    """Log a configured certificate past or near its end (at start, once per daemon)."""
+    ending = expiry_problem(cert) if cert is not None and not cert.self_signed else None
+    if cert is not None and ending is not None:
+        log.log(logging.ERROR if ending.startswith("expired") else logging.WARNING,
+                "renew the configured TLS certificate: clients refuse an expired one",
+                extra={"cert": str(cert.cert_path), "ending": ending})
+
+
 def data_root(settings: Settings) -> Path:
     from agentd.embedded_pg import default_data_root
 

@@ -124,6 +124,35 @@ def test_a_configured_certificate_is_served_as_is(tmp_path: Path) -> None:
                                         tls_key=other.key_path))
 
 
+def test_a_configured_certificate_past_or_near_its_end_is_said_at_start_and_by_doctor(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """agentd does not renew a configured certificate: it serves it as is, and says so loudly
+    when it has expired or soon will (before, doctor passed it and the start said nothing)."""
+    from agentd.doctor import _tls_check
+
+    own = tls.server_certificate(settings(tmp_path / "elsewhere"))
+    configured = settings(tmp_path, tls_cert=own.cert_path, tls_key=own.key_path)
+    fresh = tls.server_certificate(configured)
+    assert tls.expiry_problem(fresh) is None and _tls_check(configured).ok
+    soon = fresh.not_after - dt.timedelta(days=3, hours=1)
+    assert tls.expiry_problem(fresh, soon) == (
+        f"expires on {fresh.not_after:%Y-%m-%d %H:%M} UTC (in 3 days)")
+
+    _expire(own.cert_path, own.key_path)
+    expired = tls.server_certificate(configured)  # still served: it is the operator's to renew
+    with caplog.at_level(logging.INFO, logger="agentd.tls"):
+        tls.say_expiry(expired)
+    [record] = [r for r in caplog.records if "renew" in r.getMessage()]
+    assert record.levelno == logging.ERROR
+    assert getattr(record, "ending", "").startswith("expired on ")
+    check = _tls_check(configured)
+    assert not check.ok and "expired on" in check.detail and str(own.cert_path) in check.detail
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="agentd.tls"):
+        tls.say_expiry(tls.server_certificate(settings(tmp_path / "own")))  # self-signed
+    assert not [r for r in caplog.records if "renew" in r.getMessage()]
+
+
 def test_server_context_refuses_old_protocols(tmp_path: Path) -> None:
     context = tls.server_context(tls.server_certificate(settings(tmp_path)))
     assert context.minimum_version == ssl.TLSVersion.TLSv1_2
