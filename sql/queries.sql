@@ -456,12 +456,10 @@ ORDER BY coalesce(asked.position, m.position), m.position;
 -- message_turn_position --
 -- params: conversation_id, message_id
 -- A paging cursor: where a message sits in its conversation's turn order (its question's
--- position). No row: not a message of this conversation (the caller answers 400, never a page).
-SELECT coalesce(asked.position, m.position) AS turn_position
-FROM message m
-LEFT JOIN agent_run r ON r.id = m.run_id
-LEFT JOIN message asked ON asked.id = r.user_message_id
-WHERE m.id = $2::uuid AND m.conversation_id = $1::uuid;
+-- position, sql/024). No row: not a message of this conversation (the caller answers 400).
+SELECT turn_position
+FROM message_turn
+WHERE conversation_id = $1::uuid AND id = $2::uuid;
 
 -- list_messages_page --
 -- params: conversation_id, before_turn, limit, until_turn
@@ -470,12 +468,10 @@ WHERE m.id = $2::uuid AND m.conversation_id = $1::uuid;
 -- splits a turn) and, with $4, back to that turn (a jump loads everything down to its target).
 -- has_more: older turns remain before the page.
 WITH ordered AS (
-    SELECT m.id, m.run_id, m.role, m.content, m.status, m.tool_calls, m.tool_call_id,
-           m.created_at, m.position, coalesce(asked.position, m.position) AS turn_position
-    FROM message m
-    LEFT JOIN agent_run r ON r.id = m.run_id
-    LEFT JOIN message asked ON asked.id = r.user_message_id
-    WHERE m.conversation_id = $1::uuid AND coalesce(asked.position, m.position) < $2::bigint
+    SELECT id, run_id, role, content, status, tool_calls, tool_call_id, created_at, position,
+           turn_position
+    FROM message_turn
+    WHERE conversation_id = $1::uuid AND turn_position < $2::bigint
 ), newest AS (
     SELECT turn_position FROM ordered ORDER BY turn_position DESC, position DESC LIMIT $3::int
 ), start AS (
@@ -1244,12 +1240,11 @@ WITH source AS (
     WHERE id = $1::uuid AND account_id = $2::uuid
 ), eligible AS (
     SELECT m.id, m.role, m.content, m.status, m.tool_calls, m.tool_call_id, m.created_at,
-           m.superseded_by, m.position, coalesce(asked.position, m.position) AS turn_position
-    FROM message m
+           m.superseded_by, m.position, m.turn_position
+    FROM message_turn m
     JOIN source ON source.id = m.conversation_id
     LEFT JOIN agent_run r ON r.id = m.run_id
-    LEFT JOIN message asked ON asked.id = r.user_message_id
-    WHERE m.status NOT IN ('queued', 'draft')
+    WHERE m.conversation_id = $1::uuid AND m.status NOT IN ('queued', 'draft')
       AND (r.id IS NULL OR r.status NOT IN ('queued', 'running'))
 ), target AS (
     SELECT turn_position, position FROM eligible WHERE id = $3::uuid

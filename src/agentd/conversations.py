@@ -204,18 +204,22 @@ async def get_run(db: Db, account_id: UUID, run_id: UUID) -> RunRow | None:
 async def conversation_state(db: Db, account_id: UUID, conversation_id: UUID, *,
                              limit: int | None = None) -> ConversationState | None:
     """The server's authority on a conversation, as every client reconciles to it. With a
-    `limit`, the transcript is its newest page only (see message_page)."""
+    `limit`, the transcript is its newest page only (see message_page), reaching back to the
+    question of every run listed: a client shows a run with its question, and more queued
+    turns than the page holds used to leave the running one's out of it."""
     meta = await conversation_meta(db, account_id, conversation_id)
     if meta is None:
         return None
+    runs = await list_active_runs(db, conversation_id)  # in run order: the oldest first
     if limit is None:
         rows = await db.fetch(*Q.list_messages.bind(conversation_id=conversation_id))
         page = MessagePage(_messages(rows, meta), False, None)
     else:
-        page = await _page(db, meta, conversation_id, NO_TURN_BOUND, limit, None)
+        oldest = None if not runs else \
+            await _turn_position(db, conversation_id, runs[0].user_message_id, "until")
+        page = await _page(db, meta, conversation_id, NO_TURN_BOUND, limit, oldest)
     messages = _with_usage(page.messages, await db.fetch(*Q.conversation_run_usage.bind(
         conversation_id=conversation_id)))
-    runs = await list_active_runs(db, conversation_id)
     runs.sort(key=lambda run: run.status != RunStatus.RUNNING)
     return ConversationState(meta.conversation, messages, runs, meta.lease, meta.usage,
                              page.has_more, page.before, meta.attached)

@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from tests.api.conftest import Api
-from tests.api.helpers import assert_error, assert_json
+from tests.api.helpers import SLOW, assert_error, assert_json
 from tests.support.long_conversation import LongConversation, write_long_conversation
 
 
@@ -82,6 +82,25 @@ async def test_state_and_feed_snapshot_carry_only_the_newest_page_when_limited(a
     snapshot = json.loads(data)["conversation"]
     assert len(snapshot["messages"]) == 4 and snapshot["has_more"] is True
     assert snapshot["before"] == str(long.question_ids[-2])
+
+
+async def test_a_limited_state_holds_the_question_of_every_run_it_lists(api: Api):
+    """More queued turns than the page holds: the page reaches back to the running turn's
+    question (before, it held only the newest queued questions, and a client showed the
+    running turn with no question at all)."""
+    cid = assert_json(await api.a.post("/v1/conversations", json={"title": "busy"}))["id"]
+    running = assert_json(await api.a.post(f"/v1/conversations/{cid}/runs",
+                                           json={"content": "the long one", "params": SLOW}))
+    queued = [assert_json(await api.a.post(f"/v1/conversations/{cid}/runs",
+                                           json={"content": f"later {n}"}))
+              for n in range(5)]
+    state = assert_json(await api.a.get(f"/v1/conversations/{cid}", params={"limit": "2"}))
+    assert [r["id"] for r in state["runs"]] == [running["run_id"]] + [
+        q["run_id"] for q in queued]
+    assert [m["content"] for m in state["messages"]] == ["the long one"] + [
+        f"later {n}" for n in range(5)]
+    assert state["has_more"] is False
+    await api.a.post(f"/v1/conversations/{cid}/stop")
 
 
 async def test_bad_cursors_and_limits_are_400s_with_stable_codes(api: Api):

@@ -158,6 +158,8 @@ async def test_a_migration_outlasts_the_timeouts_a_database_sets_for_its_session
             pid = migrator.get_server_pid()
 
             async def waited_past_the_timeout() -> bool:  # waiting for the lock, 3× its timeout
+                if migrating.done():
+                    migrating.result()  # it gave up waiting: its error fails the test here
                 return bool(await admin.fetchval(
                     "SELECT wait_event_type = 'Lock' AND now() - state_change > '300ms'"
                     " FROM pg_stat_activity WHERE pid = $1", pid))

@@ -306,20 +306,20 @@ async def test_the_local_client_follows_its_daemon_to_tls(
 
 
 async def test_doctor_on_a_running_install_finds_its_daemon_not_a_busy_address(
-        spawn_remote: SpawnRemote) -> None:
+        spawn_remote: SpawnRemote, dsn: str) -> None:
     """`agentd doctor` beside the daemon it checks (over TLS here) passes the listen address:
     it used to fail it as busy, so doctor exited 1 on every healthy running install. Anything
     else holding the address still fails it."""
     daemon = spawn_remote(tls=True)
     await daemon.wait_ready()
     env = {**daemon.cli_env(), "AGENTD_LISTEN": f"127.0.0.1:{daemon.port}"}
-    doctor = run_cli("agentd", "doctor", env=env)
+    doctor = run_cli("agentd", "doctor", "--dsn", dsn, env=env)
     assert "[ok  ] listen address: 127.0.0.1:" in doctor.stdout, doctor.stdout
     assert "served by a running agentd" in doctor.stdout
     with socket.socket() as other:  # not an agentd: nothing answers its /healthz
         other.bind(("127.0.0.1", 0))
         other.listen()
         env["AGENTD_LISTEN"] = f"127.0.0.1:{other.getsockname()[1]}"
-        doctor = run_cli("agentd", "doctor", env=env)
+        doctor = run_cli("agentd", "doctor", "--dsn", dsn, env=env)
     assert "[FAIL] listen address:" in doctor.stdout and "already in use" in doctor.stdout
     assert doctor.returncode == 1
