@@ -456,10 +456,21 @@ ORDER BY coalesce(asked.position, m.position), m.position;
 -- message_turn_position --
 -- params: conversation_id, message_id
 -- A paging cursor: where a message sits in its conversation's turn order (its question's
--- position, sql/024). No row: not a message of this conversation (the caller answers 400).
-SELECT turn_position
-FROM message_turn
-WHERE conversation_id = $1::uuid AND id = $2::uuid;
+-- position), by the rule of the view message_turn (sql/024) for one row: a fork's copy that is
+-- not a question belongs to the question written last before it. (The view would number the
+-- whole conversation to answer for one message.) No row: not a message of this conversation.
+SELECT coalesce(asked.position, copied.position, m.position) AS turn_position
+FROM message m
+LEFT JOIN agent_run r ON r.id = m.run_id
+LEFT JOIN message asked ON asked.id = r.user_message_id
+LEFT JOIN LATERAL (
+    SELECT q.position FROM message q
+    WHERE m.run_id IS NULL AND m.role <> 'user' AND q.conversation_id = m.conversation_id
+      AND q.role = 'user' AND q.position < m.position
+    ORDER BY q.position DESC
+    LIMIT 1
+) copied ON true
+WHERE m.id = $2::uuid AND m.conversation_id = $1::uuid;
 
 -- list_messages_page --
 -- params: conversation_id, before_turn, limit, until_turn
