@@ -693,9 +693,11 @@ LIMIT $2::int;
 -- A migrator waits for the lock and for the tables it alters as long as that takes, whatever
 -- timeouts the database sets for its sessions (a pooled fleet sets lock and statement ones):
 -- cut short, a fleet starting together would fail instead of waiting, and a long migration
--- could never finish.
-SELECT set_config('lock_timeout', '0', false), set_config('statement_timeout', '0', false),
-       set_config('idle_in_transaction_session_timeout', '0', false);
+-- could never finish. Read from pg_settings: transaction_timeout exists from PostgreSQL 17 on.
+SELECT set_config(name, '0', false)
+FROM pg_settings
+WHERE name IN ('lock_timeout', 'statement_timeout', 'idle_in_transaction_session_timeout',
+               'transaction_timeout');
 
 -- migration_lock --
 -- params: key

@@ -459,6 +459,12 @@ def _install_service(args: argparse.Namespace) -> int:
                        "workers": serve_args.workers})
     except SettingsError as exc:
         _fail(f"invalid setting for the service: {exc}")
+    from agentd.providers.catalog import default_model_problem
+
+    problem = default_model_problem(settings)
+    if problem is not None:  # serve would refuse it at every start
+        _fail(f"invalid setting for the service: default_model (AGENTD_DEFAULT_MODEL): "
+              f"{problem}")
     secrets, unset = _secret_variables(settings)
     variables.update(secrets)
     try:
@@ -512,9 +518,10 @@ def _secret_variables(settings: Settings) -> tuple[dict[str, str], list[tuple[st
     """The secrets the service reads from its environment, by the names the config gives
     them (providers' API keys, MCP servers' header values), as set in this shell; and those
     named but not set here, with what reads each."""
+    # Switched-off providers' too: the unit reads the config file at each start, and one
+    # switched on later must find its key.
     wanted = {config.api_key_env: f"provider {name}"
-              for name, config in settings.providers.items()
-              if config.api_key_env and config.enabled}
+              for name, config in settings.providers.items() if config.api_key_env}
     for name, server in settings.mcp.items():
         for header, variable in server.headers.items():
             wanted.setdefault(variable, f"MCP server {name}'s {header} header")

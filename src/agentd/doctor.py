@@ -160,8 +160,10 @@ async def _port_check(settings: Settings) -> Check:
 
 
 async def _agentd_answers(settings: Settings) -> bool:
-    """Is what holds the listen address an agentd? Its /healthz names its worker to a caller
-    on this machine. Only asked, never trusted with a token: the certificate is not checked."""
+    """Is what holds the listen address an agentd? Its /healthz answers {"status": "ok"} (with
+    its worker to a caller it sees on loopback, which a daemon on a specific other address of
+    this machine does not). Only asked, never trusted with a token: the certificate is not
+    checked."""
     import aiohttp
 
     from agentd.tls import local_url
@@ -173,7 +175,7 @@ async def _agentd_answers(settings: Settings) -> bool:
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return False
     return response.status == 200 and isinstance(body, dict) and body.get("status") == "ok" \
-        and "worker_id" in body
+        and set(body) <= {"status", "worker_id"}
 
 
 def _tls_check(settings: Settings) -> Check:

@@ -149,6 +149,9 @@ async def test_a_migration_outlasts_the_timeouts_a_database_sets_for_its_session
         database = await admin.fetchval("SELECT current_database()")
         await admin.execute(f'ALTER DATABASE "{database}" SET lock_timeout = \'100ms\'')
         await admin.execute(f'ALTER DATABASE "{database}" SET statement_timeout = \'100ms\'')
+        if admin.get_server_version().major >= 17:  # the setting is new in PostgreSQL 17
+            await admin.execute(
+                f'ALTER DATABASE "{database}" SET transaction_timeout = \'100ms\'')
         (tmp_path / "001_long.sql").write_text("SELECT pg_sleep(0.3); CREATE TABLE long (x int);")
         holder = await asyncpg.connect(empty_dsn)
         migrator = await asyncpg.connect(empty_dsn)

@@ -292,11 +292,12 @@ def test_install_service_carries_every_secret_the_config_names(tmp_path: Path) -
     workdir = tmp_path / "here"
     workdir.mkdir()
     config = workdir / "agentd.toml"
-    config.write_text('[mcp.tracker]\nurl = "https://mcp.example.test/"\n'
+    config.write_text('[providers.anthropic]\nenabled = false\n'
+                      '[mcp.tracker]\nurl = "https://mcp.example.test/"\n'
                       '[mcp.tracker.headers]\nAuthorization = "TRACKER_AUTH"\n'
                       'X-Team = "TRACKER_TEAM"\n')
     clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("AGENTD_", "TRACKER_"))}
+             if not k.startswith(("AGENTD_", "TRACKER_", "ANTHROPIC_"))}
 
     def install(**env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -305,10 +306,18 @@ def test_install_service_carries_every_secret_the_config_names(tmp_path: Path) -
             check=False, cwd=workdir,
             env={**clean, "XDG_CONFIG_HOME": str(tmp_path), **env})
 
-    result = install(TRACKER_AUTH="Bearer mcp-secret-1", AGENTD_DATA_DIR="state")
+    # A unit that serve would refuse at every start is not written.
+    refused = install(AGENTD_DEFAULT_MODEL="opnai:gpt-4o")
+    assert refused.returncode == 2 and "default_model" in refused.stderr, refused.stderr
+    assert not (tmp_path / "systemd" / "user" / "agentd.service").exists()
+
+    result = install(TRACKER_AUTH="Bearer mcp-secret-1", AGENTD_DATA_DIR="state",
+                     ANTHROPIC_API_KEY="sk-ant-test")
     assert result.returncode == 0, result.stderr
     env_text = (tmp_path / "agentd" / "agentd.env").read_text()
     assert 'TRACKER_AUTH="Bearer mcp-secret-1"' in env_text
+    # A switched-off provider's key too: switched on later, it must find it.
+    assert 'ANTHROPIC_API_KEY="sk-ant-test"' in env_text
     assert f'AGENTD_DATA_DIR="{(workdir / "state").resolve()}"' in env_text
     unit = (tmp_path / "systemd" / "user" / "agentd.service").read_text()
     assert "mcp-secret-1" not in unit and "mcp-secret-1" not in result.stdout + result.stderr

@@ -323,3 +323,12 @@ async def test_doctor_on_a_running_install_finds_its_daemon_not_a_busy_address(
         doctor = run_cli("agentd", "doctor", "--dsn", dsn, env=env)
     assert "[FAIL] listen address:" in doctor.stdout and "already in use" in doctor.stdout
     assert doctor.returncode == 1
+    # On another address of this machine, where the daemon does not see doctor as loopback.
+    address = non_loopback_address()
+    if address is None:
+        return  # what follows needs one; the rest of the test has run
+    other_daemon = spawn_remote(tls=True, host=address, name="on-another-address")
+    await other_daemon.wait_ready()
+    env["AGENTD_LISTEN"] = f"{address}:{other_daemon.port}"
+    doctor = run_cli("agentd", "doctor", "--dsn", dsn, env=env)
+    assert "served by a running agentd" in doctor.stdout, doctor.stdout
