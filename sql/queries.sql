@@ -472,6 +472,21 @@ LEFT JOIN LATERAL (
 ) copied ON true
 WHERE m.id = $2::uuid AND m.conversation_id = $1::uuid;
 
+-- list_messages_after --
+-- params: conversation_id, account_id, after_turn, after_position, limit
+-- The transcript oldest first, `limit` messages after message ($3, $4) in turn order (sql/024),
+-- for the export: each page read in a transaction of its own, so exporting a long conversation
+-- to a slow reader holds neither a pooled connection nor the whole transcript in memory. Only
+-- the account's own conversation (docs/architecture.md rule 9), checked at every page.
+SELECT m.id, m.run_id, m.role, m.content, m.status, m.tool_calls, m.tool_call_id, m.created_at,
+       m.superseded_by, m.turn_position, m.position
+FROM message_turn m
+JOIN conversation c ON c.id = m.conversation_id AND c.account_id = $2::uuid
+WHERE m.conversation_id = $1::uuid
+  AND (m.turn_position, m.position) > ($3::bigint, $4::bigint)
+ORDER BY m.turn_position, m.position
+LIMIT $5::int;
+
 -- list_messages_page --
 -- params: conversation_id, before_turn, limit, until_turn
 -- One page of the transcript, pages newest first, each in turn order (as list_messages): the

@@ -9,44 +9,54 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from agentd.conversations import ConversationState, Message
+from agentd.conversations import Conversation, ConversationState, Message
 from agentd.vocabulary import MessageRole, MessageStatus
 
 _BACKTICKS = re.compile(r"`+")
 
 
 def conversation_markdown(state: ConversationState) -> str:
-    title = state.conversation.title or "Untitled conversation"
-    lines = [f"# {title}", "",
-             f"_exported from agentd · conversation {state.conversation.id}_", ""]
-    for message in state.messages:
-        if message.status == MessageStatus.DRAFT:
-            continue
-        lines += _message_lines(message)
-    return "\n".join(lines).rstrip() + "\n"
+    """The whole document at once (the API streams the same text page by page)."""
+    return "\n\n".join([markdown_head(state.conversation),
+                        *markdown_blocks(state.messages)]) + "\n"
 
 
-def _message_lines(message: Message) -> list[str]:
+def markdown_head(conversation: Conversation) -> str:
+    """The document's first block; every further block follows after a blank line, and the
+    document ends with one newline."""
+    title = conversation.title or "Untitled conversation"
+    return f"# {title}\n\n_exported from agentd · conversation {conversation.id}_"
+
+
+def markdown_blocks(messages: Iterable[Message]) -> Iterator[str]:
+    """The blocks of these messages (drafts are no one's transcript yet)."""
+    for message in messages:
+        if message.status != MessageStatus.DRAFT:
+            yield from _message_blocks(message)
+
+
+def _message_blocks(message: Message) -> list[str]:
     stamp = message.created_at.strftime("%Y-%m-%d %H:%M UTC")
     replaced = " (replaced)" if message.superseded_by is not None else ""
     if message.role == MessageRole.USER:
-        return [f"## You{replaced} · {stamp}", "", message.content, ""]
+        return [f"## You{replaced} · {stamp}\n\n{message.content}"]
     if message.role == MessageRole.ASSISTANT and message.tool_calls:
-        lines: list[str] = []
+        blocks = []
         for call in message.tool_calls:
             arguments = call.get("arguments", {})
             # Arguments that are no JSON object are kept as the model sent them (text).
             text = arguments if isinstance(arguments, str) else _json(arguments)
-            lines += [f"**Tool call** `{call.get('name')}`{replaced}", "", _fenced(text, "json"),
-                      ""]
-        return lines
+            blocks.append(f"**Tool call** `{call.get('name')}`{replaced}\n\n"
+                          f"{_fenced(text, 'json')}")
+        return blocks
     if message.role == MessageRole.ASSISTANT:
         mark = "" if message.status == MessageStatus.COMPLETE else f" ({message.status})"
-        return [f"## Assistant{mark}{replaced} · {stamp}", "", message.content, ""]
+        return [f"## Assistant{mark}{replaced} · {stamp}\n\n{message.content}"]
     cancelled = " (cancelled)" if message.status == MessageStatus.CANCELLED else ""
-    return [f"**Tool result**{cancelled}{replaced}", "", _fenced(_readable(message.content)), ""]
+    return [f"**Tool result**{cancelled}{replaced}\n\n{_fenced(_readable(message.content))}"]
 
 
 def _json(value: Any) -> str:

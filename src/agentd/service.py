@@ -48,6 +48,7 @@ LAST = "last"  # retry_of: the conversation's latest turn
 # A full queue drains as turns finish; a client that waits this long finds room more often than
 # not, and never hammers the daemon.
 QUEUE_FULL_RETRY_AFTER_S = 10
+EXPORT_PAGE = 500  # messages an export reads at a time (what it holds in memory, at most)
 
 
 class ClaimSlot(Protocol):
@@ -293,6 +294,28 @@ class Service:
         if found is None:
             raise not_found("conversation")
         return found
+
+    async def get_conversation(self, who: Principal,
+                               conversation_id: UUID) -> convs.Conversation:
+        found = await convs.get_conversation(self.pool, who.account_id, conversation_id)
+        if found is None:
+            raise not_found("conversation")
+        return found
+
+    async def transcript_pages(self, who: Principal, conversation_id: UUID, *,
+                               page_size: int = EXPORT_PAGE,
+                               ) -> AsyncIterator[list[convs.Message]]:
+        """The transcript oldest first, a page at a time, each read on a connection held only
+        for that read (the caller writes a page out before it asks for the next)."""
+        mark = convs.START
+        while True:
+            async with self.pool.acquire() as conn:
+                messages, mark = await convs.messages_after(conn, who.account_id,
+                                                            conversation_id, mark, page_size)
+            if messages:
+                yield messages
+            if len(messages) < page_size:
+                return
 
     async def feed_snapshot(self, who: Principal, conversation_id: UUID, *,
                             limit: int | None = None) -> FeedSnapshot:

@@ -8,6 +8,9 @@ import json
 import uuid
 from typing import Any
 
+from agentd.conversations import conversation_state
+from agentd.export import conversation_markdown
+from agentd.service import EXPORT_PAGE
 from tests.api.conftest import Api
 from tests.api.helpers import SLOW, assert_error, assert_json
 from tests.support.long_conversation import LongConversation, write_long_conversation
@@ -101,6 +104,30 @@ async def test_a_limited_state_holds_the_question_of_every_run_it_lists(api: Api
         f"later {n}" for n in range(5)]
     assert state["has_more"] is False
     await api.a.post(f"/v1/conversations/{cid}/stop")
+
+
+async def test_a_long_export_is_streamed_page_by_page_and_whole(api: Api):
+    """The Markdown export reads the transcript a page at a time and writes each out before
+    reading the next (it used to read it whole into memory, then render it whole): the text is
+    the same document, and it comes chunked."""
+    long = await _long(api, 600)  # 1,200 messages: three pages of EXPORT_PAGE
+    assert 2 * long.turns > 2 * EXPORT_PAGE
+    me = assert_json(await api.a.get("/v1/me"))
+    state = await conversation_state(api.pool, uuid.UUID(me["account_id"]),
+                                     long.conversation_id)
+    assert state is not None
+    async with api.a.stream("GET", f"/v1/conversations/{long.conversation_id}/export"
+                            ) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "text/markdown; charset=utf-8"
+        assert response.headers.get("transfer-encoding") == "chunked"
+        text = (await response.aread()).decode()
+    assert text == conversation_markdown(state)
+    assert text.count("## You · ") == 600 and text.endswith("End of answer 600.\n")
+    missing = await api.a.get(f"/v1/conversations/{uuid.uuid4()}/export")
+    assert_error(missing, 404, "not_found")
+    other = await api.b.get(f"/v1/conversations/{long.conversation_id}/export")
+    assert_error(other, 404, "not_found")
 
 
 async def test_bad_cursors_and_limits_are_400s_with_stable_codes(api: Api):

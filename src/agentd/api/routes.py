@@ -28,7 +28,7 @@ from agentd.api.bodies import (
 )
 from agentd.api.errors import error_middleware
 from agentd.api.stream_guard import open_device_stream
-from agentd.export import conversation_markdown
+from agentd.export import markdown_blocks, markdown_head
 from agentd.providers.catalog import offers
 from agentd.queue import Event
 from agentd.revocation import Revoked
@@ -177,11 +177,21 @@ async def list_models(request: web.Request) -> web.Response:
                               "default_model": settings.default_model})
 
 
-async def export_conversation(request: web.Request) -> web.Response:
+async def export_conversation(request: web.Request) -> web.StreamResponse:
+    """The transcript as Markdown, written out page by page as it is read (a long one is never
+    whole in memory); a missing conversation is a 404 before any of it is sent."""
+    service, who = _service(request), principal(request)
     conversation_id = _path_id(request, "conversation")
-    state = await _service(request).conversation_state(principal(request), conversation_id)
-    return web.Response(text=conversation_markdown(state), content_type="text/markdown",
-                        charset="utf-8")
+    conversation = await service.get_conversation(who, conversation_id)
+    response = web.StreamResponse(headers={"Content-Type": "text/markdown; charset=utf-8"})
+    await response.prepare(request)
+    await response.write(markdown_head(conversation).encode())
+    async for messages in service.transcript_pages(who, conversation_id):
+        text = "".join(f"\n\n{block}" for block in markdown_blocks(messages))
+        await response.write(text.encode())
+    await response.write(b"\n")
+    await response.write_eof()
+    return response
 
 
 async def search(request: web.Request) -> web.Response:
