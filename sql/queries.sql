@@ -696,11 +696,16 @@ FROM conversation
 WHERE id = $1::uuid AND account_id = $2::uuid;
 
 -- list_conversations --
--- params: account_id, limit, archived
--- Most recently active first; archived ones only when asked for, and then only them.
+-- params: account_id, limit, archived, after_updated_at, after_id
+-- Most recently active first; archived ones only when asked for, and then only them. A page
+-- after ($4, $5), the last one of the page before in this order (NULL: the first page): a
+-- cursor of values, not of a row, so a conversation that became active meanwhile moves to the
+-- top without shifting the pages after it.
 SELECT id, account_id, title, model, archived_at, created_at, updated_at
 FROM conversation
 WHERE account_id = $1::uuid AND (archived_at IS NOT NULL) = $3::bool
+  AND ($4::timestamptz IS NULL OR updated_at < $4::timestamptz
+       OR (updated_at = $4::timestamptz AND id > $5::uuid))
 ORDER BY updated_at DESC, id
 LIMIT $2::int;
 

@@ -183,10 +183,17 @@ async def get_conversation(db: Db, account_id: UUID,
     return Conversation.from_record(row) if row else None
 
 
+# A place in the conversation list (most recently active first): the last one handed out's
+# updated_at and id.
+ListMark = tuple[datetime, UUID]
+
+
 async def list_conversations(db: Db, account_id: UUID, limit: int = 100, *,
-                             archived: bool = False) -> list[Conversation]:
+                             archived: bool = False,
+                             after: ListMark | None = None) -> list[Conversation]:
     return [Conversation.from_record(r) for r in await db.fetch(*Q.list_conversations.bind(
-        account_id=account_id, limit=limit, archived=archived))]
+        account_id=account_id, limit=limit, archived=archived,
+        after_updated_at=after[0] if after else None, after_id=after[1] if after else None))]
 
 
 async def conversation_meta(db: Db, account_id: UUID,

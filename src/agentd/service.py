@@ -213,9 +213,15 @@ class Service:
             self.pool, who.account_id, change.title or "", _model_name(change.model)))
 
     async def list_conversations(self, who: Principal, limit: int = 100, *,
-                                 archived: bool = False) -> list[convs.Conversation]:
-        return await convs.list_conversations(self.pool, who.account_id, limit,
-                                              archived=archived)
+                                 archived: bool = False, after: convs.ListMark | None = None,
+                                 ) -> tuple[list[convs.Conversation], convs.ListMark | None]:
+        """A page of the list, and where the next one starts (None: this was the last)."""
+        found = await convs.list_conversations(self.pool, who.account_id, limit + 1,
+                                               archived=archived, after=after)
+        if len(found) <= limit:
+            return found, None
+        last = found[limit - 1]
+        return found[:limit], (last.updated_at, last.id)
 
     async def update_conversation(self, who: Principal, conversation_id: UUID,
                                   change: ConversationChange) -> convs.Conversation:

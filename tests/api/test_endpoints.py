@@ -218,7 +218,7 @@ async def test_conversation_endpoints_answer_their_documented_shapes(api: Api):
     assert {item["id"] for item in items} == {conversation_id, untitled.json()["id"]}
     first_only = await api.a.get("/v1/conversations", params={"limit": 1})
     assert len(first_only.json()["conversations"]) == 1
-    assert (await api.b.get("/v1/conversations")).json() == {"conversations": []}
+    assert (await api.b.get("/v1/conversations")).json() == {"conversations": [], "next": None}
 
     renamed = await api.a.patch(f"/v1/conversations/{conversation_id}",
                                 json={"title": "second"})

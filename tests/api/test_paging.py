@@ -130,6 +130,35 @@ async def test_a_long_export_is_streamed_page_by_page_and_whole(api: Api):
     assert_error(other, 404, "not_found")
 
 
+async def test_the_conversation_list_pages_on_with_next(api: Api):
+    """Past its `limit` the list ends with a `next` to ask for the page after (older
+    conversations could only be found by search before). The cursor is the values of the
+    page's last one: a conversation that becomes active meanwhile moves to the top and shifts
+    nothing after it; a forged cursor is a 400."""
+    made = [assert_json(await api.a.post("/v1/conversations", json={"title": f"c{n}"}))["id"]
+            for n in range(5)]
+    newest_first = list(reversed(made))
+    first = assert_json(await api.a.get("/v1/conversations", params={"limit": "2"}))
+    assert [c["id"] for c in first["conversations"]] == newest_first[:2]
+    assert first["next"]
+    # The newest becomes active again: the pages after the first are unchanged by it.
+    await api.a.patch(f"/v1/conversations/{newest_first[0]}", json={"title": "renamed"})
+    seen, after = [c["id"] for c in first["conversations"]], first["next"]
+    while after:
+        page = assert_json(await api.a.get("/v1/conversations",
+                                           params={"limit": "2", "after": after}))
+        seen += [c["id"] for c in page["conversations"]]
+        after = page["next"]
+    assert seen == newest_first
+    whole = assert_json(await api.a.get("/v1/conversations"))
+    assert whole["next"] is None and len(whole["conversations"]) == 5
+    assert assert_json(await api.b.get("/v1/conversations")) == {"conversations": [],
+                                                                 "next": None}
+    for forged in ("nope", "bm9wZXxub3BlCg", first["next"][:-3]):
+        assert_error(await api.a.get("/v1/conversations", params={"after": forged}), 400,
+                     "invalid_after")
+
+
 async def test_bad_cursors_and_limits_are_400s_with_stable_codes(api: Api):
     long = await _long(api, 3)
     other = await _long(api, 1)

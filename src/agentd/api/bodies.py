@@ -5,9 +5,11 @@ conversation and approval bodies. Bad input is a 4xx ServiceError with a stable 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any, Literal
 from uuid import UUID
 
@@ -251,6 +253,29 @@ def validate_paging(query: Mapping[str, str]) -> MessagePaging:
     return MessagePaging(_message_cursor(query, "before"),
                          PAGE_LIMIT if limit is None else limit,
                          _message_cursor(query, "until"))
+
+
+def list_cursor(mark: tuple[datetime, UUID]) -> str:
+    """The conversation list's `next`: opaque to clients, its values to us."""
+    text = f"{mark[0].isoformat()}|{mark[1]}"
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def list_after(query: Mapping[str, str]) -> tuple[datetime, UUID] | None:
+    """`GET /v1/conversations?after=<a page's next>`: where the page starts (None: the top)."""
+    text = query.get("after")
+    if text is None:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+        stamp, _, ident = raw.partition("|")
+        moment = datetime.fromisoformat(stamp)
+        if moment.tzinfo is None:
+            raise ValueError("no zone")
+        return moment, UUID(ident)
+    except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
+        raise ServiceError(400, "invalid_after",
+                           "after must be the `next` of a page of this list") from None
 
 
 def page_limit(query: Mapping[str, str]) -> int | None:

@@ -393,17 +393,25 @@ def build_spec() -> dict[str, Any]:
                                   "422": _error("unknown or unusable model, or a model name "
                                                 "over 200 characters"), **_ERRORS}},
                 "get": {"summary": "list conversations, most recent first (archived ones only "
-                                   "with archived=true, and then only them)", "parameters": [
+                                   "with archived=true, and then only them), a page at a time",
+                        "parameters": [
                     {"name": "limit", "in": "query",
-                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000,
+                                "default": 100}},
                     {"name": "archived", "in": "query",
-                     "schema": {"enum": ["true", "false"], "default": "false"}}],
-                    "responses": {"200": _json({"type": "object", "required": ["conversations"],
-                                                "properties": {"conversations": {
-                                                    "type": "array",
-                                                    "items": _ref("Conversation")}}},
+                     "schema": {"enum": ["true", "false"], "default": "false"}},
+                    {"name": "after", "in": "query", "schema": {"type": "string"},
+                     "description": "a page's `next`: the page after it"}],
+                    "responses": {"200": _json({"type": "object",
+                                                "required": ["conversations", "next"],
+                                                "properties": {
+                                                    "conversations": {
+                                                        "type": "array",
+                                                        "items": _ref("Conversation")},
+                                                    "next": {"type": ["string", "null"]}}},
                                                "conversations"),
-                                  "400": _error("bad limit or archived"), **_ERRORS}}},
+                                  "400": _error("invalid_limit, invalid_archived or "
+                                                "invalid_after"), **_ERRORS}}},
             "/v1/conversations/{id}": {
                 "parameters": [_ID],
                 "get": {"summary": "transcript, active and queued runs, lease, attached devices",

@@ -17,6 +17,8 @@ from agentd.api.auth import auth_middleware, device_revoked, principal
 from agentd.api.bodies import (
     MAX_CALL_ID,
     json_body,
+    list_after,
+    list_cursor,
     max_body_bytes,
     page_limit,
     storable_text,
@@ -119,9 +121,10 @@ async def list_conversations(request: web.Request) -> web.Response:
     archived = request.query.get("archived", "false")
     if archived not in ("true", "false"):
         raise ServiceError(400, "invalid_archived", "archived must be true or false")
-    items = await _service(request).list_conversations(principal(request), limit,
-                                                       archived=archived == "true")
-    return web.json_response({"conversations": [wire.conversation(c) for c in items]})
+    items, more = await _service(request).list_conversations(
+        principal(request), limit, archived=archived == "true", after=list_after(request.query))
+    return web.json_response({"conversations": [wire.conversation(c) for c in items],
+                              "next": list_cursor(more) if more else None})
 
 
 async def get_conversation(request: web.Request) -> web.Response:
