@@ -43,6 +43,12 @@ async def test_every_endpoint_answers_typed_objects(daemon: Daemon, desk: Device
         renamed = await client.rename_conversation(created.id, "typed client")
         assert renamed.title == "typed client"
         assert [c.id for c in await client.list_conversations()] == [created.id]
+        second = await client.create_conversation("second")
+        page, after = await client.conversation_page(1)
+        assert [c.id for c in page] == [second.id] and after is not None
+        page, after = await client.conversation_page(1, after=after)
+        assert [c.id for c in page] == [created.id] and after is None
+        await client.delete_conversation(second.id)
 
         run = await client.create_run(created.id, "what is a lease?",
                                       params={"tokens": 6, "delay_ms": 0},

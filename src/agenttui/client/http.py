@@ -221,9 +221,16 @@ class AgentClient:
     async def list_conversations(self, limit: int = 100, *,
                                  archived: bool = False) -> list[Conversation]:
         """Most recent first; `archived=True` lists only the archived ones."""
-        params = {"limit": limit, "archived": "true" if archived else "false"}
+        return (await self.conversation_page(limit, archived=archived))[0]
+
+    async def conversation_page(self, limit: int = 100, *, archived: bool = False,
+                                after: str | None = None,
+                                ) -> tuple[list[Conversation], str | None]:
+        """A page of the list and the `after` of the next one (None: this was the last)."""
+        params = {"limit": limit, "archived": "true" if archived else "false",
+                  **({"after": after} if after else {})}
         data = await self._json("GET", "/v1/conversations", params=params, retries=2)
-        return [Conversation.from_wire(c) for c in data["conversations"]]
+        return [Conversation.from_wire(c) for c in data["conversations"]], data.get("next")
 
     async def get_conversation(self, conversation_id: str, *,
                                limit: int | None = None) -> ConversationState:
