@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from textual.binding import Binding
 from textual.widgets import Input, OptionList, TextArea
 
@@ -12,10 +13,12 @@ from agentd.providers.demo import expected_answer
 from agentd.vocabulary import RunStatus
 from agenttui.app import AgentTUI
 from agenttui.locations import clipboard_file
+from agenttui.screens import main as main_screen
 from agenttui.screens.help import HelpScreen
 from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.main import MainScreen, last_code_block
 from agenttui.widgets.composer import Composer
+from agenttui.widgets.conversation_list import MORE
 from tests.support.daemon import Daemon
 from tests.support.factories import Device
 from tests.tui.helpers import client_for, running_tui, search_for, wait_for
@@ -172,3 +175,33 @@ async def test_an_unknown_theme_falls_back_to_the_default(desk: Device,
     async with running_tui(NOWHERE, desk, agenttui_dirs, theme="no-such-theme") as (app, pilot):
         await wait_for(pilot, lambda: "cannot reach" in app.main.bar.plain, "the retry notice")
         assert app.theme == "agenttui"
+
+
+async def test_the_list_shows_older_conversations_a_page_at_a_time(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its size the list ends with "… older conversations", which shows a page more and
+    keeps it at every refresh. Before, only the newest 100 could be reached from the list."""
+    monkeypatch.setattr(main_screen, "LIST_SIZE", 2)
+    async with client_for(daemon, desk) as api:
+        made = [(await api.create_conversation(f"c{n}")).id for n in range(5)]
+    newest_first = list(reversed(made))
+    async with running_tui(daemon.url, desk, agenttui_dirs,
+                           conversation=newest_first[0]) as (app, pilot):
+        listing = app.main.conversation_list
+
+        def listed() -> tuple[list[str], bool]:
+            return [c.id for c in listing.conversations], listing.more
+
+        await wait_for(pilot, lambda: listed() == (newest_first[:2], True), "the first page")
+        assert listing.get_option_at_index(2).id == MORE
+        for shown, more in ((newest_first[:4], True), (newest_first, False)):
+            app.main.action_focus_list()
+            listing.highlighted = listing.option_count - 1
+            await pilot.press("enter")
+            await wait_for(pilot, lambda shown=shown, more=more: listed() == (shown, more),
+                           f"{len(shown)} conversations listed")
+        assert listing.option_count == 5  # no entry for more once all are shown
+        app.main._refresh_list_quietly()  # a refresh keeps what was shown
+        await pilot.pause()
+        await wait_for(pilot, lambda: listed() == (newest_first, False), "the list kept")

@@ -49,7 +49,7 @@ from agenttui.screens.search import SearchScreen
 from agenttui.settings import export_directory
 from agenttui.widgets.approval import ApprovalPanel
 from agenttui.widgets.composer import SEPARATOR, Composer
-from agenttui.widgets.conversation_list import ConversationList
+from agenttui.widgets.conversation_list import MORE, ConversationList
 from agenttui.widgets.ownership_bar import OwnershipBar
 from agenttui.widgets.transcript import Transcript
 
@@ -60,6 +60,8 @@ TITLE_CHARS = 60
 SNAPSHOT_MESSAGES = 100  # the feed's snapshot: the newest messages only (older ones paged in)
 PAGE_MESSAGES = 100  # an older page, fetched when the reader scrolls past what is loaded
 LIST_REFRESH_S = 30.0
+LIST_SIZE = 100  # conversations listed at first, and added by "… older conversations"
+LIST_PAGE_MAX = 1000  # the most the daemon answers in one page of its list
 # A message put back after a lost answer keeps its Idempotency-Key this long: sent again exactly
 # as it was, at once, it is the same message; typed again much later, a new one.
 RESEND_WINDOW_S = 600.0
@@ -176,6 +178,7 @@ class MainScreen(LifecycleScreen):
         # again within RESEND_WINDOW_S reuses its Idempotency-Key, so the daemon replays the run
         # it may already have instead of adding a second one.
         self._list_failure: str | None = None  # the last refresh's failure, once said
+        self._list_size = LIST_SIZE  # how many of the newest conversations the list shows
         # Per conversation, the sends whose answers were lost (within RESEND_WINDOW_S).
         self._uncertain: dict[str, list[UncertainSend]] = {}
 
@@ -265,7 +268,7 @@ class MainScreen(LifecycleScreen):
 
     async def _refresh_list(self) -> list[Conversation]:
         try:
-            conversations = await self.client.list_conversations(archived=self.showing_archived)
+            conversations, more = await self._list()
         except ApiError as exc:
             said = f"Could not list conversations: {describe(exc)}"
             if said != self._list_failure:  # said once, not at every refresh while it lasts
@@ -274,8 +277,20 @@ class MainScreen(LifecycleScreen):
             return []
         self._list_failure = None
         current = self.model.conversation_id if self.model else None
-        self.conversation_list.set_conversations(conversations, current)
+        self.conversation_list.set_conversations(conversations, current, more=more)
         return conversations
+
+    async def _list(self) -> tuple[list[Conversation], bool]:
+        """The newest `_list_size` conversations, and whether older ones remain."""
+        found: list[Conversation] = []
+        after: str | None = None
+        while True:
+            page, after = await self.client.conversation_page(
+                min(LIST_PAGE_MAX, self._list_size - len(found)),
+                archived=self.showing_archived, after=after)
+            found += page
+            if after is None or len(found) >= self._list_size:
+                return found, after is not None
 
     def _refresh_list_quietly(self) -> None:
         if self.me is not None:
@@ -757,6 +772,9 @@ class MainScreen(LifecycleScreen):
 
     @on(OptionList.OptionSelected, "#conversations")
     def _picked(self, event: OptionList.OptionSelected) -> None:
-        if event.option.id:
+        if event.option.id == MORE:  # the list grows by a page and stays so at each refresh
+            self._list_size += LIST_SIZE
+            self._refresh_list_quietly()
+        elif event.option.id:
             self.action_open(event.option.id)
             self.composer.focus()

@@ -14,6 +14,9 @@ def conversation_label(conversation: Conversation) -> str:
     return conversation.title or "Untitled conversation"
 
 
+MORE = "older"  # the entry that shows more of the list (no conversation id looks like it)
+
+
 class ConversationList(OptionList):
     DEFAULT_CSS = """
     ConversationList { width: 30; height: 1fr; border: none; border-right: tall $panel; }
@@ -23,16 +26,21 @@ class ConversationList(OptionList):
         # Titles are the users' words: shown as typed, never parsed as markup.
         super().__init__(markup=False, **kwargs)
         self.conversations: list[Conversation] = []
+        self.more = False
         self.current: str | None = None
         self.border_title = "Conversations"
 
     def set_conversations(self, conversations: list[Conversation],
-                          current: str | None) -> None:
+                          current: str | None, *, more: bool = False) -> None:
+        """`more`: older ones remain beyond these; the last entry offers to show them."""
         if [(c.id, c.title) for c in conversations] != \
-                [(c.id, c.title) for c in self.conversations]:
+                [(c.id, c.title) for c in self.conversations] or more != self.more:
             self.conversations = list(conversations)
+            self.more = more
             self.clear_options()
             self.add_options([Option(conversation_label(c), id=c.id) for c in conversations])
+            if more:
+                self.add_option(Option("… older conversations", id=MORE))
         self.mark_current(current)
 
     def mark_current(self, current: str | None) -> None:
