@@ -895,6 +895,8 @@ SELECT status, error, error_code FROM agent_run WHERE id = $1::uuid;
 -- The pattern is a bound parameter; LIKE metacharacters in it are escaped by the caller. A
 -- matching title is one hit (its conversation's newest message), unless messages of that
 -- conversation match themselves: it no longer fills the results with every message it holds.
+-- A conversation with no message yet (or drafts only) is found by its title too: a hit with no
+-- message, at its last activity.
 WITH said AS (
     SELECT c.id AS conversation_id, c.title, m.id AS message_id, m.role, m.content,
            m.created_at
@@ -906,13 +908,14 @@ WITH said AS (
     LIMIT $3::int
 ), titled AS (
     SELECT c.id AS conversation_id, c.title, newest.id AS message_id, newest.role,
-           newest.content, newest.created_at
+           coalesce(newest.content, '') AS content,
+           coalesce(newest.created_at, c.updated_at) AS created_at
     FROM conversation c
-    CROSS JOIN LATERAL (
+    LEFT JOIN LATERAL (
         SELECT m.id, m.role, m.content, m.created_at FROM message m
         WHERE m.conversation_id = c.id AND m.status <> 'draft'
         ORDER BY m.position DESC
-        LIMIT 1) newest
+        LIMIT 1) newest ON true
     WHERE c.account_id = $1::uuid AND c.title ILIKE $2::text ESCAPE '\'
       AND NOT EXISTS (SELECT 1 FROM said WHERE said.conversation_id = c.id)
 )

@@ -287,15 +287,16 @@ class Models:
 class SearchHit:
     conversation_id: str
     title: str
-    message_id: str
-    role: MessageRole | str
+    message_id: str | None  # None: its title matched, and it holds no message yet
+    role: MessageRole | str | None
     content: str
     created_at: datetime | None
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> SearchHit:
-        return cls(data["conversation_id"], data.get("title") or "", data["message_id"],
-                   _enum(MessageRole, data["role"]), data.get("content") or "",
+        role = data.get("role")
+        return cls(data["conversation_id"], data.get("title") or "", data.get("message_id"),
+                   _enum(MessageRole, role) if role else None, data.get("content") or "",
                    parse_time(data.get("created_at")))
 
 

@@ -251,6 +251,12 @@ async def test_conversation_endpoints_answer_their_documented_shapes(api: Api):
     assert results[0]["conversation_id"] == conversation_id
     assert_time(results[0]["created_at"])
     assert (await api.b.get("/v1/search", params={"q": "secret"})).json() == {"results": []}
+    # A conversation with no message yet is found by its title (it never was before).
+    empty = assert_json(await api.a.post("/v1/conversations", json={"title": "Quarterly plan"}))
+    [hit] = assert_json(await api.a.get("/v1/search", params={"q": "quarterly"}))["results"]
+    assert (hit["conversation_id"], hit["message_id"], hit["role"], hit["content"]) == (
+        empty["id"], None, None, "")
+    assert_time(hit["created_at"])
 
 
 async def test_run_endpoints_answer_their_documented_shapes(api: Api):

@@ -122,6 +122,7 @@ async def test_copy_export_search_rename_and_new(daemon: Daemon, desk: Device,
                                        params={"tokens": 12, "delay_ms": 0})
             assert (await api.wait_run(run.run_id, wait_s=60)).status == RunStatus.COMPLETED
             answers[title] = (conversation.id, expected_answer("demo", prompt, 12))
+        gamma = (await api.create_conversation("Gamma plans")).id  # no message yet
     alpha, alpha_answer = answers["Alpha notes"]
     beta, beta_answer = answers["Beta notes"]
     exports = tmp_path / "exports"
@@ -146,6 +147,14 @@ async def test_copy_export_search_rename_and_new(daemon: Daemon, desk: Device,
         assert exported[0].name.startswith("alpha-notes-")
         assert text.startswith("# Alpha notes") and alpha_answer in text
 
+        # A conversation with no message yet is found by its title, and opens.
+        search = await search_for(app, pilot, "gamma")
+        assert [(hit.conversation_id, hit.message_id) for hit in search.hits] == [(gamma, None)]
+        search.query_one(OptionList).focus()
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.model is not None and
+                       screen.model.conversation_id == gamma, "the empty conversation to open")
+
         search = await search_for(app, pilot, "beta")
         assert {hit.conversation_id for hit in search.hits} == {beta}
         search.query_one(OptionList).focus()
@@ -164,8 +173,8 @@ async def test_copy_export_search_rename_and_new(daemon: Daemon, desk: Device,
             assert (await api.get_conversation(beta)).conversation.title == "Beta, renamed"
 
         await pilot.press("ctrl+n")
-        await wait_for(pilot, lambda: screen.model.conversation_id not in (alpha, beta) and
-                       len(screen.conversation_list.conversations) == 3,
+        await wait_for(pilot, lambda: screen.model.conversation_id not in (alpha, beta, gamma)
+                       and len(screen.conversation_list.conversations) == 4,
                        "a new empty conversation")
         assert screen.model.turn_list() == []
 

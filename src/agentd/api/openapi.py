@@ -491,7 +491,17 @@ def build_spec() -> dict[str, Any]:
                                                 "type": "array", "items": {
                                                     "type": "object", "required": [
                                                         "conversation_id", "message_id",
-                                                        "content"]}}}}, "matches"),
+                                                        "content"],
+                                                    "properties": {
+                                                        "message_id": {
+                                                            "type": ["string", "null"],
+                                                            "format": "uuid",
+                                                            "description": "null: a title "
+                                                            "hit of a conversation with no "
+                                                            "message yet"},
+                                                        "role": {"type": ["string",
+                                                                          "null"]}}}}}},
+                                           "matches"),
                               "400": _error("bad query"), **_ERRORS}}},
             "/v1/conversations/{id}/runs": {"post": {
                 "summary": "queue a turn (202: it runs in the background)",

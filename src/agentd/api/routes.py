@@ -205,7 +205,8 @@ async def search(request: web.Request) -> web.Response:
     rows = await _service(request).search(principal(request), query, limit)
     return web.json_response({"results": [
         {"conversation_id": str(r["conversation_id"]), "title": r["title"],
-         "message_id": str(r["message_id"]), "role": r["role"], "content": r["content"],
+         "message_id": str(r["message_id"]) if r["message_id"] else None, "role": r["role"],
+         "content": r["content"],
          "created_at": wire.ts(r["created_at"])} for r in rows]})
 
 

@@ -697,9 +697,10 @@ class MainScreen(LifecycleScreen):
                 return
             model = self.model
             if model is not None and model.conversation_id == hit.conversation_id:
-                self.jump_to(model, hit.message_id)
+                if hit.message_id is not None:
+                    self.jump_to(model, hit.message_id)
             else:
-                self._jump_to = hit.message_id  # once its snapshot is in
+                self._jump_to = hit.message_id  # once its snapshot is in (None: nothing to)
                 self.action_open(hit.conversation_id)
 
         self.app.push_screen(SearchScreen(self.client), chosen)

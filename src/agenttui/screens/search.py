@@ -71,7 +71,8 @@ class SearchScreen(ModalScreen[SearchHit | None]):
         results = self.query_one("#results", OptionList)
         results.clear_options()
         results.add_options([
-            Option(f"{hit.title or 'Untitled'} · {hit.role}: {snippet(hit, query)}",
+            Option(f"{hit.title or 'Untitled'} · {hit.role}: {snippet(hit, query)}"
+                   if hit.role else f"{hit.title or 'Untitled'} · (no messages yet)",
                    id=str(index)) for index, hit in enumerate(self.hits)])
         status.update(f"{len(self.hits)} result{'s' if len(self.hits) != 1 else ''}")
         if self.hits:
