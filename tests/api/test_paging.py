@@ -178,3 +178,6 @@ async def test_bad_cursors_and_limits_are_400s_with_stable_codes(api: Api):
     assert_error(await api.b.get(f"{path}/messages"), 404)
     assert_error(await api.b.get(f"{path}/messages",
                                  params={"before": str(long.question_ids[1])}), 404)
+    # Whatever the query: a malformed cursor or limit said nothing about it before (400).
+    for query in ({"before": "x"}, {"limit": "0"}, {"color": "blue"}):
+        assert_error(await api.b.get(f"{path}/messages", params=query), 404)

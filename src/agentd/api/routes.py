@@ -136,9 +136,15 @@ async def get_conversation(request: web.Request) -> web.Response:
 
 
 async def list_messages(request: web.Request) -> web.Response:
+    service, who = _service(request), principal(request)
     conversation_id = _path_id(request, "conversation")
-    paging = validate_paging(request.query)
-    page = await _service(request).message_page(principal(request), conversation_id, paging)
+    try:
+        paging = validate_paging(request.query)
+    except ServiceError:
+        # Another account's conversation (or none) is a 404 whatever the query says.
+        await service.get_conversation(who, conversation_id)
+        raise
+    page = await service.message_page(who, conversation_id, paging)
     return web.json_response(wire.message_page(page))
 
 
