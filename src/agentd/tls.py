@@ -99,7 +99,9 @@ def server_certificate(settings: Settings) -> ServerCertificate:
     with _locked(directory):  # daemons starting together must not each make their own
         problem = _unusable(cert_path, key_path)
         if problem is None:
-            return _describe(cert_path, key_path, _load_cert(cert_path), self_signed=True)
+            cert = _load_cert(cert_path)
+            _say_unnamed(cert, settings, directory)
+            return _describe(cert_path, key_path, cert, self_signed=True)
         _generate(cert_path, key_path, certificate_names(settings))
         made = _describe(cert_path, key_path, _load_cert(cert_path), self_signed=True)
     if problem == "missing":
@@ -110,6 +112,38 @@ def server_certificate(settings: Settings) -> ServerCertificate:
                     "must re-pin", extra={"reason": problem, "path": str(cert_path),
                                           "fingerprint": made.fingerprint})
     return made
+
+
+def _say_unnamed(cert: x509.Certificate, settings: Settings, directory: Path) -> None:
+    """Warn when the operator now names agentd by what its self-signed certificate, made
+    before, does not name. It is kept, not made anew: every paired device pinned it. A
+    client that pins (agenttui) does not mind; one that checks names (curl --cacert) fails."""
+    chosen = [n.strip() for n in settings.tls_names.split(",") if n.strip()]
+    if settings.listen_host not in _WILDCARDS:
+        chosen.append(settings.listen_host)
+    if settings.public_url:
+        chosen.append(_url_host(settings.public_url))
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return
+    named = {n.lower() for n in names.get_values_for_type(x509.DNSName)} | \
+        {str(a) for a in names.get_values_for_type(x509.IPAddress)}
+    missing = sorted({n for n in chosen if _normal(n) not in named})
+    if missing:
+        log.warning("the self-signed TLS certificate does not name how agentd is now "
+                    "reached: clients that check names refuse it (agenttui pins it, and does "
+                    "not mind); remove the tls directory to make one that does, after which "
+                    "paired devices must re-pin", extra={"missing": ",".join(missing),
+                                                         "tls_dir": str(directory)})
+
+
+def _normal(name: str) -> str:
+    """A name as a certificate's subjectAltName holds it (an address in its one spelling)."""
+    try:
+        return str(ipaddress.ip_address(name.strip("[]")))
+    except ValueError:
+        return name.lower()
 
 
 def server_context(cert: ServerCertificate) -> ssl.SSLContext:

@@ -153,6 +153,25 @@ def test_a_configured_certificate_past_or_near_its_end_is_said_at_start_and_by_d
     assert not [r for r in caplog.records if "renew" in r.getMessage()]
 
 
+def test_a_name_configured_after_the_certificate_was_made_is_said_not_made_anew(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The self-signed certificate keeps the names it was made with (every paired device
+    pinned it): a name chosen later is said at start, so that curl --cacert failing on it is
+    explained. Before, nothing said so."""
+    made = tls.server_certificate(settings(tmp_path))
+    with caplog.at_level(logging.INFO, logger="agentd.tls"):
+        again = tls.server_certificate(settings(tmp_path, tls_names="agentd.example.test",
+                                                public_url="https://10.9.8.7:8740"))
+    assert again.fingerprint == made.fingerprint  # kept
+    [record] = [r for r in caplog.records if "does not name" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert getattr(record, "missing", "") == "10.9.8.7,agentd.example.test"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="agentd.tls"):  # what it names: nothing said
+        tls.server_certificate(settings(tmp_path, tls_names="LOCALHOST,127.0.0.1"))
+    assert not [r for r in caplog.records if "does not name" in r.getMessage()]
+
+
 def test_server_context_refuses_old_protocols(tmp_path: Path) -> None:
     context = tls.server_context(tls.server_certificate(settings(tmp_path)))
     assert context.minimum_version == ssl.TLSVersion.TLSv1_2
