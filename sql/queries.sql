@@ -472,20 +472,28 @@ LEFT JOIN LATERAL (
 ) copied ON true
 WHERE m.id = $2::uuid AND m.conversation_id = $1::uuid;
 
--- list_messages_after --
--- params: conversation_id, account_id, after_turn, after_position, limit
--- The transcript oldest first, `limit` messages after message ($3, $4) in turn order (sql/024),
--- for the export: each page read in a transaction of its own, so exporting a long conversation
--- to a slow reader holds neither a pooled connection nor the whole transcript in memory. Only
--- the account's own conversation (docs/architecture.md rule 9), checked at every page.
-SELECT m.id, m.run_id, m.role, m.content, m.status, m.tool_calls, m.tool_call_id, m.created_at,
-       m.superseded_by, m.turn_position, m.position
-FROM message_turn m
+-- list_message_ids --
+-- params: conversation_id, account_id
+-- The export's plan: the ids of the transcript in turn order (as list_messages), drafts left
+-- out, read once; the messages themselves are then read a page at a time (messages_by_id), so
+-- exporting a long conversation to a slow reader holds neither a pooled connection nor the
+-- whole transcript in memory, and its work grows with its length, not with its square. Only
+-- the account's own conversation (docs/architecture.md rule 9).
+SELECT m.id
+FROM message m
 JOIN conversation c ON c.id = m.conversation_id AND c.account_id = $2::uuid
-WHERE m.conversation_id = $1::uuid
-  AND (m.turn_position, m.position) > ($3::bigint, $4::bigint)
-ORDER BY m.turn_position, m.position
-LIMIT $5::int;
+LEFT JOIN agent_run r ON r.id = m.run_id
+LEFT JOIN message asked ON asked.id = r.user_message_id
+WHERE m.conversation_id = $1::uuid AND m.status <> 'draft'
+ORDER BY coalesce(asked.position, m.position), m.position;
+
+-- messages_by_id --
+-- params: conversation_id, ids
+-- A page of the export's plan (list_message_ids), in any order: the caller puts it back in
+-- the plan's. Fewer rows than ids: the conversation was deleted (or changed) meanwhile.
+SELECT id, run_id, role, content, status, tool_calls, tool_call_id, created_at, superseded_by
+FROM message
+WHERE conversation_id = $1::uuid AND id = ANY ($2::uuid[]);
 
 -- list_messages_page --
 -- params: conversation_id, before_turn, limit, until_turn
@@ -700,12 +708,13 @@ WHERE id = $1::uuid AND account_id = $2::uuid;
 -- Most recently active first; archived ones only when asked for, and then only them. A page
 -- after ($4, $5), the last one of the page before in this order (NULL: the first page): a
 -- cursor of values, not of a row, so a conversation that became active meanwhile moves to the
--- top without shifting the pages after it.
+-- top (where the next walk finds it) without shifting the pages after it.
 SELECT id, account_id, title, model, archived_at, created_at, updated_at
 FROM conversation
 WHERE account_id = $1::uuid AND (archived_at IS NOT NULL) = $3::bool
-  AND ($4::timestamptz IS NULL OR updated_at < $4::timestamptz
-       OR (updated_at = $4::timestamptz AND id > $5::uuid))
+  -- the index's bound: a later page starts where the last ended, not at the top
+  AND updated_at <= coalesce($4::timestamptz, 'infinity')
+  AND ($4::timestamptz IS NULL OR updated_at < $4::timestamptz OR id > $5::uuid)
 ORDER BY updated_at DESC, id
 LIMIT $2::int;
 

@@ -251,25 +251,25 @@ async def message_page(db: Db, account_id: UUID, conversation_id: UUID, *,
     return dataclasses.replace(page, messages=messages)
 
 
-# Where a read of the transcript oldest first stands: (turn position, position) of the last
-# message it handed out; START before the first.
-TranscriptMark = tuple[int, int]
-START: TranscriptMark = (-1, -1)
+class TranscriptChanged(Exception):
+    """Messages an export planned to read are gone: the conversation was deleted meanwhile."""
 
 
-async def messages_after(db: Db, account_id: UUID, conversation_id: UUID,
-                         after: TranscriptMark, limit: int,
-                         ) -> tuple[list[Message], TranscriptMark]:
-    """At most `limit` messages of the transcript after `after`, oldest first, with their
-    superseded marks, and the mark to read on from (no more: fewer than `limit` came)."""
-    rows = await db.fetch(*Q.list_messages_after.bind(
-        conversation_id=conversation_id, account_id=account_id, after_turn=after[0],
-        after_position=after[1], limit=limit))
-    messages = [Message(r["id"], r["run_id"], MessageRole(r["role"]), r["content"],
-                        MessageStatus(r["status"]), r["tool_calls"], r["tool_call_id"],
-                        r["created_at"], r["superseded_by"]) for r in rows]
-    mark = (int(rows[-1]["turn_position"]), int(rows[-1]["position"])) if rows else after
-    return messages, mark
+async def transcript_ids(db: Db, account_id: UUID, conversation_id: UUID) -> list[UUID]:
+    """The ids of the transcript in turn order, drafts left out (an export's plan)."""
+    return [r["id"] for r in await db.fetch(*Q.list_message_ids.bind(
+        conversation_id=conversation_id, account_id=account_id))]
+
+
+async def messages_by_id(db: Db, conversation_id: UUID, ids: list[UUID]) -> list[Message]:
+    """These messages, in this order; TranscriptChanged if any is gone."""
+    rows = {r["id"]: r for r in await db.fetch(*Q.messages_by_id.bind(
+        conversation_id=conversation_id, ids=ids))}
+    if len(rows) < len(ids):
+        raise TranscriptChanged(conversation_id)
+    return [Message(r["id"], r["run_id"], MessageRole(r["role"]), r["content"],
+                    MessageStatus(r["status"]), r["tool_calls"], r["tool_call_id"],
+                    r["created_at"], r["superseded_by"]) for r in map(rows.__getitem__, ids)]
 
 
 async def _turn_position(db: Db, conversation_id: UUID, message_id: UUID, name: str) -> int:

@@ -48,6 +48,7 @@ LAST = "last"  # retry_of: the conversation's latest turn
 # A full queue drains as turns finish; a client that waits this long finds room more often than
 # not, and never hammers the daemon.
 QUEUE_FULL_RETRY_AFTER_S = 10
+TranscriptChanged = convs.TranscriptChanged  # an export's conversation deleted mid-way
 EXPORT_PAGE = 500  # messages an export reads at a time (what it holds in memory, at most)
 
 
@@ -311,17 +312,17 @@ class Service:
     async def transcript_pages(self, who: Principal, conversation_id: UUID, *,
                                page_size: int = EXPORT_PAGE,
                                ) -> AsyncIterator[list[convs.Message]]:
-        """The transcript oldest first, a page at a time, each read on a connection held only
-        for that read (the caller writes a page out before it asks for the next)."""
-        mark = convs.START
-        while True:
+        """The transcript in turn order, a page at a time, each read on a connection held
+        only for that read (the caller writes a page out before it asks for the next). Its
+        order is read first, whole (ids only); TranscriptChanged if the conversation is
+        deleted meanwhile."""
+        async with self.pool.acquire() as conn:
+            ids = await convs.transcript_ids(conn, who.account_id, conversation_id)
+        for start in range(0, len(ids), page_size):
             async with self.pool.acquire() as conn:
-                messages, mark = await convs.messages_after(conn, who.account_id,
-                                                            conversation_id, mark, page_size)
-            if messages:
-                yield messages
-            if len(messages) < page_size:
-                return
+                page = await convs.messages_by_id(conn, conversation_id,
+                                                  ids[start:start + page_size])
+            yield page
 
     async def feed_snapshot(self, who: Principal, conversation_id: UUID, *,
                             limit: int | None = None) -> FeedSnapshot:

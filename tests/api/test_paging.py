@@ -4,9 +4,13 @@ turn order; bad cursors and limits are 400s with stable codes."""
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from typing import Any
+
+import httpx
+import pytest
 
 from agentd.conversations import conversation_state
 from agentd.export import conversation_markdown
@@ -141,22 +145,53 @@ async def test_the_conversation_list_pages_on_with_next(api: Api):
     first = assert_json(await api.a.get("/v1/conversations", params={"limit": "2"}))
     assert [c["id"] for c in first["conversations"]] == newest_first[:2]
     assert first["next"]
-    # The newest becomes active again: the pages after the first are unchanged by it.
-    await api.a.patch(f"/v1/conversations/{newest_first[0]}", json={"title": "renamed"})
+    # One of a later page becomes active (a post moves it to the top): the walk goes on where
+    # it was, neither repeating the first page's last (as an offset would) nor skipping
+    # another; the moved one is at the top of the next walk.
+    await api.a.post(f"/v1/conversations/{newest_first[3]}/runs",
+                     json={"content": "hello", "params": {"tokens": 1, "delay_ms": 0}})
     seen, after = [c["id"] for c in first["conversations"]], first["next"]
     while after:
         page = assert_json(await api.a.get("/v1/conversations",
                                            params={"limit": "2", "after": after}))
         seen += [c["id"] for c in page["conversations"]]
         after = page["next"]
-    assert seen == newest_first
+    assert seen == [newest_first[i] for i in (0, 1, 2, 4)]
+    top = assert_json(await api.a.get("/v1/conversations", params={"limit": "1"}))
+    assert [c["id"] for c in top["conversations"]] == [newest_first[3]]
     whole = assert_json(await api.a.get("/v1/conversations"))
     assert whole["next"] is None and len(whole["conversations"]) == 5
     assert assert_json(await api.b.get("/v1/conversations")) == {"conversations": [],
                                                                  "next": None}
-    for forged in ("nope", "bm9wZXxub3BlCg", first["next"][:-3]):
+    past_9999 = base64.urlsafe_b64encode(
+        f"9999-12-31T23:00:00-14:00|{uuid.uuid4()}".encode()).decode()
+    for forged in ("nope", "bm9wZXxub3BlCg", first["next"][:-3], past_9999):
         assert_error(await api.a.get("/v1/conversations", params={"after": forged}), 400,
                      "invalid_after")
+
+
+async def test_an_export_whose_conversation_is_deleted_midway_is_cut_not_passed_off_whole(
+        api: Api):
+    """The export reads its pages as it writes them: a conversation deleted meanwhile must not
+    end in what looks like a whole document. The connection is cut, so the reader sees a
+    transfer that did not complete."""
+    created = assert_json(await api.a.post("/v1/conversations", json={"title": "big"}))
+    me = assert_json(await api.a.get("/v1/me"))
+    await write_long_conversation(  # ~12 MB: the first page fills every buffer on the way
+        api.pool, account_id=uuid.UUID(me["account_id"]), device_id=api.device_a,
+        conversation_id=uuid.UUID(created["id"]), turns=600,
+        answer_of=lambda n: f"answer {n} " + "x" * 20_000)
+    async with api.a.stream("GET", f"/v1/conversations/{created['id']}/export") as response:
+        assert response.status_code == 200
+        chunks = response.aiter_bytes()
+        first = await anext(chunks)
+        assert first.startswith(b"# big")
+        # The daemon is still writing the first page, and reads the next only once it is out.
+        deleted = await api.a.delete(f"/v1/conversations/{created['id']}")
+        assert deleted.status_code == 204
+        with pytest.raises(httpx.RemoteProtocolError):
+            async for _ in chunks:
+                pass
 
 
 async def test_bad_cursors_and_limits_are_400s_with_stable_codes(api: Api):

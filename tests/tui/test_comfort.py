@@ -205,11 +205,13 @@ async def test_the_list_shows_older_conversations_a_page_at_a_time(
         await wait_for(pilot, lambda: listed() == (newest_first[:2], True), "the first page")
         assert listing.get_option_at_index(2).id == MORE
         for shown, more in ((newest_first[:4], True), (newest_first, False)):
+            first_new = len(listing.conversations)
             app.main.action_focus_list()
             listing.highlighted = listing.option_count - 1
             await pilot.press("enter")
             await wait_for(pilot, lambda shown=shown, more=more: listed() == (shown, more),
                            f"{len(shown)} conversations listed")
+            assert listing.highlighted == first_new  # where the list grew
         assert listing.option_count == 5  # no entry for more once all are shown
         app.main._refresh_list_quietly()  # a refresh keeps what was shown
         await pilot.pause()

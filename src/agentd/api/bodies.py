@@ -9,7 +9,7 @@ import base64
 import json
 import math
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 from uuid import UUID
 
@@ -272,8 +272,9 @@ def list_after(query: Mapping[str, str]) -> tuple[datetime, UUID] | None:
         moment = datetime.fromisoformat(stamp)
         if moment.tzinfo is None:
             raise ValueError("no zone")
-        return moment, UUID(ident)
-    except (ValueError, UnicodeDecodeError):  # binascii.Error is a ValueError
+        # In UTC, as the database compares it (and a moment past year 9999 there is none).
+        return moment.astimezone(UTC), UUID(ident)
+    except (ValueError, OverflowError):  # binascii.Error and UnicodeDecodeError are too
         raise ServiceError(400, "invalid_after",
                            "after must be the `next` of a page of this list") from None
 

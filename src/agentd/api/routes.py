@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from datetime import UTC
 from typing import Any
@@ -34,7 +35,15 @@ from agentd.export import markdown_blocks, markdown_head
 from agentd.providers.catalog import offers
 from agentd.queue import Event
 from agentd.revocation import Revoked
-from agentd.service import NOT_ALLOWED, Service, ServiceError, model_allowed, not_found, parse_uuid
+from agentd.service import (
+    NOT_ALLOWED,
+    Service,
+    ServiceError,
+    TranscriptChanged,
+    model_allowed,
+    not_found,
+    parse_uuid,
+)
 from agentd.tail import (
     EPOCH,
     NIL_UUID,
@@ -50,6 +59,8 @@ PRESENCE_TTL_S = 20.0
 MAX_WAIT_S = 300.0
 MAX_SEQ = 2**62  # journal seqs are bigint; larger cursors name nothing
 SERVICE = web.AppKey("service", Service)
+
+log = logging.getLogger("agentd.api")
 
 
 def add_routes(app: web.Application) -> None:
@@ -194,10 +205,22 @@ async def export_conversation(request: web.Request) -> web.StreamResponse:
     conversation = await service.get_conversation(who, conversation_id)
     response = web.StreamResponse(headers={"Content-Type": "text/markdown; charset=utf-8"})
     await response.prepare(request)
-    await response.write(markdown_head(conversation).encode())
-    async for messages in service.transcript_pages(who, conversation_id):
-        text = "".join(f"\n\n{block}" for block in markdown_blocks(messages))
-        await response.write(text.encode())
+    try:
+        await response.write(markdown_head(conversation).encode())
+        async for messages in service.transcript_pages(who, conversation_id):
+            text = "".join(f"\n\n{block}" for block in markdown_blocks(messages))
+            await response.write(text.encode())
+    except Exception as exc:
+        # The status line is sent: no error answer can follow it, and ending the body as if
+        # whole would pass a cut transcript off as the conversation. The connection is cut
+        # instead, which every client sees as a transfer that did not complete.
+        if not isinstance(exc, ConnectionResetError):  # else the reader left: nothing to say
+            log.warning("export cut short", exc_info=not isinstance(exc, TranscriptChanged),
+                        extra={"conversation_id": str(conversation_id),
+                               "reason": type(exc).__name__})
+        if request.transport is not None:
+            request.transport.abort()
+        return response
     await response.write(b"\n")
     await response.write_eof()
     return response

@@ -33,6 +33,9 @@ class ConversationList(OptionList):
     def set_conversations(self, conversations: list[Conversation],
                           current: str | None, *, more: bool = False) -> None:
         """`more`: older ones remain beyond these; the last entry offers to show them."""
+        shown = len(self.conversations)
+        # The "older" entry was picked: stay where the list grew, not back at the open one.
+        grew = self.more and self.highlighted == shown and len(conversations) > shown
         if [(c.id, c.title) for c in conversations] != \
                 [(c.id, c.title) for c in self.conversations] or more != self.more:
             self.conversations = list(conversations)
@@ -41,6 +44,10 @@ class ConversationList(OptionList):
             self.add_options([Option(conversation_label(c), id=c.id) for c in conversations])
             if more:
                 self.add_option(Option("… older conversations", id=MORE))
+        if grew:
+            self.current = current
+            self.highlighted = shown
+            return
         self.mark_current(current)
 
     def mark_current(self, current: str | None) -> None:
