@@ -216,3 +216,8 @@ async def test_bad_cursors_and_limits_are_400s_with_stable_codes(api: Api):
     # Whatever the query: a malformed cursor or limit said nothing about it before (400).
     for query in ({"before": "x"}, {"limit": "0"}, {"color": "blue"}):
         assert_error(await api.b.get(f"{path}/messages", params=query), 404)
+    assert_error(await api.b.get(path, params={"limit": "0"}), 404)
+    for query in ({"limit": "x"}, {"cursor": "not a cursor"}):
+        assert_error(await api.b.get(f"{path}/events", params=query), 404)
+    assert_error(await api.a.get(f"{path}/events", params={"cursor": "not a cursor"}), 400,
+                 "invalid_cursor")

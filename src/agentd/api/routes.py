@@ -7,8 +7,9 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable, Mapping
 from datetime import UTC
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from aiohttp import web
@@ -61,6 +62,7 @@ MAX_SEQ = 2**62  # journal seqs are bigint; larger cursors name nothing
 SERVICE = web.AppKey("service", Service)
 
 log = logging.getLogger("agentd.api")
+T = TypeVar("T")
 
 
 def add_routes(app: web.Application) -> None:
@@ -141,22 +143,29 @@ async def list_conversations(request: web.Request) -> web.Response:
 async def get_conversation(request: web.Request) -> web.Response:
     service = _service(request)
     conversation_id = _path_id(request, "conversation")
-    state = await service.conversation_state(principal(request), conversation_id,
-                                             limit=page_limit(request.query))
+    state = await service.conversation_state(
+        principal(request), conversation_id,
+        limit=await _query_of(request, conversation_id, page_limit))
     return web.json_response(wire.conversation_state(state))
 
 
 async def list_messages(request: web.Request) -> web.Response:
     service, who = _service(request), principal(request)
     conversation_id = _path_id(request, "conversation")
-    try:
-        paging = validate_paging(request.query)
-    except ServiceError:
-        # Another account's conversation (or none) is a 404 whatever the query says.
-        await service.get_conversation(who, conversation_id)
-        raise
+    paging = await _query_of(request, conversation_id, validate_paging)
     page = await service.message_page(who, conversation_id, paging)
     return web.json_response(wire.message_page(page))
+
+
+async def _query_of(request: web.Request, conversation_id: UUID,
+                    parse: Callable[[Mapping[str, str]], T]) -> T:
+    """A conversation request's query, parsed: another account's conversation (or none) is a
+    404 whatever its query says, as it is with a good one."""
+    try:
+        return parse(request.query)
+    except ServiceError:
+        await _service(request).get_conversation(principal(request), conversation_id)
+        raise
 
 
 async def update_conversation(request: web.Request) -> web.Response:
@@ -375,16 +384,20 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     who = principal(request)
     conversation_id = _path_id(request, "conversation")
     cursor_text = request.query.get("cursor") or request.headers.get("Last-Event-ID")
-    try:
-        cursor = _checked_cursor(cursor_text) if cursor_text else None
-    except BadCursor as exc:
-        raise ServiceError(400, "invalid_cursor", str(exc)) from None
+
+    def cursor_of(query: Mapping[str, str]) -> FeedCursor | None:
+        try:
+            return _checked_cursor(cursor_text) if cursor_text else None
+        except BadCursor as exc:
+            raise ServiceError(400, "invalid_cursor", str(exc)) from None
+
+    cursor = await _query_of(request, conversation_id, cursor_of)
+    limit = await _query_of(request, conversation_id, page_limit)
     # The slot first (429 over the limit): a device at its limit must not cost a snapshot read
     # at every retry.
     stream = open_device_stream(request, who)
     try:
-        start = await service.feed_snapshot(who, conversation_id,
-                                            limit=page_limit(request.query))
+        start = await service.feed_snapshot(who, conversation_id, limit=limit)
         presence_id = await service.attach(who, conversation_id, PRESENCE_TTL_S)
     except BaseException:
         stream.release()
