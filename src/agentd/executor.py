@@ -37,7 +37,7 @@ from agentd.heartbeat import HeldRun, LeaseKeeper
 from agentd.hub import Hub, Subscription
 from agentd.journal import RETRY_DELAYS_S, TRANSIENT, Emitter
 from agentd.metrics import Metrics
-from agentd.pgtext import clean_text
+from agentd.pgtext import clean, clean_text
 from agentd.providers import ModelRef, ProviderRegistry, parse_model
 from agentd.providers.base import (
     ProviderError,
@@ -408,7 +408,7 @@ class TurnRunner:
             await turn.emitter.event(EventType.TOOL_CALL, {
                 "call_id": call.id, "name": call.name, "arguments": call.arguments})
             result = await self._run_tool(turn, call, ctx)
-            content = json.dumps(result, default=str)
+            content = json.dumps(clean(result), default=str)
             await _retried(insert_message, self._pool, claim, role=MessageRole.TOOL,
                            content=content, tool_call_id=call.id, message_id=uuid4())
             del turn.open_calls[call.id]

@@ -1,15 +1,19 @@
 """Text as PostgreSQL can store it: what a worker writes, made storable in one place.
 
 PostgreSQL text and jsonb hold no NUL (text refuses the byte, jsonb the escape \\u0000 with
-SQLSTATE 22P05), and UTF-8 has no lone UTF-16 surrogate (the driver cannot encode one). What a
-worker writes comes from outside: a model's text, a tool's result, a provider's error. One such
-character must not fail the write, and with it the turn: NUL is dropped, and a lone surrogate
-becomes U+FFFD. The API refuses both in what clients send instead
-(api/bodies.py): there the sender can be told.
+SQLSTATE 22P05), UTF-8 has no lone UTF-16 surrogate (the driver cannot encode one), and jsonb
+has no NaN or Infinity (Python's json reads and writes them: a tool server or a model may send
+one). What a worker writes comes from outside: a model's text, a tool's result, a provider's
+error. One such value must not fail the write, and with it the turn: NUL is dropped, a lone
+surrogate becomes U+FFFD, and a number that is not finite becomes its name as a string ("NaN").
+The API refuses NUL and surrogates in what clients send instead (api/bodies.py): there the
+sender can be told.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Any, TypeVar, cast
 
@@ -36,6 +40,8 @@ def clean(value: T) -> T:
 def _clean(value: Any) -> Any:
     if isinstance(value, str):
         return clean_text(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)  # "NaN", "Infinity" or "-Infinity", as JSON's readers spell it
     if isinstance(value, dict):
         pairs = [(_clean(k), _clean(v)) for k, v in value.items()]
         if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(pairs, value.items(), strict=True)):

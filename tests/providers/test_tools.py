@@ -9,6 +9,7 @@ import pytest
 
 from agentd.tools import ToolContext, ToolError, default_tools
 from agentd.tools.builtin import evaluate
+from agentd.tools.registry import InvalidToolSchema, compile_schema
 
 # The calculator never touches the database; a context without a store is enough.
 CTX = ToolContext(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), 1, None)  # type: ignore[arg-type]
@@ -71,3 +72,23 @@ async def test_the_builtins_are_registered_with_schemas() -> None:
     specs = {spec.name: spec for spec in await default_tools().specs()}
     assert set(specs) == {"clock", "calculator", "notes"}
     assert specs["notes"].parameters["properties"]["action"]["enum"] == ["append", "list"]
+
+
+@pytest.mark.parametrize("draft", [5, {}, ["x"]])
+def test_a_schema_whose_draft_jsonschema_cannot_read_disables_that_tool_alone(
+        draft: object) -> None:
+    """jsonschema raises AttributeError or TypeError for a `$schema` that is no string; it
+    escaped the tool list's check and failed every tool of its MCP server (a server built on
+    another SDK can send one: the Python SDK's own server refuses it)."""
+    with pytest.raises(InvalidToolSchema, match=r"invalid input schema \("):
+        compile_schema({"$schema": draft, "type": "object", "properties": {}})
+
+
+def test_nan_and_infinity_from_a_tool_or_a_model_are_stored_as_their_names() -> None:
+    """jsonb has no NaN: a tool result or arguments holding one failed the turn's write."""
+    from agentd.pgtext import clean
+
+    value = {"ratio": float("nan"), "top": [float("inf"), -float("inf"), 1.5]}
+    assert clean(value) == {"ratio": "NaN", "top": ["Infinity", "-Infinity", 1.5]}
+    plain = {"a": [1.0, 2]}
+    assert clean(plain) is plain  # nothing to clean: not copied

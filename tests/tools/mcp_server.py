@@ -123,6 +123,17 @@ server._tool_manager.get_tool("broken").parameters = {  # type: ignore[union-att
     "type": "object", "properties": {"value": {"type": "integer", "minimum": "zero"}}}
 
 
+@server.tool()
+async def dangling(value: int) -> int:
+    """Its schema (replaced below) is valid but points at a definition it lacks."""
+    return value
+
+
+# Valid as a schema, but its `$ref` resolves nowhere: only checking arguments finds out.
+server._tool_manager.get_tool("dangling").parameters = {  # type: ignore[union-attr]
+    "type": "object", "properties": {"value": {"$ref": "#/$defs/nope"}}}
+
+
 def main() -> None:
     note("started", argv=sys.argv[1:])
     if len(sys.argv) > 1 and sys.argv[1] == "http":

@@ -230,6 +230,23 @@ async def test_arguments_failing_the_schema_reach_the_model_and_the_run_continue
         assert not [e for e in read_mcp_journal(journal) if e["event"] == "echo_meta"]
 
 
+async def test_a_schema_that_cannot_check_its_arguments_is_the_tools_error_not_the_turns(
+        start_tools_api, journal: Path) -> None:
+    """A `$ref` to nowhere passes the schema check and fails only when arguments are checked:
+    the model reads that as the tool's result and the turn goes on (it failed the whole turn,
+    internal_error, before)."""
+    async with start_tools_api({"t": mcp_test_server(journal, **AUTO)}) as api:
+        conversation = await create_conversation(api.a)
+        run = await start_run(api.a, conversation, "dangling", tool_params(
+            "t.dangling", {"value": 1}))
+        done = await wait_run(api.a, run["run_id"])
+        assert done["status"] == "completed", done
+        error = tool_result(await run_events(api.a, run["run_id"]))["error"]
+        assert error.startswith("the arguments of t.dangling cannot be checked against its "
+                                "input schema ("), error
+        assert error in await answer_of(api, conversation, run["run_id"])
+
+
 async def test_bad_servers_and_schemas_are_clear_errors_and_runs_still_work(
         start_tools_api, journal: Path, tmp_path: Path) -> None:
     not_executable = tmp_path / "not-executable"
@@ -276,10 +293,10 @@ def test_doctor_lists_each_server_its_state_and_its_tools(dsn: str, journal: Pat
                            "--config", str(config)], capture_output=True, text=True,
                           env=env, timeout=120, check=False)
     lines = {line.split(":", 1)[0]: line for line in done.stdout.splitlines()}
-    assert lines["[FAIL] mcp t"].startswith("[FAIL] mcp t: ready (stdio): 7 tools: "
-                                            "t.add_tool, t.big, t.crash, t.echo_meta, "
-                                            "t.garble, t.slow, t.wrong_shape; tool 'broken' "
-                                            "disabled: invalid input "
+    assert lines["[FAIL] mcp t"].startswith("[FAIL] mcp t: ready (stdio): 8 tools: "
+                                            "t.add_tool, t.big, t.crash, t.dangling, "
+                                            "t.echo_meta, t.garble, t.slow, t.wrong_shape; "
+                                            "tool 'broken' disabled: invalid input "
                                             "schema at properties/value/minimum"), done.stdout
     assert lines["[FAIL] mcp missing"] == \
         "[FAIL] mcp missing: failed (stdio): the command was not found", done.stdout

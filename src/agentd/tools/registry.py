@@ -68,13 +68,16 @@ def compile_schema(schema: Any) -> Validator:
     InvalidToolSchema when the schema itself is invalid."""
     if not isinstance(schema, dict):
         raise InvalidToolSchema("the input schema is not a JSON object")
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
+        cls = jsonschema.validators.validator_for(schema,
+                                                  default=jsonschema.Draft202012Validator)
         cls.check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path)
         raise InvalidToolSchema(f"invalid input schema{f' at {where}' if where else ''}: "
                                 f"{_short(exc.message)}") from None
+    except Exception as exc:  # e.g. a `$schema` that is no string: jsonschema's own errors
+        raise InvalidToolSchema(f"invalid input schema ({type(exc).__name__})") from None
     if schema.get("type", "object") != "object":
         raise InvalidToolSchema("the input schema must describe a JSON object")
     return cls(schema)
@@ -104,7 +107,13 @@ class Tool:
             raise ToolError(f"arguments are not a JSON object: {args[:200]!r}")
         if not isinstance(args, dict):
             raise ToolError("arguments must be a JSON object")
-        error = best_match(self.validator.iter_errors(args))
+        try:
+            error = best_match(self.validator.iter_errors(args))
+        except (Exception, RecursionError) as exc:
+            # The schema cannot check them (a `$ref` to nowhere, arguments nested past the
+            # stack): the tool's fault, told to the model as its result; the turn goes on.
+            raise ToolError(f"the arguments of {self.name} cannot be checked against its "
+                            f"input schema ({type(exc).__name__})") from None
         if error is not None:
             where = "/".join(str(p) for p in error.absolute_path)
             message = error.message
