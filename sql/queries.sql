@@ -1191,9 +1191,15 @@ WHERE a.run_id = $1::uuid AND a.call_id = $2::text AND a.account_id = $3::uuid;
 -- list_tool_approvals --
 -- params: run_id, account_id
 -- A run's approvals in the order asked, with who decided each (rule 9: scoped by account).
+-- pending: a decision can still land (as decide_tool_approval requires). An undecided one of a
+-- turn stopped or ended while it waited stays undecided, and must not look like a question.
 SELECT a.call_id, a.tool, a.arguments, a.requested_at, a.expires_at, a.decision,
-       a.decided_by, d.name AS decided_by_name, a.timed_out, a.note, a.decided_at
+       a.decided_by, d.name AS decided_by_name, a.timed_out, a.note, a.decided_at,
+       (a.decision IS NULL AND a.expires_at > clock_timestamp() AND r.status = 'running'
+        AND r.claim_token = a.execution_id AND NOT r.cancel_requested
+        AND r.lease_expires_at > clock_timestamp()) AS pending
 FROM tool_approval a
+JOIN agent_run r ON r.id = a.run_id
 LEFT JOIN device d ON d.id = a.decided_by
 WHERE a.run_id = $1::uuid AND a.account_id = $2::uuid
 ORDER BY a.requested_at, a.call_id;

@@ -181,6 +181,7 @@ async def test_stop_while_waiting_cancels_and_repairs_the_call(start_tools_api) 
         conversation = await create_conversation(api.a)
         run = await start_run(api.a, conversation, "stop me", calc())
         call = await pending_call(api.a, run["run_id"])
+        assert call["pending"] is True
         stopped = await api.a.post(f"/v1/conversations/{conversation}/stop")
         assert stopped.status_code == 202, stopped.text
         done = await wait_run(api.a, run["run_id"])
@@ -192,6 +193,11 @@ async def test_stop_while_waiting_cancels_and_repairs_the_call(start_tools_api) 
                                                       "call waited for approval"})]
         late = await decide(api.a, run["run_id"], call["call_id"], "approve")
         assert_error(late, 409, "approval_not_pending")
+        # Left undecided by the stop, it is listed as such, not as a question still open (it
+        # looked exactly like one before).
+        [left] = (await api.a.get(f"/v1/runs/{run['run_id']}/approvals")).json()["approvals"]
+        assert (left["call_id"], left["decision"], left["pending"]) == (
+            call["call_id"], None, False)
         # The next turn's model request is well-formed: it runs.
         after = await start_run(api.a, conversation, "next")
         assert (await wait_run(api.a, after["run_id"]))["status"] == "completed"

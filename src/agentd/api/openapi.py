@@ -192,14 +192,18 @@ SCHEMAS: dict[str, Any] = {
                                   "drafts": {"type": "array", "items": _ref("Draft")}}},
     "Approval": {"type": "object",
                  "required": ["call_id", "tool", "arguments", "requested_at", "expires_at",
-                              "decision", "device", "device_id", "timed_out", "note",
-                              "decided_at"],
+                              "pending", "decision", "device", "device_id", "timed_out",
+                              "note", "decided_at"],
                  "properties": {
                      "call_id": {"type": "string"}, "tool": {"type": "string"},
                      "arguments": {"type": "object"}, "requested_at": TIME,
                      "expires_at": TIME,
+                     "pending": {"type": "boolean",
+                                 "description": "a decision can still land: undecided, "
+                                                "before its deadline, its turn still waiting"},
                      "decision": {"enum": ["approve", "deny", None],
-                                  "description": "null while pending"},
+                                  "description": "null while undecided (pending, or left "
+                                                 "so by a turn that ended while it waited)"},
                      "device": {"type": ["string", "null"],
                                 "description": "the device that decided"},
                      "device_id": {"type": ["string", "null"], "format": "uuid"},

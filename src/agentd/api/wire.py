@@ -123,10 +123,12 @@ def drafts(items: list[Draft]) -> list[dict[str, Any]]:
 
 
 def approval(row: dict[str, Any]) -> dict[str, Any]:
-    """One tool approval of a run: what was asked, and who decided (null while pending)."""
+    """One tool approval of a run: what was asked, who decided (null while undecided), and
+    whether a decision can still land (`pending`)."""
     return {"call_id": row["call_id"], "tool": row["tool"], "arguments": row["arguments"],
             "requested_at": ts(row["requested_at"]), "expires_at": ts(row["expires_at"]),
-            "decision": row["decision"], "device": row["decided_by_name"],
+            "pending": bool(row.get("pending")), "decision": row["decision"],
+            "device": row["decided_by_name"],
             "device_id": str(row["decided_by"]) if row["decided_by"] else None,
             "timed_out": row["timed_out"], "note": row["note"],
             "decided_at": ts(row["decided_at"])}
