@@ -52,6 +52,18 @@ async def answer_of(api: Any, conversation_id: str, run_id: str) -> str:
     return answers[0]["content"]
 
 
+async def error_the_model_read(api: Any, tool: str, args: dict[str, Any]) -> str:
+    """A turn calling `tool` with `args` completes, and the tool's error is what its model
+    read (in the demo model's answer)."""
+    conversation = await create_conversation(api.a)
+    run = await start_run(api.a, conversation, f"call {tool}", tool_params(tool, args))
+    done = await wait_run(api.a, run["run_id"])
+    assert done["status"] == "completed", done
+    error: str = tool_result(await run_events(api.a, run["run_id"]))["error"]
+    assert error in await answer_of(api, conversation, run["run_id"])
+    return error
+
+
 async def test_mcp_server_time_answers_a_turn_over_stdio(start_tools_api) -> None:
     assert MCP_SERVER_TIME.exists(), "the test extra installs mcp-server-time"
     servers = {"time": {"command": str(MCP_SERVER_TIME), "args": ["--local-timezone", "UTC"],
@@ -219,14 +231,8 @@ async def test_streamable_http_transport_with_a_header_from_the_environment(
 async def test_arguments_failing_the_schema_reach_the_model_and_the_run_continues(
         start_tools_api, journal: Path) -> None:
     async with start_tools_api({"t": mcp_test_server(journal, **AUTO)}) as api:
-        conversation = await create_conversation(api.a)
-        run = await start_run(api.a, conversation, "bad args", tool_params(
-            "t.echo_meta", {"text": 5}))
-        done = await wait_run(api.a, run["run_id"])
-        assert done["status"] == "completed", done
-        error = tool_result(await run_events(api.a, run["run_id"]))["error"]
+        error = await error_the_model_read(api, "t.echo_meta", {"text": 5})
         assert error == "invalid arguments for t.echo_meta at text: 5 is not of type 'string'"
-        assert error in await answer_of(api, conversation, run["run_id"])
         assert not [e for e in read_mcp_journal(journal) if e["event"] == "echo_meta"]
 
 
@@ -236,15 +242,9 @@ async def test_a_schema_that_cannot_check_its_arguments_is_the_tools_error_not_t
     the model reads that as the tool's result and the turn goes on (it failed the whole turn,
     internal_error, before)."""
     async with start_tools_api({"t": mcp_test_server(journal, **AUTO)}) as api:
-        conversation = await create_conversation(api.a)
-        run = await start_run(api.a, conversation, "dangling", tool_params(
-            "t.dangling", {"value": 1}))
-        done = await wait_run(api.a, run["run_id"])
-        assert done["status"] == "completed", done
-        error = tool_result(await run_events(api.a, run["run_id"]))["error"]
+        error = await error_the_model_read(api, "t.dangling", {"value": 1})
         assert error.startswith("the arguments of t.dangling cannot be checked against its "
                                 "input schema ("), error
-        assert error in await answer_of(api, conversation, run["run_id"])
 
 
 async def test_bad_servers_and_schemas_are_clear_errors_and_runs_still_work(
