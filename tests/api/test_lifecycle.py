@@ -541,7 +541,7 @@ async def test_archive_hides_a_conversation_reversibly_and_every_device_sees_it(
     listed = (await api.a.get("/v1/conversations")).json()["conversations"]
     assert {c["id"] for c in listed} == {kept, cid}
     assert (await api.a.get("/v1/conversations", params={"archived": "true"})).json() == {
-        "conversations": []}
+        "conversations": [], "next": None}
     before = await db_state(api.pool)
     assert_error(await api.b.patch(f"/v1/conversations/{cid}", json={"archived": True}), 404,
                  "not_found")

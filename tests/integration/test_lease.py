@@ -108,7 +108,16 @@ async def test_unrelated_conversations_do_not_block_each_other(dsn: str) -> None
                 for i, conn in enumerate(racers)))
             raise_unexpected(results)
             claims = [claim for result in results for claim in result]
-            # Every racer got a conversation; none got the held one's queued turn.
+            # A racer whose running slot is taken by another's commit twice in a row claims
+            # nothing, by design (queue.claim_runs: its turn stays queued for the next claim);
+            # that is the likely cause of this test's one failure, in CI on a loaded machine.
+            # What is left is claimed at once by the next claims: nothing is held back by the
+            # leased conversation.
+            for _ in range(RACERS):
+                if len(claims) == len(convs):
+                    break
+                claims += await claim_runs(racers[0], worker_id="racer-0", lease_ttl_s=LONG_S)
+            # Every conversation was claimed once; none was the held one's queued turn.
             assert sorted(c.conversation_id for c in claims) == sorted(convs), iteration
             for claim in claims:
                 assert_lease_names(await lease_row(setup, claim.conversation_id), claim)
