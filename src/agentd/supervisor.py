@@ -519,6 +519,10 @@ async def _run_fleet(fleet: Fleet, stop: asyncio.Event, hurry: asyncio.Event,
         code = 0
     finally:
         stop.set()  # also when a failure ends it: a Ctrl-C from here on cuts the stop short
+        # Said once the supervisor holds the stop: a second Ctrl-C sent before then can merge
+        # with the first while this process waits for a CPU (the kernel keeps one of each).
+        log.info("stopping the workers", extra={
+            "to_cancel_their_turns_now": "Ctrl-C again, or SIGUSR1"})
         stopping(budget + DATABASE_STOP_S)
         begun = time.monotonic()
         clean = await fleet.stop(budget, hurry)

@@ -168,8 +168,11 @@ async def test_a_stop_sent_to_the_whole_group_drains_the_workers_once(spawn_daem
 async def test_a_second_ctrl_c_cuts_every_workers_drain_short(spawn_daemon, pool):
     daemon, runs = await two_workers_with_turns(spawn_daemon, pool, tokens=3000)  # ~60 s each
     daemon.signal_group(signal.SIGINT)  # Ctrl-C
-    await poll_until(lambda: daemon.log_text().count("draining the turns in flight") == 2, 20,
-                     what="both workers draining")
+    # Both workers draining, and the supervisor holding the stop: a second SIGINT sent to a
+    # process that has not yet taken the first merges with it (one failure in CI, loaded).
+    await poll_until(lambda: daemon.log_text().count("draining the turns in flight") == 2 and
+                     "stopping the workers" in daemon.log_text(), 20,
+                     what="both workers draining and the supervisor stopping them")
     daemon.signal_group(signal.SIGINT)  # Ctrl-C again
     assert await daemon.wait_exit(LONG_DRAIN_S / 4) == 0
     for run in runs:  # cut short on both workers: failed as when the drain's time is up
