@@ -118,11 +118,7 @@ def _say_unnamed(cert: x509.Certificate, settings: Settings, directory: Path) ->
     """Warn when the operator now names agentd by what its self-signed certificate, made
     before, does not name. It is kept, not made anew: every paired device pinned it. A
     client that pins (agenttui) does not mind; one that checks names (curl --cacert) fails."""
-    chosen = [n.strip() for n in settings.tls_names.split(",") if n.strip()]
-    if settings.listen_host not in _WILDCARDS:
-        chosen.append(settings.listen_host)
-    if settings.public_url:
-        chosen.append(_url_host(settings.public_url))
+    chosen = _chosen_names(settings)
     try:
         names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
@@ -156,15 +152,19 @@ def server_context(cert: ServerCertificate) -> ssl.SSLContext:
     return context
 
 
-def certificate_names(settings: Settings) -> list[str]:
-    """Host names and addresses the self-signed certificate names (its subjectAltName)."""
-    names = [socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1", "::1"]
-    host = settings.listen_host
-    if host not in _WILDCARDS:
-        names.append(host)
+def _chosen_names(settings: Settings) -> list[str]:
+    """The names the operator chose agentd to be reached by: the listen address (unless a
+    wildcard), public_url's host and tls_names."""
+    names = [settings.listen_host] if settings.listen_host not in _WILDCARDS else []
     if settings.public_url:
         names.append(_url_host(settings.public_url))
-    names += [n.strip() for n in settings.tls_names.split(",") if n.strip()]
+    return names + [n.strip() for n in settings.tls_names.split(",") if n.strip()]
+
+
+def certificate_names(settings: Settings) -> list[str]:
+    """Host names and addresses the self-signed certificate names (its subjectAltName)."""
+    names = [socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1", "::1",
+             *_chosen_names(settings)]
     for name in (socket.gethostname(), socket.getfqdn()):
         try:
             names += [str(info[4][0]) for info in socket.getaddrinfo(name, None,
