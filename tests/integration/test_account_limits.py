@@ -30,7 +30,7 @@ from agentd.queue import (
 )
 from agentd.vocabulary import RunStatus
 from tests.integration.helpers import connections, race, raise_unexpected, wait_lease_expired
-from tests.support.factories import enqueue, new_conversation, new_tenant
+from tests.support.factories import enqueue, new_conversation, new_tenant, post_beside
 
 LEASE_S = 60.0
 
@@ -237,6 +237,39 @@ async def test_lowering_a_limit_never_stops_a_running_turn_and_applies_to_the_ne
     # Back to the fleet's default: the rest may start.
     await set_account_limits(pool, name, LimitChange(change_running=True, max_running=None))
     assert len(await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=3)) == 1
+
+
+async def test_beside_many_running_turns_a_claim_takes_free_slots_up_to_the_limit(
+        pool: asyncpg.Pool) -> None:
+    """With 200 turns of an account running, the free running slots are found as a set
+    difference (sql/025): claims and posts take slots no running turn holds, never more than
+    the limit allows, and a post with a slot free starts its turn beside them."""
+    tenant = await new_tenant(pool)
+    name = await pool.fetchval("SELECT name FROM account WHERE id = $1", tenant.account_id)
+    await set_account_limits(pool, name, LimitChange(change_running=True, max_running=206))
+    convs = [await new_conversation(pool, tenant.account_id) for _ in range(208)]
+    for conv in convs[:200]:
+        await enqueue(pool, tenant.account_id, conv, "busy")
+    assert len(await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=200)) == 200
+    for conv in convs[200:204]:
+        await enqueue(pool, tenant.account_id, conv, "more")
+    taken = [len(await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=2))
+             for _ in range(2)]
+    assert taken == [2, 2]
+    # Nothing queued: a post starts its turn in the statement that writes it.
+    _run, beside = await post_beside(pool, tenant.account_id, convs[204], "posted", "w",
+                                     LEASE_S)
+    assert len(beside) == 1, "the post beside 204 running turns did not start its turn"
+    for conv in convs[205:]:
+        await enqueue(pool, tenant.account_id, conv, "over")
+    assert len(await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=5)) == 1
+    assert await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=5) == []
+    slots = [r["slot"] for r in await pool.fetch(
+        "SELECT slot FROM agent_run WHERE account_id = $1 AND status = 'running'",
+        tenant.account_id)]
+    assert len(slots) == len(set(slots)) == 206
+    assert min(slots) >= 1 and max(slots) <= 206
+    await assert_counts_shown(pool, tenant.account_id)
 
 
 def test_limit_options_are_checked_and_name_the_bad_one() -> None:

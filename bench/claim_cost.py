@@ -1,0 +1,182 @@
+"""What one claim costs the server as an account's running turns grow.
+
+A claim reads the account's running turns: their slots (to take free ones under its limit) and
+their conversations (a conversation runs one turn at a time). This measures one claim's
+statement, alone on an idle server, with N turns of the account already running (each in its
+own conversation, leases live), for each N of `--running`:
+
+- `one`: a turn is enqueued in a conversation of its own, then claimed (`claim_runs`, limit 1)
+  and ended, over and over, so N stays N;
+- `locked`: a rival connection holds `--locked` queued turns of the account claimed but not yet
+  committed (as a rival daemon's claim does for a moment), and the claim (limit 25) finds
+  nothing it may take: the claim every other claim loop runs when one enqueue wakes them all.
+
+Per claim: the statement's round trip on the client's clock, and the CPU time of the server
+process that ran it (from /proc, so only where that process is on this machine: the embedded
+server, or `--dsn` naming a local one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import asyncpg
+
+from agentd.queue import NewRun, claim_runs, enqueue_runs, finish_run
+from agentd.vocabulary import RunStatus
+from harness import (
+    UNBOUNDED_ACCOUNT,
+    base_parser,
+    bench_database,
+    emit,
+    figure,
+    machine_info,
+    make_account,
+    make_conversations,
+    open_pool,
+    params_of,
+    percentiles,
+    progress,
+)
+
+REQUEST = {"model": "demo", "params": {}}
+LEASE_S = 600.0
+MAX_QUEUED = UNBOUNDED_ACCOUNT["account_max_queued"]
+MAX_RUNNING = UNBOUNDED_ACCOUNT["account_max_running"]
+WARMUP = 20
+LOCKED_CLAIM_LIMIT = 25
+
+
+def _backend_cpu_s(pid: int) -> float | None:
+    """utime + stime of a server process, in seconds (None where /proc does not show it)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / 100  # clock ticks: USER_HZ is 100 on Linux
+
+
+async def _timed(conn: asyncpg.Connection, pid: int, limit: int,
+                 series: dict[str, list[float]]) -> int:
+    """One claim on `conn`; its wall and server CPU go into `series`; returns turns claimed."""
+    cpu0 = _backend_cpu_s(pid)
+    t0 = time.perf_counter()
+    claims = await claim_runs(conn, worker_id="bench", lease_ttl_s=LEASE_S, limit=limit,
+                              default_max_running=MAX_RUNNING)
+    series["wall"].append((time.perf_counter() - t0) * 1000)
+    cpu1 = _backend_cpu_s(pid)
+    if cpu0 is not None and cpu1 is not None:
+        series["cpu"].append((cpu1 - cpu0) * 1000)
+    for claim in claims:
+        await finish_run(conn, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1)
+    return len(claims)
+
+
+async def _enqueue(conn: asyncpg.Connection | asyncpg.Pool, account_id: UUID,
+                   conversations: list[UUID], tag: str) -> None:
+    await enqueue_runs(conn, account_id=account_id, default_max_queued=MAX_QUEUED,
+                       runs=[NewRun(c, tag, REQUEST) for c in conversations])
+
+
+async def measure(dsn: str, running: int, claims: int, locked: int) -> dict[str, Any]:
+    pool = await open_pool(dsn, max_size=2)
+    conn = await asyncpg.connect(dsn)
+    rival = await asyncpg.connect(dsn)
+    try:
+        _token, account_id = await make_account(pool)
+        # Conversations: the running turns', the claimed ones' (one each: a claim never waits
+        # behind its own earlier turn) and the rival's.
+        convs = await make_conversations(pool, account_id, running + WARMUP + claims + locked)
+        busy, rest = convs[:running], convs[running:]
+        fresh, held = rest[:WARMUP + claims], rest[WARMUP + claims:]
+        if busy:
+            await _enqueue(pool, account_id, busy, "running")
+            started = await claim_runs(pool, worker_id="bench-busy", lease_ttl_s=LEASE_S,
+                                       limit=running, default_max_running=MAX_RUNNING)
+            assert len(started) == running, f"started {len(started)} of {running}"
+        await conn.execute("ANALYZE agent_run")
+        pid = await conn.fetchval("SELECT pg_backend_pid()")
+        one: dict[str, list[float]] = {"wall": [], "cpu": []}
+        for i, conversation in enumerate(fresh):
+            await _enqueue(conn, account_id, [conversation], "one")
+            got = await _timed(conn, pid, 1, one if i >= WARMUP else {"wall": [], "cpu": []})
+            assert got == 1, "the claim took nothing"
+        met: dict[str, list[float]] = {"wall": [], "cpu": []}
+        await _enqueue(conn, account_id, held, "locked")
+        holding = rival.transaction()
+        await holding.start()
+        try:
+            taken = await claim_runs(rival, worker_id="bench-rival", lease_ttl_s=LEASE_S,
+                                     limit=locked, default_max_running=MAX_RUNNING)
+            assert len(taken) == locked, f"the rival holds {len(taken)} of {locked}"
+            for i in range(WARMUP + claims):
+                got = await _timed(conn, pid, LOCKED_CLAIM_LIMIT,
+                                   met if i >= WARMUP else {"wall": [], "cpu": []})
+                assert got == 0, "a claim took a turn the rival holds"
+        finally:
+            await holding.rollback()  # the rival's claim never commits
+    finally:
+        await rival.close()
+        await conn.close()
+        await pool.close()
+    return {"running": running,
+            "one_turn": {"wall_ms": percentiles(one["wall"]),
+                         "server_cpu_ms_mean": _mean(one["cpu"])},
+            "meeting_locked": {"locked": locked, "wall_ms": percentiles(met["wall"]),
+                               "server_cpu_ms_mean": _mean(met["cpu"])}}
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 3) if values else None
+
+
+async def main() -> int:
+    parser = base_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--running", default="0,100,1000",
+                        help="turns of the account running, comma-separated (0,100,1000)")
+    parser.add_argument("--claims", type=int, default=300,
+                        help="claims measured per figure (300)")
+    parser.add_argument("--locked", type=int, default=50,
+                        help="queued turns a rival's open claim holds (50)")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.running.split(",")]
+    if any(n < 0 for n in counts) or args.claims < 1 or args.locked < 1:
+        parser.error("--running must be counts >= 0; --claims and --locked at least 1")
+    if args.quick:
+        counts, args.claims = [0, 100], min(args.claims, 30)
+    started = time.monotonic()
+    rows = []
+    async with bench_database(args, "claim_cost") as database:
+        machine = await machine_info(database)
+        for n in counts:
+            progress(f"{n} turns running: {args.claims} claims of one turn, then "
+                     f"{args.claims} meeting {args.locked} locked")
+            # A database of its own for each: the rival's turns left queued stay behind.
+            fresh = await database.fresh(f"n{n}")
+            rows.append(await measure(fresh.dsn, n, args.claims, args.locked))
+    summary = []
+    for row in rows:
+        n = row["running"]
+        summary += [
+            figure(f"claim of one turn, {n} running, p50", row["one_turn"]["wall_ms"].get("p50"),
+                   "ms"),
+            figure(f"claim of one turn, {n} running, server CPU",
+                   row["one_turn"]["server_cpu_ms_mean"], "ms"),
+            figure(f"claim meeting {args.locked} locked turns, {n} running, p50",
+                   row["meeting_locked"]["wall_ms"].get("p50"), "ms"),
+            figure(f"claim meeting {args.locked} locked turns, {n} running, server CPU",
+                   row["meeting_locked"]["server_cpu_ms_mean"], "ms"),
+        ]
+    emit({"benchmark": "claim_cost", "params": params_of(args), "machine": machine,
+          "results": {"by_running": rows}, "summary": summary,
+          "seconds": round(time.monotonic() - started, 1)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
