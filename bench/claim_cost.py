@@ -12,8 +12,9 @@ own conversation, leases live), for each N of `--running`:
   nothing it may take: the claim every other claim loop runs when one enqueue wakes them all.
 
 Per claim: the statement's round trip on the client's clock, and the CPU time of the server
-process that ran it (from /proc, so only where that process is on this machine: the embedded
-server, or `--dsn` naming a local one).
+process that ran it (from /proc: on the embedded server only, as the other benchmarks measure
+PostgreSQL's CPU). The statistics are refreshed after each phase's turns are written, as the
+daemon's refresher would soon do.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 from uuid import UUID
 
@@ -31,6 +32,7 @@ from agentd.queue import NewRun, claim_runs, enqueue_runs, finish_run
 from agentd.vocabulary import RunStatus
 from harness import (
     UNBOUNDED_ACCOUNT,
+    backend_cpu_seconds,
     base_parser,
     bench_database,
     emit,
@@ -52,24 +54,15 @@ WARMUP = 20
 LOCKED_CLAIM_LIMIT = 25
 
 
-def _backend_cpu_s(pid: int) -> float | None:
-    """utime + stime of a server process, in seconds (None where /proc does not show it)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / 100  # clock ticks: USER_HZ is 100 on Linux
-
-
-async def _timed(conn: asyncpg.Connection, pid: int, limit: int,
+async def _timed(conn: asyncpg.Connection, cpu: Callable[[], float | None], limit: int,
                  series: dict[str, list[float]]) -> int:
     """One claim on `conn`; its wall and server CPU go into `series`; returns turns claimed."""
-    cpu0 = _backend_cpu_s(pid)
+    cpu0 = cpu()
     t0 = time.perf_counter()
     claims = await claim_runs(conn, worker_id="bench", lease_ttl_s=LEASE_S, limit=limit,
                               default_max_running=MAX_RUNNING)
     series["wall"].append((time.perf_counter() - t0) * 1000)
-    cpu1 = _backend_cpu_s(pid)
+    cpu1 = cpu()
     if cpu0 is not None and cpu1 is not None:
         series["cpu"].append((cpu1 - cpu0) * 1000)
     for claim in claims:
@@ -83,7 +76,8 @@ async def _enqueue(conn: asyncpg.Connection | asyncpg.Pool, account_id: UUID,
                        runs=[NewRun(c, tag, REQUEST) for c in conversations])
 
 
-async def measure(dsn: str, running: int, claims: int, locked: int) -> dict[str, Any]:
+async def measure(dsn: str, server_pid: int | None, running: int, claims: int,
+                  locked: int) -> dict[str, Any]:
     pool = await open_pool(dsn, max_size=2)
     conn = await asyncpg.connect(dsn)
     rival = await asyncpg.connect(dsn)
@@ -101,13 +95,18 @@ async def measure(dsn: str, running: int, claims: int, locked: int) -> dict[str,
             assert len(started) == running, f"started {len(started)} of {running}"
         await conn.execute("ANALYZE agent_run")
         pid = await conn.fetchval("SELECT pg_backend_pid()")
+
+        def cpu() -> float | None:
+            return backend_cpu_seconds(server_pid, pid)
+
         one: dict[str, list[float]] = {"wall": [], "cpu": []}
         for i, conversation in enumerate(fresh):
             await _enqueue(conn, account_id, [conversation], "one")
-            got = await _timed(conn, pid, 1, one if i >= WARMUP else {"wall": [], "cpu": []})
+            got = await _timed(conn, cpu, 1, one if i >= WARMUP else {"wall": [], "cpu": []})
             assert got == 1, "the claim took nothing"
         met: dict[str, list[float]] = {"wall": [], "cpu": []}
         await _enqueue(conn, account_id, held, "locked")
+        await conn.execute("ANALYZE agent_run")
         holding = rival.transaction()
         await holding.start()
         try:
@@ -115,7 +114,7 @@ async def measure(dsn: str, running: int, claims: int, locked: int) -> dict[str,
                                      limit=locked, default_max_running=MAX_RUNNING)
             assert len(taken) == locked, f"the rival holds {len(taken)} of {locked}"
             for i in range(WARMUP + claims):
-                got = await _timed(conn, pid, LOCKED_CLAIM_LIMIT,
+                got = await _timed(conn, cpu, LOCKED_CLAIM_LIMIT,
                                    met if i >= WARMUP else {"wall": [], "cpu": []})
                 assert got == 0, "a claim took a turn the rival holds"
         finally:
@@ -144,11 +143,18 @@ async def main() -> int:
     parser.add_argument("--locked", type=int, default=50,
                         help="queued turns a rival's open claim holds (50)")
     args = parser.parse_args()
-    counts = [int(n) for n in args.running.split(",")]
+    try:
+        counts = [int(n) for n in args.running.split(",")]
+    except ValueError:
+        parser.error(f"--running {args.running!r}: expected counts such as 0,100,1000")
+    if args.quick:
+        counts, args.claims = [min(n, 100) for n in counts[:2]], min(args.claims, 30)
+        args.running = ",".join(map(str, counts))
     if any(n < 0 for n in counts) or args.claims < 1 or args.locked < 1:
         parser.error("--running must be counts >= 0; --claims and --locked at least 1")
-    if args.quick:
-        counts, args.claims = [0, 100], min(args.claims, 30)
+    if max(counts) + args.locked + 1 > MAX_RUNNING:
+        parser.error(f"--running plus --locked must stay under the account's {MAX_RUNNING} "
+                     "running turns")
     started = time.monotonic()
     rows = []
     async with bench_database(args, "claim_cost") as database:
@@ -158,7 +164,8 @@ async def main() -> int:
                      f"{args.claims} meeting {args.locked} locked")
             # A database of its own for each: the rival's turns left queued stay behind.
             fresh = await database.fresh(f"n{n}")
-            rows.append(await measure(fresh.dsn, n, args.claims, args.locked))
+            rows.append(await measure(fresh.dsn, database.server_pid, n, args.claims,
+                                      args.locked))
     summary = []
     for row in rows:
         n = row["running"]

@@ -218,6 +218,21 @@ def cpu_seconds(pid: int, *, children: bool = False) -> float:
     return ticks / _CLK_TCK
 
 
+def backend_cpu_seconds(server_pid: int | None, backend_pid: int) -> float | None:
+    """utime+stime of one server process (a session's backend), or None unless it is a child
+    of the embedded server `server_pid`: a pid a remote or containerized server reports names
+    nothing, or something else, on this machine."""
+    if server_pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{backend_pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    if int(fields[1]) != server_pid:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
 def tree_rss_mb(root_pid: int) -> float:
     """Resident memory of a process and its live children (a supervisor and its workers)."""
     page = os.sysconf("SC_PAGE_SIZE")

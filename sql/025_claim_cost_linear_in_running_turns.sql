@@ -1,11 +1,10 @@
 -- A claim's cost grows with the account's running turns, not with their square.
 --
 -- bench/claim_cost.py (docs/benchmarks.md, "Twenty-first look"): with 1,000 turns of one
--- account running, a claim of one turn took 4.4-5.1 ms, nearly all of it the server's CPU;
--- one that met 50 queued turns a rival claim held locked took 2.8 ms with none running.
--- Two statements did work in proportion to a product:
+-- account running, a claim of one turn took 6.8-7.3 ms, most of it the server's CPU, and 2.1-2.7
+-- ms after this. Two statements did work in proportion to a product:
 --
--- * take_running_slots listed the free slots among 1..(running + 2 * want + 32) with
+-- * take_running_slots listed the free slots among 1..least(cap, running + 2 * want + 32) with
 --   `g <> ALL (taken)`, which compares every candidate with every running turn's slot: a
 --   million comparisons at 1,000 running. EXCEPT finds them with one hash.
 -- * The pick skipped a queued turn whose conversation runs a turn with NOT EXISTS per
@@ -14,9 +13,11 @@
 --   candidate, the entries of turns that ended since the last vacuum and of turns a rival is
 --   starting included: the estimate of running rows is small after a quiet moment, so the
 --   plan looked cheap. The account's running conversations are now read once per claim into
---   a hashed set. The account's alone: a turn's conversation belongs to its account
---   (agent_run_conversation_account_fkey). As before, this only filters; the index
---   one_running_per_conversation is what keeps one running turn per conversation.
+--   a hashed set (10,000 running turns, an account's most, hash in well under work_mem; a
+--   set too large to hash would be scanned per candidate again). The account's alone: a
+--   turn's conversation belongs to its account (agent_run_conversation_account_fkey). As
+--   before, this only filters; the index one_running_per_conversation is what keeps one
+--   running turn per conversation.
 
 -- take_running_slots (sql/011), the free slots found by set difference.
 CREATE OR REPLACE FUNCTION take_running_slots(of_account uuid, cap integer, want integer)

@@ -242,15 +242,17 @@ async def test_lowering_a_limit_never_stops_a_running_turn_and_applies_to_the_ne
 async def test_beside_many_running_turns_a_claim_takes_free_slots_up_to_the_limit(
         pool: asyncpg.Pool) -> None:
     """With 200 turns of an account running, the free running slots are found as a set
-    difference (sql/025): claims and posts take slots no running turn holds, never more than
-    the limit allows, and a post with a slot free starts its turn beside them."""
+    difference and the busy conversations as a set (sql/025): claims and posts take slots no
+    running turn holds, never more than the limit allows, and a queued turn waits while its
+    conversation runs one, however old it is."""
     tenant = await new_tenant(pool)
     name = await pool.fetchval("SELECT name FROM account WHERE id = $1", tenant.account_id)
     await set_account_limits(pool, name, LimitChange(change_running=True, max_running=206))
     convs = [await new_conversation(pool, tenant.account_id) for _ in range(208)]
     for conv in convs[:200]:
         await enqueue(pool, tenant.account_id, conv, "busy")
-    assert len(await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=200)) == 200
+    busy = await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=200)
+    assert len(busy) == 200
     for conv in convs[200:204]:
         await enqueue(pool, tenant.account_id, conv, "more")
     taken = [len(await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=2))
@@ -260,10 +262,17 @@ async def test_beside_many_running_turns_a_claim_takes_free_slots_up_to_the_limi
     _run, beside = await post_beside(pool, tenant.account_id, convs[204], "posted", "w",
                                      LEASE_S)
     assert len(beside) == 1, "the post beside 204 running turns did not start its turn"
+    # The oldest queued turn is in a conversation that runs one: the claim passes it by.
+    [first] = [c for c in busy if c.conversation_id == convs[0]]
+    waiting = await enqueue(pool, tenant.account_id, convs[0], "second")
     for conv in convs[205:]:
         await enqueue(pool, tenant.account_id, conv, "over")
-    assert len(await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=5)) == 1
-    assert await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=5) == []
+    [one] = await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=5)
+    assert one.conversation_id in convs[205:]
+    assert await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=5) == []  # 206
+    await finish_run(pool, first, RunStatus.COMPLETED, seq=first.last_seq + 1)
+    [next_claim] = await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=5)
+    assert next_claim.run_id == waiting.run_id
     slots = [r["slot"] for r in await pool.fetch(
         "SELECT slot FROM agent_run WHERE account_id = $1 AND status = 'running'",
         tenant.account_id)]
