@@ -11,6 +11,10 @@ own conversation, leases live), for each N of `--running`:
   committed (as a rival daemon's claim does for a moment), and the claim (limit 25) finds
   nothing it may take: the claim every other claim loop runs when one enqueue wakes them all.
 
+Then, for each count B of `--blocked`: B accounts each with a turn running and a follow-up
+queued behind it in the same conversation (what a chat's second message does while the answer
+streams), and a claim (limit 10) that finds nothing, as each claim loop's wake does then.
+
 Per claim: the statement's round trip on the client's clock, and the CPU time of the server
 process that ran it (from /proc: on the embedded server only, as the other benchmarks measure
 PostgreSQL's CPU). The statistics are refreshed after each phase's turns are written, as the
@@ -52,6 +56,7 @@ MAX_QUEUED = UNBOUNDED_ACCOUNT["account_max_queued"]
 MAX_RUNNING = UNBOUNDED_ACCOUNT["account_max_running"]
 WARMUP = 20
 LOCKED_CLAIM_LIMIT = 25
+BLOCKED_CLAIM_LIMIT = 10
 
 
 async def _timed(conn: asyncpg.Connection, cpu: Callable[[], float | None], limit: int,
@@ -130,6 +135,37 @@ async def measure(dsn: str, server_pid: int | None, running: int, claims: int,
                                "server_cpu_ms_mean": _mean(met["cpu"])}}
 
 
+async def measure_blocked(dsn: str, server_pid: int | None, accounts: int,
+                          claims: int) -> dict[str, Any]:
+    """Claims that find nothing beside `accounts` accounts whose queued turn waits behind its
+    conversation's running turn."""
+    pool = await open_pool(dsn, max_size=2)
+    try:
+        for n in range(accounts):
+            _token, account_id = await make_account(pool, account=f"blocked-{n}",
+                                                    device=f"device-{n}")
+            [conversation] = await make_conversations(pool, account_id, 1)
+            await enqueue_runs(pool, account_id=account_id, default_max_queued=MAX_QUEUED,
+                               runs=[NewRun(conversation, tag, REQUEST)
+                                     for tag in ("first", "follow-up")])
+        started = await claim_runs(pool, worker_id="bench-busy", lease_ttl_s=LEASE_S,
+                                   limit=accounts, default_max_running=MAX_RUNNING)
+        assert len(started) == accounts, f"started {len(started)} of {accounts}"
+        async with pool.acquire() as conn:
+            await conn.execute("ANALYZE agent_run")
+            pid = await conn.fetchval("SELECT pg_backend_pid()")
+            series: dict[str, list[float]] = {"wall": [], "cpu": []}
+            for i in range(WARMUP + claims):
+                got = await _timed(conn, lambda: backend_cpu_seconds(server_pid, pid),
+                                   BLOCKED_CLAIM_LIMIT,
+                                   series if i >= WARMUP else {"wall": [], "cpu": []})
+                assert got == 0, "a claim started a turn queued behind a running one"
+    finally:
+        await pool.close()
+    return {"accounts": accounts, "wall_ms": percentiles(series["wall"]),
+            "server_cpu_ms_mean": _mean(series["cpu"])}
+
+
 def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 3) if values else None
 
@@ -142,16 +178,23 @@ async def main() -> int:
                         help="claims measured per figure (300)")
     parser.add_argument("--locked", type=int, default=50,
                         help="queued turns a rival's open claim holds (50)")
+    parser.add_argument("--blocked", default="100,500",
+                        help="accounts whose follow-up waits behind their running turn, "
+                        "comma-separated (100,500)")
     args = parser.parse_args()
     try:
         counts = [int(n) for n in args.running.split(",")]
+        blocked = [int(n) for n in args.blocked.split(",")] if args.blocked else []
     except ValueError:
-        parser.error(f"--running {args.running!r}: expected counts such as 0,100,1000")
+        parser.error("--running and --blocked take counts such as 0,100,1000")
     if args.quick:
         counts, args.claims = [min(n, 100) for n in counts[:2]], min(args.claims, 30)
-        args.running = ",".join(map(str, counts))
-    if any(n < 0 for n in counts) or args.claims < 1 or args.locked < 1:
-        parser.error("--running must be counts >= 0; --claims and --locked at least 1")
+        blocked = [min(n, 50) for n in blocked[:1]]
+        args.running, args.blocked = ",".join(map(str, counts)), ",".join(map(str, blocked))
+    if any(n < 0 for n in counts) or any(n < 1 for n in blocked) or args.claims < 1 \
+            or args.locked < 1:
+        parser.error("--running must be counts >= 0, --blocked counts >= 1; --claims and "
+                     "--locked at least 1")
     if max(counts) + args.locked + 1 > MAX_RUNNING:
         parser.error(f"--running plus --locked must stay under the account's {MAX_RUNNING} "
                      "running turns")
@@ -166,6 +209,12 @@ async def main() -> int:
             fresh = await database.fresh(f"n{n}")
             rows.append(await measure(fresh.dsn, database.server_pid, n, args.claims,
                                       args.locked))
+        passed_by = []
+        for b in blocked:
+            progress(f"{b} accounts waiting behind their running turns: {args.claims} claims")
+            fresh = await database.fresh(f"b{b}")
+            passed_by.append(await measure_blocked(fresh.dsn, database.server_pid, b,
+                                                   args.claims))
     summary = []
     for row in rows:
         n = row["running"]
@@ -179,8 +228,16 @@ async def main() -> int:
             figure(f"claim meeting {args.locked} locked turns, {n} running, server CPU",
                    row["meeting_locked"]["server_cpu_ms_mean"], "ms"),
         ]
+    for row in passed_by:
+        summary += [
+            figure(f"claim finding nothing beside {row['accounts']} accounts waiting behind "
+                   "running turns, p50", row["wall_ms"].get("p50"), "ms"),
+            figure(f"claim finding nothing beside {row['accounts']} accounts waiting behind "
+                   "running turns, server CPU", row["server_cpu_ms_mean"], "ms"),
+        ]
     emit({"benchmark": "claim_cost", "params": params_of(args), "machine": machine,
-          "results": {"by_running": rows}, "summary": summary,
+          "results": {"by_running": rows, "beside_blocked_accounts": passed_by},
+          "summary": summary,
           "seconds": round(time.monotonic() - started, 1)})
     return 0
 

@@ -281,6 +281,34 @@ async def test_beside_many_running_turns_a_claim_takes_free_slots_up_to_the_limi
     await assert_counts_shown(pool, tenant.account_id)
 
 
+async def test_a_claim_passes_by_accounts_whose_turns_wait_behind_running_ones(
+        pool: asyncpg.Pool) -> None:
+    """Thirty accounts each have a follow-up queued behind its conversation's running turn; a
+    thirty-first has a turn that can start. The claim starts that one, and passes the thirty
+    by without taking their running slots (sql/026): the only advisory locks it holds are the
+    served account's slot and its round-robin clock, where the claim before took a slot of
+    every account it walked."""
+    blocked = [await new_tenant(pool) for _ in range(30)]
+    for tenant in blocked:
+        await enqueue(pool, tenant.account_id, tenant.conversation_id, "first")
+        await enqueue(pool, tenant.account_id, tenant.conversation_id, "follow-up")
+    running = await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=100)
+    assert len(running) == 30  # every first turn; every follow-up waits behind its own
+    # Served last, so round robin walks the thirty before it.
+    free = await new_tenant(pool)
+    await enqueue(pool, free.account_id, free.conversation_id, "earlier")
+    [earlier] = await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S)
+    await finish_run(pool, earlier, RunStatus.COMPLETED, seq=earlier.last_seq + 1)
+    ready = await enqueue(pool, free.account_id, free.conversation_id, "can start")
+    async with pool.acquire() as conn, conn.transaction():
+        [claim] = await claim_runs(conn, worker_id="w", lease_ttl_s=LEASE_S, limit=1)
+        held = await conn.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                                   " AND pid = pg_backend_pid()")
+    assert claim.run_id == ready.run_id
+    assert held <= 2, f"the claim took {held} advisory locks walking blocked accounts"
+    assert await claim_runs(pool, worker_id="w", lease_ttl_s=LEASE_S, limit=5) == []
+
+
 def test_limit_options_are_checked_and_name_the_bad_one() -> None:
     providers = {"demo", "openai", "local"}
     change = parse_limit_change(max_running="4", max_queued="default",

@@ -1,0 +1,99 @@
+-- A claim passes by the accounts that have nothing they could start, in one statement.
+--
+-- A claim walks the accounts with a queued turn, round robin. For each it listed the account's
+-- running slots, took some (advisory locks) and only then looked for a turn, though a turn
+-- queued behind its conversation's running turn cannot start (a chat's follow-up sent while
+-- the answer streams). bench/claim_cost.py (docs/benchmarks.md, "Twenty-first look"): beside
+-- 500 accounts each with one such turn, a claim that found nothing took about 20 ms of the
+-- server's time, 40 us an account, and every claim loop's wake paid it. The list of accounts
+-- now keeps only those with a queued turn in a conversation that runs none, checked against
+-- the running turns' conversations read once into a hashed set (a conversation belongs to one
+-- account, so the fleet's set answers for each). The turns are still picked only under a
+-- running slot, with SKIP LOCKED, as before: a rival's locked turn passes this check and is
+-- skipped by the pick. Only the list changed; the loop is sql/025's.
+
+-- pick_claimable_runs (sql/025), its list of accounts without the ones that cannot start a turn.
+CREATE OR REPLACE FUNCTION pick_claimable_runs(want integer, default_max_running integer,
+                                    OUT admitted uuid[], OUT admitted_slots integer[],
+                                    OUT served_accounts uuid[])
+LANGUAGE plpgsql VOLATILE
+SET plan_cache_mode = force_generic_plan
+AS $$
+#variable_conflict use_column
+DECLARE
+    accounts uuid[];
+    caps integer[];
+    left_over integer := want;
+    share integer;
+    slots integer[];
+    picked uuid[];
+    n integer;
+BEGIN
+    admitted := '{}';
+    admitted_slots := '{}';
+    served_accounts := '{}';
+    IF want < 1 THEN
+        RETURN;
+    END IF;
+    -- 1
+    SELECT array_agg(acc.id ORDER BY acc.last_claimed_at NULLS FIRST, acc.id),
+           array_agg(coalesce(acc.max_running, default_max_running)
+                     ORDER BY acc.last_claimed_at NULLS FIRST, acc.id)
+    INTO accounts, caps
+    FROM (
+        WITH RECURSIVE queued_accounts AS (
+            (SELECT q.account_id FROM agent_run q WHERE q.status = 'queued'
+             ORDER BY q.account_id LIMIT 1)
+            UNION ALL
+            SELECT (SELECT q.account_id FROM agent_run q
+                    WHERE q.status = 'queued' AND q.account_id > seen.account_id
+                    ORDER BY q.account_id LIMIT 1)
+            FROM queued_accounts seen
+            WHERE seen.account_id IS NOT NULL
+        )
+        SELECT qa.account_id FROM queued_accounts qa
+        WHERE qa.account_id IS NOT NULL
+          -- Only an account with a queued turn in a conversation that runs none can start one.
+          AND EXISTS (
+              SELECT 1 FROM agent_run q
+              WHERE q.account_id = qa.account_id AND q.status = 'queued'
+                AND q.conversation_id NOT IN (
+                    SELECT busy.conversation_id FROM agent_run busy
+                    WHERE busy.status = 'running'))
+    ) qa
+    JOIN account acc ON acc.id = qa.account_id;
+    n := coalesce(cardinality(accounts), 0);
+    FOR i IN 1..n LOOP
+        EXIT WHEN left_over = 0;
+        -- 2: an even share of what is left, to the accounts not yet served in this claim
+        share := ceil(left_over::numeric / (n - i + 1))::integer;
+        -- 4 (before 3, so an account at its limit locks none of its turns)
+        slots := take_running_slots(accounts[i], caps[i], share);
+        CONTINUE WHEN cardinality(slots) = 0;
+        -- 3
+        picked := ARRAY(
+            SELECT q.id FROM agent_run q
+            WHERE q.account_id = accounts[i] AND q.status = 'queued'
+              AND q.conversation_id NOT IN (
+                  SELECT busy.conversation_id FROM agent_run busy
+                  WHERE busy.account_id = accounts[i] AND busy.status = 'running')
+              AND q.id = (
+                  SELECT head.id FROM agent_run head
+                  WHERE head.conversation_id = q.conversation_id AND head.status = 'queued'
+                  ORDER BY head.created_at, head.id
+                  LIMIT 1)
+            ORDER BY q.created_at, q.id
+            LIMIT cardinality(slots)
+            FOR UPDATE SKIP LOCKED);
+        CONTINUE WHEN cardinality(picked) = 0;
+        admitted := admitted || picked;
+        admitted_slots := admitted_slots || slots[1:cardinality(picked)];
+        left_over := left_over - cardinality(picked);
+        -- Round robin's clock is written by one claimer of the account at a time; a rival
+        -- writing it now writes the same moment, so we leave it to them rather than wait.
+        IF pg_try_advisory_xact_lock(hashtext('agentd.served ' || accounts[i]), 0) THEN
+            served_accounts := served_accounts || accounts[i];
+        END IF;
+    END LOOP;
+END;
+$$;
