@@ -13,7 +13,8 @@ own conversation, leases live), for each N of `--running`:
 
 Then, for each count B of `--blocked`: B accounts each with a turn running and a follow-up
 queued behind it in the same conversation (what a chat's second message does while the answer
-streams), and a claim (limit 10) that finds nothing, as each claim loop's wake does then.
+streams), beside `--other-running` turns running in an account with nothing queued, and a claim
+(limit 10) that finds nothing, as each claim loop's wake does then.
 
 Per claim: the statement's round trip on the client's clock, and the CPU time of the server
 process that ran it (from /proc: on the embedded server only, as the other benchmarks measure
@@ -135,12 +136,19 @@ async def measure(dsn: str, server_pid: int | None, running: int, claims: int,
                                "server_cpu_ms_mean": _mean(met["cpu"])}}
 
 
-async def measure_blocked(dsn: str, server_pid: int | None, accounts: int,
+async def measure_blocked(dsn: str, server_pid: int | None, accounts: int, others: int,
                           claims: int) -> dict[str, Any]:
     """Claims that find nothing beside `accounts` accounts whose queued turn waits behind its
-    conversation's running turn."""
+    conversation's running turn, and `others` turns running in an account with none queued."""
     pool = await open_pool(dsn, max_size=2)
     try:
+        if others:
+            _token, idle_id = await make_account(pool, account="others", device="others")
+            await _enqueue(pool, idle_id, await make_conversations(pool, idle_id, others),
+                           "other")
+            started = await claim_runs(pool, worker_id="bench-others", lease_ttl_s=LEASE_S,
+                                       limit=others, default_max_running=MAX_RUNNING)
+            assert len(started) == others, f"started {len(started)} of {others}"
         for n in range(accounts):
             _token, account_id = await make_account(pool, account=f"blocked-{n}",
                                                     device=f"device-{n}")
@@ -162,7 +170,7 @@ async def measure_blocked(dsn: str, server_pid: int | None, accounts: int,
                 assert got == 0, "a claim started a turn queued behind a running one"
     finally:
         await pool.close()
-    return {"accounts": accounts, "wall_ms": percentiles(series["wall"]),
+    return {"accounts": accounts, "other_running": others, "wall_ms": percentiles(series["wall"]),
             "server_cpu_ms_mean": _mean(series["cpu"])}
 
 
@@ -181,6 +189,9 @@ async def main() -> int:
     parser.add_argument("--blocked", default="100,500",
                         help="accounts whose follow-up waits behind their running turn, "
                         "comma-separated (100,500)")
+    parser.add_argument("--other-running", type=int, default=1000,
+                        help="turns running beside them in an account with nothing queued "
+                        "(1000)")
     args = parser.parse_args()
     try:
         counts = [int(n) for n in args.running.split(",")]
@@ -189,12 +200,13 @@ async def main() -> int:
         parser.error("--running and --blocked take counts such as 0,100,1000")
     if args.quick:
         counts, args.claims = [min(n, 100) for n in counts[:2]], min(args.claims, 30)
-        blocked = [min(n, 50) for n in blocked[:1]]
+        blocked, args.other_running = [min(n, 50) for n in blocked[:1]], \
+            min(args.other_running, 50)
         args.running, args.blocked = ",".join(map(str, counts)), ",".join(map(str, blocked))
     if any(n < 0 for n in counts) or any(n < 1 for n in blocked) or args.claims < 1 \
-            or args.locked < 1:
-        parser.error("--running must be counts >= 0, --blocked counts >= 1; --claims and "
-                     "--locked at least 1")
+            or args.locked < 1 or not 0 <= args.other_running <= MAX_RUNNING:
+        parser.error("--running must be counts >= 0, --blocked counts >= 1, --other-running "
+                     f"0..{MAX_RUNNING}; --claims and --locked at least 1")
     if max(counts) + args.locked + 1 > MAX_RUNNING:
         parser.error(f"--running plus --locked must stay under the account's {MAX_RUNNING} "
                      "running turns")
@@ -211,10 +223,11 @@ async def main() -> int:
                                       args.locked))
         passed_by = []
         for b in blocked:
-            progress(f"{b} accounts waiting behind their running turns: {args.claims} claims")
+            progress(f"{b} accounts waiting behind their running turns, {args.other_running} "
+                     f"other turns running: {args.claims} claims")
             fresh = await database.fresh(f"b{b}")
             passed_by.append(await measure_blocked(fresh.dsn, database.server_pid, b,
-                                                   args.claims))
+                                                   args.other_running, args.claims))
     summary = []
     for row in rows:
         n = row["running"]
@@ -231,9 +244,11 @@ async def main() -> int:
     for row in passed_by:
         summary += [
             figure(f"claim finding nothing beside {row['accounts']} accounts waiting behind "
-                   "running turns, p50", row["wall_ms"].get("p50"), "ms"),
+                   f"running turns ({row['other_running']} more running), p50",
+                   row["wall_ms"].get("p50"), "ms"),
             figure(f"claim finding nothing beside {row['accounts']} accounts waiting behind "
-                   "running turns, server CPU", row["server_cpu_ms_mean"], "ms"),
+                   f"running turns ({row['other_running']} more running), server CPU",
+                   row["server_cpu_ms_mean"], "ms"),
         ]
     emit({"benchmark": "claim_cost", "params": params_of(args), "machine": machine,
           "results": {"by_running": rows, "beside_blocked_accounts": passed_by},

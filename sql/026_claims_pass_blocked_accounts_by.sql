@@ -4,13 +4,17 @@
 -- running slots, took some (advisory locks) and only then looked for a turn, though a turn
 -- queued behind its conversation's running turn cannot start (a chat's follow-up sent while
 -- the answer streams). bench/claim_cost.py (docs/benchmarks.md, "Twenty-first look"): beside
--- 500 accounts each with one such turn, a claim that found nothing took about 20 ms of the
--- server's time, 40 us an account, and every claim loop's wake paid it. The list of accounts
--- now keeps only those with a queued turn in a conversation that runs none, checked against
--- the running turns' conversations read once into a hashed set (a conversation belongs to one
--- account, so the fleet's set answers for each). The turns are still picked only under a
--- running slot, with SKIP LOCKED, as before: a rival's locked turn passes this check and is
--- skipped by the pick. Only the list changed; the loop is sql/025's.
+-- 500 accounts each with one such turn, a claim that found nothing took 19-27 ms, nearly all
+-- of it the server's CPU (about 50 us an account), and every claim loop's wake paid it.
+--
+-- The list of accounts now keeps only those with a queued turn in a conversation that runs
+-- none: the listed accounts' running conversations are read once into a hashed set (a
+-- conversation belongs to one account), then each account is checked by its own index
+-- entries, stopping at its first such turn. The turns are still picked only under a running
+-- slot, with SKIP LOCKED, as before: a rival's locked turn passes this check and is skipped
+-- by the pick. The check reads the list's snapshot, taken before the pick's: a running turn
+-- that ends between the two leaves its follow-up for the next claim, which the ending's wake
+-- brings (notifier.py). Only the list changed; the loop is sql/025's.
 
 -- pick_claimable_runs (sql/025), its list of accounts without the ones that cannot start a turn.
 CREATE OR REPLACE FUNCTION pick_claimable_runs(want integer, default_max_running integer,
@@ -50,16 +54,24 @@ BEGIN
                     ORDER BY q.account_id LIMIT 1)
             FROM queued_accounts seen
             WHERE seen.account_id IS NOT NULL
+        ), listed AS MATERIALIZED (
+            SELECT qa.account_id FROM queued_accounts qa WHERE qa.account_id IS NOT NULL
         )
-        SELECT qa.account_id FROM queued_accounts qa
-        WHERE qa.account_id IS NOT NULL
-          -- Only an account with a queued turn in a conversation that runs none can start one.
-          AND EXISTS (
-              SELECT 1 FROM agent_run q
-              WHERE q.account_id = qa.account_id AND q.status = 'queued'
-                AND q.conversation_id NOT IN (
-                    SELECT busy.conversation_id FROM agent_run busy
-                    WHERE busy.status = 'running'))
+        SELECT l.account_id FROM listed l
+        -- Only an account with a queued turn in a conversation that runs none can start one.
+        -- A lone account is not checked: the loop below finds out as cheaply, and the check
+        -- would read its running turns once more (three times in all, with its slots' list and
+        -- the pick's own check).
+        WHERE (SELECT count(*) FROM listed) < 2 OR EXISTS (
+            SELECT 1 FROM agent_run q
+            WHERE q.account_id = l.account_id AND q.status = 'queued'
+              AND q.conversation_id NOT IN (
+                  SELECT busy.conversation_id FROM agent_run busy
+                  WHERE busy.status = 'running'
+                    AND busy.account_id IN (SELECT listed.account_id FROM listed))
+            -- Checked account by account, each stopping at its first such turn: without the
+            -- fence the planner may join every queued turn of the fleet instead.
+            OFFSET 0)
     ) qa
     JOIN account acc ON acc.id = qa.account_id;
     n := coalesce(cardinality(accounts), 0);
