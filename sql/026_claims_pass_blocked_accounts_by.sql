@@ -5,11 +5,12 @@
 -- queued behind its conversation's running turn cannot start (a chat's follow-up sent while
 -- the answer streams). bench/claim_cost.py (docs/benchmarks.md, "Twenty-first look"): beside
 -- 500 accounts each with one such turn, a claim that found nothing took 19-27 ms, nearly all
--- of it the server's CPU (about 50 us an account), and every claim loop's wake paid it.
+-- of it the server's CPU (40-50 us an account), and every claim loop's wake paid it.
 --
 -- The list of accounts now keeps only those with a queued turn in a conversation that runs
 -- none: the listed accounts' running conversations are read once into a hashed set (a
--- conversation belongs to one account), then each account is checked by its own index
+-- conversation belongs to one account; a set too large to hash in work_mem would be scanned
+-- for each account instead), then each account is checked by its own index
 -- entries, stopping at its first such turn. The turns are still picked only under a running
 -- slot, with SKIP LOCKED, as before: a rival's locked turn passes this check and is skipped
 -- by the pick. The check reads the list's snapshot, taken before the pick's: a running turn
@@ -70,7 +71,7 @@ BEGIN
                   WHERE busy.status = 'running'
                     AND busy.account_id IN (SELECT listed.account_id FROM listed))
             -- Checked account by account, each stopping at its first such turn: without the
-            -- fence the planner may join every queued turn of the fleet instead.
+            -- fence the planner may hash every queued turn of the fleet instead.
             OFFSET 0)
     ) qa
     JOIN account acc ON acc.id = qa.account_id;

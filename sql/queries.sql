@@ -41,10 +41,11 @@ WHERE account_id = $1::uuid AND idempotency_key = $2::text;
 -- conversation's oldest queued turn and none while it runs one (rule 5: the pre-filter can be
 -- fooled by snapshots, the one_running_per_conversation index cannot), within each account's
 -- running limit (numbered running slots, each taken with a try-lock that never waits: sql/011),
--- passing by accounts whose queued turns all wait behind running ones (sql/026); stamps a fresh claim_token, a monotonic fence and a deadline on the
--- database clock, takes the conversation lease (a live holder aborts the whole claim: no half
--- claim can commit) and journals run_started; last_seq is that event's seq. Each run's token
--- comes from claim_key, so a claim whose answer is lost is found again (runs_claimed_with_key).
+-- passing by accounts whose queued turns all wait behind running ones (sql/026); stamps a fresh
+-- claim_token, a monotonic fence and a deadline on the database clock, takes the conversation
+-- lease (a live holder aborts the whole claim: no half claim can commit) and journals
+-- run_started; last_seq is that event's seq. Each run's token comes from claim_key, so a claim
+-- whose answer is lost is found again (runs_claimed_with_key).
 SELECT * FROM claim_runs($1::text, $2::float8, $3::int, $4::int, $5::uuid);
 
 -- runs_claimed_with_key --
