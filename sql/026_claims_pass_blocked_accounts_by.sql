@@ -1,23 +1,36 @@
--- A claim passes by the accounts that have nothing they could start, in one statement.
+-- A claim's pick reads the running turns once, and passes by the accounts that have nothing
+-- they could start.
 --
--- A claim walks the accounts with a queued turn, round robin. For each it listed the account's
--- running slots, took some (advisory locks) and only then looked for a turn, though a turn
--- queued behind its conversation's running turn cannot start (a chat's follow-up sent while
--- the answer streams). bench/claim_cost.py (docs/benchmarks.md, "Twenty-first look"): beside
--- 500 accounts each with one such turn, a claim that found nothing took 19-27 ms, nearly all
--- of it the server's CPU (40-50 us an account), and every claim loop's wake paid it.
+-- Two parts of pick_claimable_runs (sql/022) did work in proportion to a product
+-- (bench/claim_cost.py, docs/benchmarks.md, "Twenty-first look"):
 --
--- The list of accounts now keeps only those with a queued turn in a conversation that runs
--- none: the listed accounts' running conversations are read once into a hashed set (a
--- conversation belongs to one account; a set too large to hash in work_mem would be scanned
--- for each account instead), then each account is checked by its own index
--- entries, stopping at its first such turn. The turns are still picked only under a running
--- slot, with SKIP LOCKED, as before: a rival's locked turn passes this check and is skipped
--- by the pick. The check reads the list's snapshot, taken before the pick's: a running turn
--- that ends between the two leaves its follow-up for the next claim, which the ending's wake
--- brings (notifier.py). Only the list changed; the loop is sql/025's.
+-- * The busy conversations. The pick skipped a queued turn whose conversation runs a turn with
+--   NOT EXISTS per candidate. The planner could answer it with agent_run_running_slot (account,
+--   slot), whose predicate (status = 'running') matches too, by scanning that whole index for
+--   each candidate, the entries of turns that ended since the last vacuum and of turns a rival
+--   is starting included: the estimate of running rows is small after a quiet moment, so the
+--   plan looked cheap. The account's running conversations are now read once per claim into a
+--   hashed set. The account's alone: a turn's conversation belongs to its account
+--   (agent_run_conversation_account_fkey). As before, this only filters; the index
+--   one_running_per_conversation is what keeps one running turn per conversation.
+-- * The accounts that cannot start a turn. A claim walks the accounts with a queued turn,
+--   round robin. For each it listed the account's running slots, took some (advisory locks) and
+--   only then looked for a turn, though a turn queued behind its conversation's running turn
+--   cannot start (a chat's follow-up sent while the answer streams). Beside 500 accounts each
+--   with one such turn, a claim that found nothing took 19-27 ms, nearly all of it the server's
+--   CPU (40-50 us an account), and every claim loop's wake paid it. The list of accounts now
+--   keeps only those with a queued turn in a conversation that runs none: the listed accounts'
+--   running conversations are read once into a hashed set, then each account is checked by its
+--   own index entries, stopping at its first such turn. The turns are still picked only under a
+--   running slot, with SKIP LOCKED, as before: a rival's locked turn passes this check and is
+--   skipped by the pick. The check reads the list's snapshot, taken before the pick's: a running
+--   turn that ends between the two leaves its follow-up for the next claim, which the ending's
+--   wake brings (notifier.py).
+--
+-- Both sets hash in well under work_mem at 10,000 running turns, an account's most; a set too
+-- large to hash would be scanned per candidate or per account instead.
 
--- pick_claimable_runs (sql/025), its list of accounts without the ones that cannot start a turn.
+-- pick_claimable_runs (sql/022), with the list checked and the busy conversations read once.
 CREATE OR REPLACE FUNCTION pick_claimable_runs(want integer, default_max_running integer,
                                     OUT admitted uuid[], OUT admitted_slots integer[],
                                     OUT served_accounts uuid[])

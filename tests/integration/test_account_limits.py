@@ -242,9 +242,9 @@ async def test_lowering_a_limit_never_stops_a_running_turn_and_applies_to_the_ne
 async def test_beside_many_running_turns_a_claim_takes_free_slots_up_to_the_limit(
         pool: asyncpg.Pool) -> None:
     """With 200 turns of an account running, the free running slots are found as a set
-    difference and the busy conversations as a set (sql/025): claims and posts take slots no
-    running turn holds, never more than the limit allows, and a queued turn waits while its
-    conversation runs one, however old it is."""
+    difference (sql/025) and the busy conversations as a set (sql/026): claims and posts take
+    slots no running turn holds, never more than the limit allows, and a queued turn waits
+    while its conversation runs one, however old it is."""
     tenant = await new_tenant(pool)
     name = await pool.fetchval("SELECT name FROM account WHERE id = $1", tenant.account_id)
     await set_account_limits(pool, name, LimitChange(change_running=True, max_running=206))
