@@ -61,16 +61,19 @@ BLOCKED_CLAIM_LIMIT = 10
 
 
 async def _timed(conn: asyncpg.Connection, cpu: Callable[[], float | None], limit: int,
-                 series: dict[str, list[float]]) -> int:
-    """One claim on `conn`; its wall and server CPU go into `series`; returns turns claimed."""
+                 series: dict[str, list[float]] | None) -> int:
+    """One claim on `conn`; its wall and server CPU go into `series` (None: a warm-up claim,
+    not kept); returns turns claimed."""
     cpu0 = cpu()
     t0 = time.perf_counter()
     claims = await claim_runs(conn, worker_id="bench", lease_ttl_s=LEASE_S, limit=limit,
                               default_max_running=MAX_RUNNING)
-    series["wall"].append((time.perf_counter() - t0) * 1000)
+    wall = (time.perf_counter() - t0) * 1000
     cpu1 = cpu()
-    if cpu0 is not None and cpu1 is not None:
-        series["cpu"].append((cpu1 - cpu0) * 1000)
+    if series is not None:
+        series["wall"].append(wall)
+        if cpu0 is not None and cpu1 is not None:
+            series["cpu"].append((cpu1 - cpu0) * 1000)
     for claim in claims:
         await finish_run(conn, claim, RunStatus.COMPLETED, seq=claim.last_seq + 1)
     return len(claims)
@@ -108,7 +111,7 @@ async def measure(dsn: str, server_pid: int | None, running: int, claims: int,
         one: dict[str, list[float]] = {"wall": [], "cpu": []}
         for i, conversation in enumerate(fresh):
             await _enqueue(conn, account_id, [conversation], "one")
-            got = await _timed(conn, cpu, 1, one if i >= WARMUP else {"wall": [], "cpu": []})
+            got = await _timed(conn, cpu, 1, one if i >= WARMUP else None)
             assert got == 1, "the claim took nothing"
         met: dict[str, list[float]] = {"wall": [], "cpu": []}
         await _enqueue(conn, account_id, held, "locked")
@@ -121,7 +124,7 @@ async def measure(dsn: str, server_pid: int | None, running: int, claims: int,
             assert len(taken) == locked, f"the rival holds {len(taken)} of {locked}"
             for i in range(WARMUP + claims):
                 got = await _timed(conn, cpu, LOCKED_CLAIM_LIMIT,
-                                   met if i >= WARMUP else {"wall": [], "cpu": []})
+                                   met if i >= WARMUP else None)
                 assert got == 0, "a claim took a turn the rival holds"
         finally:
             await holding.rollback()  # the rival's claim never commits
@@ -166,7 +169,7 @@ async def measure_blocked(dsn: str, server_pid: int | None, accounts: int, other
             for i in range(WARMUP + claims):
                 got = await _timed(conn, lambda: backend_cpu_seconds(server_pid, pid),
                                    BLOCKED_CLAIM_LIMIT,
-                                   series if i >= WARMUP else {"wall": [], "cpu": []})
+                                   series if i >= WARMUP else None)
                 assert got == 0, "a claim started a turn queued behind a running one"
     finally:
         await pool.close()

@@ -209,9 +209,14 @@ def raise_nofile() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: [1] ppid, [11] utime, [12] stime, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
 def cpu_seconds(pid: int, *, children: bool = False) -> float:
     """utime+stime of a process from /proc/<pid>/stat (with its reaped children's if asked)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    fields = _stat_fields(pid)
     ticks = int(fields[11]) + int(fields[12])  # utime, stime
     if children:
         ticks += int(fields[13]) + int(fields[14])  # cutime, cstime
@@ -225,12 +230,11 @@ def backend_cpu_seconds(server_pid: int | None, backend_pid: int) -> float | Non
     if server_pid is None:
         return None
     try:
-        fields = Path(f"/proc/{backend_pid}/stat").read_text().rpartition(")")[2].split()
+        if int(_stat_fields(backend_pid)[1]) != server_pid:
+            return None
+        return cpu_seconds(backend_pid)
     except OSError:
         return None
-    if int(fields[1]) != server_pid:
-        return None
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
 def tree_rss_mb(root_pid: int) -> float:
@@ -240,7 +244,7 @@ def tree_rss_mb(root_pid: int) -> float:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError, IndexError):
-                if int((entry / "stat").read_text().rpartition(")")[2].split()[1]) == root_pid:
+                if int(_stat_fields(int(entry.name))[1]) == root_pid:
                     pids.append(int(entry.name))
     total = 0
     for pid in pids:
@@ -281,7 +285,7 @@ def tree_cpu_seconds(root_pid: int) -> float:
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            fields = _stat_fields(int(entry.name))
         except OSError:
             continue
         if int(fields[1]) == root_pid:
