@@ -205,9 +205,10 @@ FROM owner;
 -- commit, one row per event (its run and claim token repeated). Each run is fenced on its own
 -- exactly as append_events_fenced fences one: only rows of runs still owned are written, under
 -- FOR SHARE (taken in id order); a run missing from the result, or short of its count, was
--- refused (LeaseLost) while the others landed. A seq someone else took (unique violation), or
--- a value PostgreSQL refuses in one run's rows, fails the whole statement: the caller then
--- writes each batch alone, so that only that run gets the error.
+-- refused (LeaseLost) while the others landed. A seq someone else took (unique violation), a
+-- value PostgreSQL refuses in one run's rows, or one run's row held past lock_timeout, fails
+-- the whole statement: the caller then writes each batch alone, so that only that run gets the
+-- error.
 -- Answers the rows written (their stamps too: the writer hands them to its own tails).
 WITH e AS (
     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::bigint[], $4::text[], $5::text[])
@@ -900,16 +901,18 @@ LIMIT 1;
 SELECT status, error, error_code FROM agent_run WHERE id = $1::uuid;
 
 -- search_messages --
--- params: account_id, pattern, limit
+-- params: account_id, pattern, limit, needle, width
 -- Search across one account's conversations (titles and transcripts); scoped by account first.
 -- The pattern is a bound parameter; LIKE metacharacters in it are escaped by the caller. A
 -- matching title is one hit (its conversation's newest message), unless messages of that
 -- conversation match themselves: it no longer fills the results with every message it holds.
 -- A conversation with no message yet (or drafts only) is found by its title too: a hit with no
--- message, at its last activity.
+-- message, at its last activity. Each hit's content is at most `width` characters around the
+-- first match (search_excerpt, sql/027): an answer stays small however long the messages are.
 WITH said AS (
-    SELECT c.id AS conversation_id, c.title, m.id AS message_id, m.role, m.content,
-           m.created_at
+    SELECT c.id AS conversation_id, c.title, m.id AS message_id, m.role,
+           search_excerpt(m.content, $4::text, $5::int) AS content,
+           length(m.content) > $5::int AS truncated, m.created_at
     FROM message m
     JOIN conversation c ON c.id = m.conversation_id
     WHERE c.account_id = $1::uuid AND m.status <> 'draft'
@@ -918,7 +921,8 @@ WITH said AS (
     LIMIT $3::int
 ), titled AS (
     SELECT c.id AS conversation_id, c.title, newest.id AS message_id, newest.role,
-           coalesce(newest.content, '') AS content,
+           search_excerpt(coalesce(newest.content, ''), $4::text, $5::int) AS content,
+           coalesce(length(newest.content) > $5::int, false) AS truncated,
            coalesce(newest.created_at, c.updated_at) AS created_at
     FROM conversation c
     LEFT JOIN LATERAL (

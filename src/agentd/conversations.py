@@ -385,11 +385,18 @@ async def transcript_for_run(db: Db, conversation_id: UUID,
     return rows
 
 
-async def search_messages(db: Db, account_id: UUID, pattern: str,
+# How much of a message a search hit carries: the part around the first match.
+SEARCH_EXCERPT_CHARS = 400
+
+
+async def search_messages(db: Db, account_id: UUID, query: str,
                           limit: int) -> list[asyncpg.Record]:
-    """Messages and titles matching an ILIKE pattern (escaped by the caller), newest first."""
+    """Messages and titles containing `query` (any case), newest first; each hit's content is
+    at most SEARCH_EXCERPT_CHARS characters around the first match (`truncated` when cut)."""
+    escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
     rows: list[asyncpg.Record] = await db.fetch(*Q.search_messages.bind(
-        account_id=account_id, pattern=pattern, limit=limit))
+        account_id=account_id, pattern=f"%{escaped}%", limit=limit, needle=query,
+        width=SEARCH_EXCERPT_CHARS))
     return rows
 
 

@@ -76,7 +76,8 @@ from agentd.vocabulary import (
 log = logging.getLogger("agentd.executor")
 
 # Errors after which a write certainly did not commit: nothing answered is in doubt.
-_ROLLED_BACK = (asyncpg.exceptions.DeadlockDetectedError, *NOT_SENT)
+_ROLLED_BACK = (asyncpg.exceptions.DeadlockDetectedError,
+                asyncpg.exceptions.LockNotAvailableError, *NOT_SENT)
 # What the model reads for a call a stop caught while it waited for a device's approval.
 NOT_RUN_STOPPED = "not run: the turn was stopped while the call waited for approval"
 

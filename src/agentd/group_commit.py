@@ -12,10 +12,11 @@ would have had. Journal appends use it with one statement for the whole batch
 (queue.append_events_many), and so do terminal writes (queue.finish_runs), each run fenced on
 its own in that statement: one refused is missing from its answer while the others land. A
 statement that fails for what one item brought (a seq someone took, a value PostgreSQL
-refuses) is written again one item at a time, each with its own outcome, so only that item
-gets the error; one that fails for the database's state (a lost connection, a shutdown, a
-deadlock) fails every item of its batch, as each one's own failed commit would have. Every
-caller gets an answer, whatever stops a writer.
+refuses, a row another transaction held past lock_timeout) is written again one item at a
+time, each with its own outcome, so only that item gets the error (or the wait); one that
+fails for the database's state (a lost connection, a shutdown, a deadlock) fails every item of
+its batch, as each one's own failed commit would have. Every caller gets an answer, whatever
+stops a writer.
 """
 
 from __future__ import annotations

@@ -39,7 +39,10 @@ DEFAULT_FLUSH_INTERVAL_S = 0.250
 # Shared with the terminal write (executor), which retries its transaction the same way.
 RETRY_DELAYS_S = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0)
 # A deadlock is retried too: a shared commit holds several runs' row locks until it commits.
-TRANSIENT = (*UNAVAILABLE, asyncpg.exceptions.DeadlockDetectedError)
+# So is a wait for the run's row that outlasted lock_timeout (another transaction held it): the
+# write rolled back, and the fence decides whether a retry, once the row is free, still writes.
+TRANSIENT = (*UNAVAILABLE, asyncpg.exceptions.DeadlockDetectedError,
+             asyncpg.exceptions.LockNotAvailableError)
 
 
 class Emitter:

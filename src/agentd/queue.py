@@ -801,7 +801,7 @@ async def finish_runs(db: Db, finishes: Sequence[Finish]) -> list[FinishOutcome]
             return [SeqConflict(finishes[0].claim.run_id, "terminal write")]
         if not _written_alone_after(db, exc, len(finishes)):
             raise
-        return await _each_alone(finishes, lambda f: _finish_alone(db, f))
+        return await _each_alone(db, finishes, lambda f: _finish_alone(db, f))
     ended = {row["id"]: row["message_id"] for row in rows}
     return [ended[f.claim.run_id] if f.claim.run_id in ended
             else LeaseLost(f.claim.run_id, "terminal write") for f in finishes]
@@ -878,7 +878,7 @@ async def append_events_many(db: Db,
             return [SeqConflict(batches[0][0].run_id, "journal append")]
         if not _written_alone_after(db, exc, len(batches)):
             raise
-        return await _each_alone(batches, lambda batch: _append_alone(db, *batch))
+        return await _each_alone(db, batches, lambda batch: _append_alone(db, *batch))
     stamps: dict[UUID, dict[int, datetime]] = {}
     for row in found:
         stamps.setdefault(row["run_id"], {})[row["seq"]] = row["created_at"]
@@ -904,12 +904,17 @@ def _no_hint(_channel: Channel, _payload: str) -> None:
 
 # A shared statement that fails for what one of its runs brought wrote nothing, and is written
 # again one run at a time so that only that run gets the error: a value PostgreSQL refuses
-# (SQLSTATE class 22), a constraint (23), a value too large (54). Anything else says something
-# about the database or the session, not one row (a lost connection, a lock or statement
-# timeout, a deadlock, a read-only server, a bug): each alone would fail the same way, after
-# waiting as long (a lock timeout, up to 64 times over), so the batch fails whole and the
-# writers retry it or give up as for one write.
-_ONE_ROWS_FAULT = ("22", "23", "54")
+# (SQLSTATE class 22), a constraint (23), a value too large (54), or a row of one run that
+# another transaction held past lock_timeout (55P03: a conversation being deleted, an
+# operator's open transaction). Every run's writer would otherwise take that one row's wait for
+# its own failure and stop its turn. Anything else says something about the database or the
+# session, not one row (a lost connection, a statement timeout, a deadlock, a read-only
+# server, a bug): each alone would fail the same way, so the batch fails whole and the writers
+# retry it or give up as for one write.
+_ONE_ROWS_FAULT = ("22", "23", "54", "55P03")
+# Runs written alone at once after a shared statement failed: a run whose row is held waits
+# out its own lock_timeout without holding up the others, and the pool is not drained for it.
+_ALONE_AT_ONCE = 4
 
 
 def _written_alone_after(db: Db, exc: asyncpg.PostgresError, runs: int) -> bool:
@@ -921,18 +926,22 @@ def _written_alone_after(db: Db, exc: asyncpg.PostgresError, runs: int) -> bool:
     return runs > 1 and sqlstate.startswith(_ONE_ROWS_FAULT) and not _in_transaction(db)
 
 
-async def _each_alone(items: Sequence[_I],
+async def _each_alone(db: Db, items: Sequence[_I],
                       write: Callable[[_I], Awaitable[_R]]) -> list[_R | Exception]:
-    """Write each item in its own statement and commit, in order, each with its own outcome:
-    one that fails (its own fault, or a connection dropped on it) leaves the others' answers
-    their own, those written before it included."""
-    outcomes: list[_R | Exception] = []
-    for item in items:
-        try:
-            outcomes.append(await write(item))
-        except Exception as exc:
-            outcomes.append(exc)
-    return outcomes
+    """Write each item in its own statement and commit, each with its own outcome, in the
+    items' order: one that fails (its own fault, a lock it waited for in vain, a connection
+    dropped on it) leaves the others' answers their own. From a pool, a few at once (one
+    connection cannot)."""
+    at_once = asyncio.Semaphore(_ALONE_AT_ONCE if isinstance(db, asyncpg.Pool) else 1)
+
+    async def one(item: _I) -> _R | Exception:
+        async with at_once:
+            try:
+                return await write(item)
+            except Exception as exc:
+                return exc
+
+    return list(await asyncio.gather(*(one(item) for item in items)))
 
 
 async def append_events_batched(batcher: Appends, claim: Claim,

@@ -265,8 +265,7 @@ class Service:
         query = query.strip()
         if not query or len(query) > 200:
             raise ServiceError(400, "invalid_query", "q must be 1-200 characters")
-        escaped = query.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-        return await convs.search_messages(self.pool, who.account_id, f"%{escaped}%", limit)
+        return await convs.search_messages(self.pool, who.account_id, query, limit)
 
     async def conversation_state(self, who: Principal, conversation_id: UUID,
                                  db: queue.Db | None = None, *,
@@ -489,21 +488,31 @@ class Service:
         that claim holds once the COMMIT lands, so a COMMIT whose answer is lost is
         queue.AnswerLost, for the caller to look for the turn by its key. A connection that
         cannot be had, or a body that fails, is raised as itself (nothing committed)."""
-        async with self.pool.acquire() as conn:
-            transaction = conn.transaction()
-            await transaction.start()
-            try:
-                yield conn
-            except BaseException:
-                with contextlib.suppress(Exception):  # a connection gone rolled it back itself
-                    await transaction.rollback()
-                raise
-            try:
-                await transaction.commit()
-            except Exception as exc:
-                if slot is not None and queue.answer_in_doubt(exc):
-                    raise queue.AnswerLost(exc) from exc
-                raise
+        lost: queue.AnswerLost | None = None
+        try:
+            async with self.pool.acquire() as conn:
+                transaction = conn.transaction()
+                await transaction.start()
+                try:
+                    yield conn
+                except BaseException:
+                    with contextlib.suppress(Exception):  # a connection gone rolled it back
+                        await transaction.rollback()
+                    raise
+                try:
+                    await transaction.commit()
+                except Exception as exc:
+                    if slot is not None and queue.answer_in_doubt(exc):
+                        lost = queue.AnswerLost(exc)
+                        raise lost from exc
+                    raise
+        except Exception:
+            # The pool's release of a connection that broke in the COMMIT (its rollback sent on
+            # a dead link) fails too: the doubt about the commit is what the caller must hear,
+            # or a turn that committed is left running with nobody to execute it.
+            if lost is not None:
+                raise lost from lost.__cause__
+            raise
 
     async def _post(self, who: Principal, conversation_id: UUID, req: RunRequest,
                     idempotency_key: str | None, slot: ClaimSlot | None,

@@ -249,6 +249,7 @@ async def test_conversation_endpoints_answer_their_documented_shapes(api: Api):
     results = assert_json(found)["results"]
     assert [r["message_id"] for r in results] == [body["messages"][0]["id"]]
     assert results[0]["conversation_id"] == conversation_id
+    assert (results[0]["content"], results[0]["truncated"]) == ("a secret question", False)
     assert_time(results[0]["created_at"])
     assert (await api.b.get("/v1/search", params={"q": "secret"})).json() == {"results": []}
     # A conversation with no message yet is found by its title (it never was before).

@@ -299,3 +299,74 @@ async def test_written_one_by_one_each_caller_gets_its_own_outcome(pool: asyncpg
     assert isinstance(ended[0], uuid.UUID)
     assert isinstance(ended[1], SeqConflict)
     assert isinstance(ended[2], asyncpg.CheckViolationError)
+
+
+async def test_a_run_whose_row_another_transaction_holds_stops_no_other_run_of_its_batch(
+        pool: asyncpg.Pool, dsn: str) -> None:
+    """One run's row held past lock_timeout (a conversation being deleted, an operator's open
+    transaction) failed the whole shared statement, and every run of the batch took that for a
+    lost lease and stopped. The batch is written again run by run: the others land while the
+    row is still held, and the held run's writer retries until it is let go, then lands."""
+    from agentd import db as dbmod
+
+    claims = await claimed_runs(pool, 3)
+    held = claims[1]
+    own = await dbmod.create_pool(dsn, min_size=1, max_size=4,
+                                  timeouts=dbmod.DbTimeouts(lock_timeout_ms=100))
+    holder = await asyncpg.connect(dsn)
+    shared: list[int] = []
+
+    async def write(batches: Sequence[JournalBatch]) -> list[Journaled | Exception]:
+        shared.append(len(batches))
+        return await append_events_many(own, batches)
+
+    try:
+        holding = holder.transaction()
+        await holding.start()
+        await holder.execute("SELECT 1 FROM agent_run WHERE id = $1 FOR UPDATE", held.run_id)
+        appends = Batcher(own, write)
+        emitters = [Emitter(own, c, flush_interval_s=3600, appends=appends) for c in claims]
+        writes = [asyncio.ensure_future(e.event(EventType.TOOL_RESULT, {"n": i}))
+                  for i, e in enumerate(emitters)]
+        await asyncio.wait_for(asyncio.gather(writes[0], writes[2]), LONG_S)
+        assert shared[0] == 3  # the three shared the statement the held row failed
+        assert not writes[1].done()  # still retrying while the row is held
+        await holding.rollback()
+        await asyncio.wait_for(writes[1], LONG_S)
+        assert [e.lost for e in emitters] == [None, None, None]
+        for i, claim in enumerate(claims):
+            assert [r["payload"] for r in await read_journal(pool, claim.run_id)
+                    if r["type"] == EventType.TOOL_RESULT] == [{"n": i}]
+        # Terminal writes alike: the held run waits alone, the others end.
+        async with holder.transaction():
+            await holder.execute("SELECT 1 FROM agent_run WHERE id = $1 FOR UPDATE",
+                                 held.run_id)
+            ended = await finish_runs(own, [
+                Finish(c, RunStatus.COMPLETED, c.last_seq + 2, content="done") for c in claims])
+        assert isinstance(ended[1], asyncpg.LockNotAvailableError)
+        assert isinstance(ended[0], uuid.UUID) and isinstance(ended[2], uuid.UUID)
+        statuses = dict(await pool.fetch("SELECT id, status FROM agent_run WHERE id = ANY($1)",
+                                         [c.run_id for c in claims]))
+        assert statuses == {claims[0].run_id: "completed", held.run_id: "running",
+                            claims[2].run_id: "completed"}
+    finally:
+        await holder.close()
+        await own.close()
+
+
+async def test_runs_written_alone_do_not_wait_for_one_another(pool: asyncpg.Pool) -> None:
+    """After a shared statement failed, a run written alone that waits (for a row another
+    transaction holds) does not hold up the runs after it: they are written meanwhile."""
+    from agentd.queue import _each_alone
+
+    later_done = asyncio.Event()
+
+    async def write(item: int) -> int:
+        if item == 0:
+            await later_done.wait()  # the first waits until both later ones are written
+        elif item == 2:
+            later_done.set()
+        return item
+
+    outcomes = await asyncio.wait_for(_each_alone(pool, [0, 1, 2], write), LONG_S)
+    assert outcomes == [0, 1, 2]

@@ -504,7 +504,17 @@ def build_spec() -> dict[str, Any]:
                                                             "hit of a conversation with no "
                                                             "message yet"},
                                                         "role": {"type": ["string",
-                                                                          "null"]}}}}}},
+                                                                          "null"]},
+                                                        "content": {
+                                                            "type": "string",
+                                                            "description": "at most 400 "
+                                                            "characters of the message, "
+                                                            "around the first match"},
+                                                        "truncated": {
+                                                            "type": "boolean",
+                                                            "description": "the message is "
+                                                            "longer than `content`: "
+                                                            "`message_id` loads it whole"}}}}}},
                                            "matches"),
                               "400": _error("bad query"), **_ERRORS}}},
             "/v1/conversations/{id}/runs": {"post": {

@@ -244,7 +244,7 @@ async def search(request: web.Request) -> web.Response:
     return web.json_response({"results": [
         {"conversation_id": str(r["conversation_id"]), "title": r["title"],
          "message_id": str(r["message_id"]) if r["message_id"] else None, "role": r["role"],
-         "content": r["content"],
+         "content": r["content"], "truncated": r["truncated"],
          "created_at": wire.ts(r["created_at"])} for r in rows]})
 
 
