@@ -327,8 +327,14 @@ class ConversationModel:
                 kept[key] = self.turns[key]
         return {}
 
-    def apply_page(self, page: MessagePage) -> Changes:
-        """An older page of the transcript (GET …/messages?before=): its turns go on top."""
+    def apply_page(self, page: MessagePage, asked_before: str) -> Changes:
+        """An older page of the transcript (GET …/messages?before=`asked_before`): its turns
+        go on top. Nothing when the oldest loaded turn is no longer the one it was asked
+        below: a fresh snapshot that did not join what was held came meanwhile, and the page
+        on top of it would hide the turns in between (the next page is asked from the new
+        cursor instead)."""
+        if self.before != asked_before:
+            return Changes()
         grouped = _group(page.messages, {}, keep_stream=False)
         new = {key: turn for key, turn in grouped.items() if key not in self.turns}
         for turn in new.values():

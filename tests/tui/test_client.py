@@ -200,3 +200,23 @@ async def test_a_plain_http_daemon_is_never_reached_through_an_environment_proxy
         server.close()
         await server.wait_closed()
     assert seen == [], seen
+
+
+async def test_a_refused_cursor_is_said_and_the_feed_starts_over_at_once(
+        daemon: Daemon, desk: Device) -> None:
+    """A feed resumed from a place the server no longer serves (400 invalid_cursor) says so
+    in its status, then starts over from a fresh snapshot without waiting out a backoff."""
+    async with client_for(daemon, desk) as client:
+        conversation = await client.create_conversation("refused cursor")
+        stream = client.conversation_events(conversation.id, cursor="e30")  # no cursor of ours
+        statuses: list[ConnectionStatus] = []
+        async with asyncio.timeout(WAIT_S), contextlib.aclosing(stream.__aiter__()) as items:
+            async for item in items:
+                if isinstance(item, ConnectionStatus):
+                    statuses.append(item)
+                elif isinstance(item, Snapshot):
+                    assert not item.resumed
+                    break
+        refused = [s for s in statuses if s.error and "refused" in s.error]
+        assert len(refused) == 1 and refused[0].retry_in == 0.0, statuses
+        assert stream.reconnects == 0  # started over, not a reconnect after a failure

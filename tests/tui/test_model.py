@@ -8,7 +8,15 @@ from typing import Any
 from agentd.vocabulary import EventType, MessageStatus, RunStatus
 from agenttui.client import ConnectionState, ConnectionStatus, LeaseChanged, Snapshot
 from agenttui.conversation import ConversationModel
-from agenttui.models import ConversationState, Draft, Lease, Me, RunEvent, StopResult
+from agenttui.models import (
+    ConversationState,
+    Draft,
+    Lease,
+    Me,
+    MessagePage,
+    RunEvent,
+    StopResult,
+)
 
 ME = Me("team", "acct", "desk", "dev-desk")
 OTHER = "dev-laptop"
@@ -190,3 +198,36 @@ def test_tool_arguments_that_are_no_json_object_are_shown_as_they_came() -> None
                       arguments=[1, 2]))
     assert model.turns["r2"].tools["c2"].arguments == [1, 2]
     assert "read_file([1, 2])" in model.turns["r2"].tools["c2"].summary()
+
+
+def _page_state(messages: list[dict[str, Any]], before: str) -> Snapshot:
+    return Snapshot(ConversationState.from_wire({
+        "id": CONV, "title": "t", "created_at": None, "updated_at": None,
+        "messages": messages, "runs": [], "lease": None, "attached": [],
+        "has_more": True, "before": before}), False)
+
+
+def _turn(n: int) -> list[dict[str, Any]]:
+    return [message(f"q{n}", "user", f"question {n}", "complete", f"r{n}"),
+            message(f"a{n}", "assistant", f"answer {n}", "complete", f"r{n}")]
+
+
+def test_an_older_page_asked_before_a_fresh_snapshot_that_does_not_join_is_dropped() -> None:
+    """A page is asked below the oldest loaded turn; meanwhile a fresh snapshot (the feed came
+    back after many turns) does not join what was held and brings its own cursor. The page
+    would have gone on top of it and hidden the turns in between: it is dropped, and the next
+    page is asked from the snapshot's cursor."""
+    model = ConversationModel(ME, CONV)
+    model.apply(_page_state(_turn(10) + _turn(11), before="q10"))
+    asked = model.before
+    assert asked == "q10"
+    model.apply(_page_state(_turn(50) + _turn(51), before="q50"))  # joins nothing held
+    page = MessagePage.from_wire({"messages": _turn(8) + _turn(9), "has_more": True,
+                                  "before": "q8"})
+    model.apply_page(page, asked)
+    assert model.order == ["r50", "r51"] and model.before == "q50"
+    # Asked from the current cursor, a page goes on top.
+    older = MessagePage.from_wire({"messages": _turn(48) + _turn(49), "has_more": True,
+                                   "before": "q48"})
+    model.apply_page(older, model.before)
+    assert model.order == ["r48", "r49", "r50", "r51"] and model.before == "q48"

@@ -198,3 +198,33 @@ async def test_selecting_a_conversation_whose_feed_gave_up_starts_it_again(
                        screen.model.snapshots and "● live" in screen.bar.plain,
                        "the feed to follow the conversation again")
         assert screen.model.conversation_id == conversation
+
+
+async def test_a_lost_send_handed_back_with_more_text_is_replayed_and_the_rest_posted_new(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    """A send whose answer was lost comes back to the composer; the user writes more below it
+    and sends. The whole went out as one new message, so the lost send, which had reached the
+    daemon, was posted a second time inside it. Now the lost send goes again under its own key
+    (replayed, not posted twice) and the text below it as a message of its own."""
+    async with sending_tui(daemon, desk, agenttui_dirs, "lost and more") as (
+            conversation, posts, screen, pilot):
+        posts.lose_for = {FIRST}
+        screen.composer.text = FIRST  # a message with a blank line of its own
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == FIRST and
+                       any("may not have been sent" in n for n in screen.notices),
+                       "the lost send back in the composer")
+        assert await user_messages(daemon, desk, conversation) == [FIRST]  # it was posted
+        posts.lose_for = set()
+        screen.composer.text = FIRST + "\n\nand one more thing"  # typed below it
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "" and
+                       any("had reached the daemon" in n for n in screen.notices),
+                       "the lost send replayed")
+
+        async def both() -> list[str] | None:
+            messages = await user_messages(daemon, desk, conversation)
+            return messages if len(messages) >= 2 else None
+
+        assert await poll_until(both, WAIT_S, what="the new message posted") == [
+            FIRST, "and one more thing"]

@@ -12,7 +12,7 @@ import contextlib
 import re
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -92,18 +92,59 @@ class UncertainSend:
     at: float  # time.monotonic() when its answer was lost
 
 
-def resent(text: str, uncertain: list[UncertainSend]) -> list[UncertainSend] | None:
-    """The uncertain sends `text` is, in the order they were sent: one sent again as it was, or
-    several the composer handed back joined (SEPARATOR between them, in the order they came
-    back) and sent again unedited. None: `text` is a new message. Matched as whole texts joined,
-    never by splitting `text`: a message may hold blank lines of its own."""
+def resent(text: str, uncertain: list[UncertainSend]) -> list[UncertainSend | str]:
+    """`text` as the messages it is, in order: each uncertain send it holds as a paragraph
+    block of its own, word for word (sent again under its own key, so the daemon replays it
+    if it was posted), and the text between them (new messages). The composer hands lost sends
+    back joined with SEPARATOR, ahead of refused sends, drafts and what was typed since;
+    sending that whole as one new message would post a lost send a second time. A message may
+    hold blank lines of its own: only a whole uncertain text, between block boundaries, is cut
+    out, never a split of what is typed."""
     wanted = text.strip()
-    for first in range(len(uncertain)):
-        for last in range(first, len(uncertain)):
-            run = uncertain[first:last + 1]
-            if SEPARATOR.join(u.text for u in run).strip() == wanted:
-                return run
-    return None
+    parts: list[UncertainSend | str] = []
+    left = list(uncertain)
+    new_from = 0  # the start of the text not yet given to a part
+    for at in _block_starts(wanted):
+        if at < new_from:  # inside an uncertain send cut out (it has blank lines of its own)
+            continue
+        found = next((u for u in left if _block_at(wanted, at, u.text.strip())), None)
+        if found is None:
+            continue
+        before = wanted[new_from:at].strip()
+        if before:
+            parts.append(before)
+        parts.append(found)
+        left.remove(found)
+        new_from = at + len(found.text.strip()) + len(SEPARATOR)
+    rest = wanted[new_from:].strip()
+    if rest:
+        parts.append(rest)
+    return parts
+
+
+def holds_block(text: str, block: str) -> bool:
+    """Whether `block` (stripped) is whole paragraph blocks of `text` (stripped): a draft "ok"
+    is not in a composer that holds "look" or "ok, and"."""
+    text, block = text.strip(), block.strip()
+    return any(_block_at(text, at, block) for at in _block_starts(text))
+
+
+def _block_starts(text: str) -> Iterator[int]:
+    """Where each paragraph block of `text` starts: at 0 and after each SEPARATOR."""
+    at = 0
+    while True:
+        yield at
+        following = text.find(SEPARATOR, at)
+        if following < 0:
+            return
+        at = following + len(SEPARATOR)
+
+
+def _block_at(text: str, at: int, block: str) -> bool:
+    """Whether `block` is the whole of the paragraph blocks of `text` that start at `at`."""
+    end = at + len(block)
+    return bool(block) and text.startswith(block, at) and (
+        end == len(text) or text.startswith(SEPARATOR, end))
 
 
 @dataclass
@@ -365,14 +406,15 @@ class MainScreen(LifecycleScreen):
         model = self.model
         if model is None or not model.has_more or model.before is None:
             return
+        asked = model.before
         try:
-            page = await self.client.list_messages(model.conversation_id, before=model.before,
+            page = await self.client.list_messages(model.conversation_id, before=asked,
                                                    limit=PAGE_MESSAGES)
         except ApiError as exc:
             self.notify(f"Could not load earlier messages: {describe(exc)}", severity="warning")
             return
-        if model is self.model and model.before is not None:
-            await self.render_changes(model, model.apply_page(page))
+        if model is self.model:
+            await self.render_changes(model, model.apply_page(page, asked))
 
     @on(Composer.PageTurned)
     def _page_turned(self, event: Composer.PageTurned) -> None:
@@ -401,17 +443,22 @@ class MainScreen(LifecycleScreen):
         """Show message `message_id`: load the pages down to it if needed, mount the turns
         around it, scroll to it."""
         key = model.key_of_message(message_id)
-        if key is None and model.has_more and model.before is not None:
+        # Again from the new cursor if a fresh snapshot replaced it while a page was on its
+        # way (apply_page drops that page); a few times at most.
+        for _ in range(3):
+            if key is not None or not model.has_more or model.before is None:
+                break
+            asked = model.before
             try:
                 page = await self.client.list_messages(
-                    model.conversation_id, before=model.before, limit=PAGE_MESSAGES,
+                    model.conversation_id, before=asked, limit=PAGE_MESSAGES,
                     until=message_id)
             except ApiError as exc:
                 self.notify(f"Could not load that message: {describe(exc)}", severity="warning")
                 return
             if model is not self.model:
                 return
-            await self.render_changes(model, model.apply_page(page))
+            await self.render_changes(model, model.apply_page(page, asked))
             key = model.key_of_message(message_id)
         if key is None or model is not self.model:
             self.notify("That message is no longer in the conversation.")
@@ -477,7 +524,7 @@ class MainScreen(LifecycleScreen):
         if ids is None:
             text = self.composer.text if self._drafts_shown else ""
             ids = [message_id for message_id, content in self._drafts_shown.items()
-                   if content.strip() not in text]
+                   if not holds_block(text, content)]
         settled = [message_id for message_id in ids if message_id in self._drafts_shown]
         self.app.drafts.consume(settled)
         for message_id in settled:
@@ -531,19 +578,27 @@ class MainScreen(LifecycleScreen):
         now = time.monotonic()
         earlier = [u for u in self._uncertain.get(conversation_id, [])
                    if now - u.at < RESEND_WINDOW_S]
-        again = resent(text, earlier)
-        if again is None:
+        parts = resent(text, earlier)
+        again = [part for part in parts if isinstance(part, UncertainSend)]
+        if not again:
             # A new message (one queued behind an uncertain send, say): it leaves those sends'
             # keys for their own resends.
             return await self._post(conversation_id, text, new_idempotency_key(), earlier)
-        # Sent again as it was: under its own key, so the daemon replays what it has. Two lost
-        # sends handed back together go again one by one, never as a third, joined message.
+        # A lost send sent again as it was goes under its own key, so the daemon replays what
+        # it has; two handed back together go again one by one, never as a third, joined
+        # message, and text beside them (a refused send, a draft, what was typed) goes as a
+        # new message of its own, in the composer's order.
         left = [u for u in earlier if u not in again]
-        for number, send in enumerate(again):
-            if not await self._post(conversation_id, send.text, send.key, left):
-                for later in again[number + 1:]:  # not tried: back in the composer, still keyed
-                    self.composer.put_back(later.text, unless_here=False)
-                    left.append(later)
+        for number, part in enumerate(parts):
+            sent = (part.text, part.key) if isinstance(part, UncertainSend) else \
+                (part, new_idempotency_key())
+            if not await self._post(conversation_id, *sent, left):
+                for later in parts[number + 1:]:  # not tried: back in the composer
+                    if isinstance(later, UncertainSend):  # still keyed
+                        self.composer.put_back(later.text, unless_here=False)
+                        left.append(later)
+                    else:
+                        self.composer.put_back(later, unless_here=False)
                 self._uncertain[conversation_id] = left
                 return False
         self._uncertain[conversation_id] = left
