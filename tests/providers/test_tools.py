@@ -9,7 +9,7 @@ import pytest
 
 from agentd.tools import ToolContext, ToolError, default_tools
 from agentd.tools.builtin import evaluate
-from agentd.tools.registry import InvalidToolSchema, compile_schema
+from agentd.tools.registry import InvalidToolSchema, Tool, compile_schema
 
 # The calculator never touches the database; a context without a store is enough.
 CTX = ToolContext(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), 1, None)  # type: ignore[arg-type]
@@ -92,3 +92,49 @@ def test_nan_and_infinity_from_a_tool_or_a_model_are_stored_as_their_names() -> 
     assert clean(value) == {"ratio": "NaN", "top": ["Infinity", "-Infinity", 1.5]}
     plain = {"a": [1.0, 2]}
     assert clean(plain) is plain  # nothing to clean: not copied
+
+
+async def _no_call(args: dict[str, Any], ctx: ToolContext) -> Any:
+    raise AssertionError("never called: its arguments are refused")
+
+RUNAWAY = "^(a|aa)+$"  # backtracks without end on Python's re over a long non-match
+LONG = "a" * 60 + "!"
+
+
+@pytest.mark.timeout(60)  # on Python's re this check runs for hours: the timeout fails it
+@pytest.mark.parametrize("schema, args", [
+    ({"type": "object", "properties": {"s": {"type": "string", "pattern": RUNAWAY}}},
+     {"s": LONG}),
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+      "patternProperties": {RUNAWAY: {"type": "string"}}}, {LONG: "x"}),
+    ({"type": "object", "properties": {}, "patternProperties": {RUNAWAY: {}},
+      "additionalProperties": False}, {LONG: 1}),
+])
+def test_a_schema_pattern_that_backtracks_without_end_is_a_tool_error_at_once(
+        schema: dict[str, Any], args: dict[str, Any]) -> None:
+    """A tool's schema comes from an MCP server, its arguments from the model: a pattern that
+    backtracks without end held the event loop (every lease of the process with it). It is
+    matched under a deadline, and the model reads that its arguments could not be checked."""
+    tool = Tool("runaway", "", schema, _no_call)
+    with pytest.raises(ToolError, match="took too long to match"):
+        tool.check_arguments(args)
+
+
+@pytest.mark.parametrize("schema, bad, reason, good", [
+    ({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}},
+     {"code": "abcd"}, r"at code: 'abcd' does not match '\^\[A-Z\]\{3\}\$'", {"code": "ABC"}),
+    ({"type": "object", "patternProperties": {"^x-": {"type": "integer"}}},
+     {"x-n": "1"}, "at x-n: '1' is not of type 'integer'", {"x-n": 1, "other": "1"}),
+    ({"type": "object", "properties": {"a": {}}, "patternProperties": {"^x-": {}},
+      "additionalProperties": False}, {"a": 1, "x-n": 2, "b": 3, "c": 4},
+     r"'b', 'c' do not match any of the regexes: '\^x-'", {"a": 1, "x-n": 2}),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": False},
+     {"a": 1, "b": 2}, r"Additional properties are not allowed \('b' was unexpected\)",
+     {"a": 1}),
+])
+def test_patterns_still_check_as_jsonschema_does(schema: dict[str, Any], bad: dict[str, Any],
+                                                 reason: str, good: dict[str, Any]) -> None:
+    tool = Tool("patterned", "", schema, _no_call)
+    with pytest.raises(ToolError, match=reason):
+        tool.check_arguments(bad)
+    assert tool.check_arguments(good) == good

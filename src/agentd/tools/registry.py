@@ -22,6 +22,7 @@ from jsonschema.protocols import Validator
 
 from agentd.conversations import Note
 from agentd.providers.base import ToolSpec
+from agentd.tools.schema_patterns import with_deadline
 from agentd.vocabulary import ApprovalPolicy
 
 log = logging.getLogger("agentd.tools")
@@ -80,7 +81,7 @@ def compile_schema(schema: Any) -> Validator:
         raise InvalidToolSchema(f"invalid input schema ({type(exc).__name__})") from None
     if schema.get("type", "object") != "object":
         raise InvalidToolSchema("the input schema must describe a JSON object")
-    return cls(schema)
+    return with_deadline(cls)(schema)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,9 @@ class Tool:
             raise ToolError("arguments must be a JSON object")
         try:
             error = best_match(self.validator.iter_errors(args))
+        except TimeoutError:  # schema_patterns: a pattern that backtracks without end
+            raise ToolError(f"the arguments of {self.name} cannot be checked: a pattern of its "
+                            "input schema took too long to match them") from None
         except (Exception, RecursionError) as exc:
             # The schema cannot check them (a `$ref` to nowhere, arguments nested past the
             # stack): the tool's fault, told to the model as its result; the turn goes on.
