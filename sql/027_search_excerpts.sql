@@ -6,7 +6,9 @@
 
 -- The `width` characters of `content` around the first place `needle` occurs in it, ignoring
 -- case as the search's ILIKE does (from a quarter of the width before it); the start when
--- `needle` is not found (a title's hit). A text no longer than `width` is whole.
+-- `needle` is not found (a title's hit). A text no longer than `width` is whole. (lower()
+-- keeps a text's length under the embedded server's C locale and libc collations; an ICU one
+-- may change it, moving the cut a character per such letter before the match.)
 CREATE FUNCTION search_excerpt(content text, needle text, width integer) RETURNS text
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
 AS $$

@@ -308,6 +308,7 @@ class TurnRunner:
         turn.held.finishing = True  # a beat that finds the run ended from here on is no news
         shown: tuple[str, str | None] = (str(status), ended.code if ended else None)
         uncertain = False  # an attempt failed on the wire, and may have committed
+        shared = self._finishes  # None: written alone (this run's row was held)
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
                 await finish_run_journaled(
@@ -318,7 +319,7 @@ class TurnRunner:
                     message_status=MessageStatus.COMPLETE if complete else MessageStatus.PARTIAL,
                     hint=self._hint, error=ended.message if ended else None,
                     error_code=ended.code if ended else None, usage=turn.usage,
-                    finishes=self._finishes)
+                    finishes=shared)
                 break
             except LeaseLost:
                 # A retry refused after an attempt whose answer was lost: that attempt may
@@ -335,6 +336,8 @@ class TurnRunner:
                 if attempt == len(RETRY_DELAYS_S):
                     raise
                 uncertain = uncertain or not isinstance(exc, _ROLLED_BACK)
+                if isinstance(exc, asyncpg.exceptions.LockNotAvailableError):
+                    shared = None  # as the journal's retries (journal.Emitter._append)
                 await asyncio.sleep(RETRY_DELAYS_S[attempt])
         self._metrics.run_seconds.labels(status=shown[0]).observe(turn.elapsed())
         log.info("run finished", extra={**ctx, "status": shown[0], "error_code": shown[1],
@@ -532,10 +535,11 @@ _T = TypeVar("_T")
 
 
 async def _retried(write: Callable[..., Awaitable[_T]], *args: Any, **kwargs: Any) -> _T:
-    """A tool step's write, run again after a dropped connection or a deadlock, as journal
-    appends are (the fence decides whether a retry may still write). Each such write is
-    idempotent: a message carries its own id, an approval its call id, and the repair answers
-    only what is still open, so an attempt whose answer was lost is found, not doubled."""
+    """A tool step's write, run again after a dropped connection, a deadlock or a lock wait in
+    vain, as journal appends are (the fence decides whether a retry may still write). Each
+    such write is idempotent: a message carries its own id, an approval its call id, and the
+    repair answers only what is still open, so an attempt whose answer was lost is found, not
+    doubled."""
     for delay in RETRY_DELAYS_S:
         try:
             return await write(*args, **kwargs)

@@ -184,13 +184,16 @@ class Emitter:
     async def _append(self, events: list[tuple[EventType, dict[str, Any]]]) -> None:
         batch = [NewEvent(self._next_seq + i, type, payload)
                  for i, (type, payload) in enumerate(events)]
+        shared = self._appends
         for attempt in range(len(RETRY_DELAYS_S) + 1):
             try:
-                if self._appends is not None:
-                    await append_events_batched(self._appends, self._claim, batch,
+                if shared is not None:
+                    await append_events_batched(shared, self._claim, batch,
                                                 hint=self._hint, journaled=self._journaled)
                 else:
                     await append_events(self._db, self._claim, batch, hint=self._hint)
+                    if self._journaled is not None:  # landed, its rows unread
+                        self._journaled(self._claim.run_id, ())
                 break
             except SeqConflict as exc:
                 # After a connection died mid-commit, our own earlier attempt may have landed.
@@ -203,6 +206,10 @@ class Emitter:
                 raise
             except Exception as exc:
                 if isinstance(exc, TRANSIENT) and attempt < len(RETRY_DELAYS_S):
+                    # A run whose row is held retries in a statement of its own: in a shared
+                    # one, each retry would hold every other run of it for a lock_timeout too.
+                    if isinstance(exc, asyncpg.LockNotAvailableError):
+                        shared = None
                     await asyncio.sleep(RETRY_DELAYS_S[attempt])
                     continue
                 # The journal can no longer be vouched for: stop writing to it, so nothing

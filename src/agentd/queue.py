@@ -913,7 +913,9 @@ def _no_hint(_channel: Channel, _payload: str) -> None:
 # retry it or give up as for one write.
 _ONE_ROWS_FAULT = ("22", "23", "54", "55P03")
 # Runs written alone at once after a shared statement failed: a run whose row is held waits
-# out its own lock_timeout without holding up the others, and the pool is not drained for it.
+# out its own lock_timeout without holding up the others, and a batch of 64 does not ask the
+# pool for 64 connections. As many waits in vain with none landing say the lock is on more
+# than one run's row (a table's, a migration's): the rest are not tried, each waiting as long.
 _ALONE_AT_ONCE = 4
 
 
@@ -933,13 +935,24 @@ async def _each_alone(db: Db, items: Sequence[_I],
     dropped on it) leaves the others' answers their own. From a pool, a few at once (one
     connection cannot)."""
     at_once = asyncio.Semaphore(_ALONE_AT_ONCE if isinstance(db, asyncpg.Pool) else 1)
+    passed = 0  # statements that did not wait for a lock in vain
+    locked_out: list[asyncpg.LockNotAvailableError] = []
 
     async def one(item: _I) -> _R | Exception:
+        nonlocal passed
         async with at_once:
+            if len(locked_out) >= _ALONE_AT_ONCE and not passed:
+                return locked_out[-1]  # not each run's own row (see _ALONE_AT_ONCE)
+            outcome: _R | Exception
             try:
-                return await write(item)
+                outcome = await write(item)
             except Exception as exc:
-                return exc
+                outcome = exc
+            if isinstance(outcome, asyncpg.LockNotAvailableError):
+                locked_out.append(outcome)
+            else:
+                passed += 1
+            return outcome
 
     return list(await asyncio.gather(*(one(item) for item in items)))
 

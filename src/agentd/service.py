@@ -489,6 +489,7 @@ class Service:
         queue.AnswerLost, for the caller to look for the turn by its key. A connection that
         cannot be had, or a body that fails, is raised as itself (nothing committed)."""
         lost: queue.AnswerLost | None = None
+        committed = False
         try:
             async with self.pool.acquire() as conn:
                 transaction = conn.transaction()
@@ -506,13 +507,18 @@ class Service:
                         lost = queue.AnswerLost(exc)
                         raise lost from exc
                     raise
-        except Exception:
-            # The pool's release of a connection that broke in the COMMIT (its rollback sent on
-            # a dead link) fails too: the doubt about the commit is what the caller must hear,
-            # or a turn that committed is left running with nobody to execute it.
+                committed = True
+        except Exception as exc:
+            # The pool's release of a connection that broke in or after the COMMIT (its
+            # rollback sent on a dead link) can fail too. What the caller must hear is what
+            # became of the commit, or a turn that committed is left running with nobody to
+            # execute it: the doubt about it, or that it landed.
             if lost is not None:
                 raise lost from lost.__cause__
-            raise
+            if not committed:
+                raise
+            log.warning("a post committed, then its connection could not be given back",
+                        extra={"error": str(exc) or type(exc).__name__})
 
     async def _post(self, who: Principal, conversation_id: UUID, req: RunRequest,
                     idempotency_key: str | None, slot: ClaimSlot | None,

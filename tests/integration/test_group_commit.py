@@ -334,6 +334,9 @@ async def test_a_run_whose_row_another_transaction_holds_stops_no_other_run_of_i
         await holding.rollback()
         await asyncio.wait_for(writes[1], LONG_S)
         assert [e.lost for e in emitters] == [None, None, None]
+        # The held run retried in statements of its own: a shared one would have held every
+        # other run in it for a lock_timeout at each retry.
+        assert shared == [3]
         for i, claim in enumerate(claims):
             assert [r["payload"] for r in await read_journal(pool, claim.run_id)
                     if r["type"] == EventType.TOOL_RESULT] == [{"n": i}]
@@ -370,3 +373,35 @@ async def test_runs_written_alone_do_not_wait_for_one_another(pool: asyncpg.Pool
 
     outcomes = await asyncio.wait_for(_each_alone(pool, [0, 1, 2], write), LONG_S)
     assert outcomes == [0, 1, 2]
+
+
+async def test_a_lock_on_every_run_is_not_waited_for_run_by_run(pool: asyncpg.Pool,
+                                                                dsn: str) -> None:
+    """A lock held on the whole table (a migration's) fails the shared statement with a lock
+    timeout as one run's row would. Written alone, the first few wait in vain as well, none
+    landing: the others are answered with the same error at once instead of each waiting out
+    a lock_timeout (a batch of 64, four at a time, waited sixteen of them)."""
+    from agentd import db as dbmod
+    from agentd.queue import _ALONE_AT_ONCE, _append_alone, _each_alone
+
+    claims = await claimed_runs(pool, 20)
+    own = await dbmod.create_pool(dsn, min_size=1, max_size=_ALONE_AT_ONCE,
+                                  timeouts=dbmod.DbTimeouts(lock_timeout_ms=100))
+    holder = await asyncpg.connect(dsn)
+    tried = 0
+
+    async def write(batch: JournalBatch) -> Journaled:
+        nonlocal tried
+        tried += 1
+        return await _append_alone(own, *batch)
+
+    try:
+        async with holder.transaction():
+            await holder.execute("LOCK TABLE agent_run IN EXCLUSIVE MODE")
+            outcomes = await _each_alone(own, [(c, delta(c, "x")) for c in claims], write)
+        assert all(isinstance(o, asyncpg.LockNotAvailableError) for o in outcomes)
+        # The first wave, and the writes that started while it was failing.
+        assert tried <= 2 * _ALONE_AT_ONCE - 1
+    finally:
+        await holder.close()
+        await own.close()

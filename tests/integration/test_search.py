@@ -66,8 +66,19 @@ async def test_a_hit_carries_the_part_of_a_long_message_around_its_match(
     assert cut["truncated"] is True
     assert len(cut["content"]) == SEARCH_EXCERPT_CHARS
     assert "100%_Needle" in cut["content"] and cut["content"] in long_text
-    # Context before the match, not only after it.
-    assert cut["content"].index("100%_Needle") >= SEARCH_EXCERPT_CHARS // 8
+    # A quarter of the excerpt before the match, for context.
+    assert cut["content"].index("100%_Needle") == SEARCH_EXCERPT_CHARS // 4
+
+
+async def test_a_match_near_either_end_keeps_the_excerpt_whole(pool: asyncpg.Pool) -> None:
+    tenant = await new_tenant(pool)
+    conversation = await new_conversation(pool, tenant.account_id, "ends")
+    head = await say(pool, conversation, "needle at the start " + "h" * 5_000)
+    tail = await say(pool, conversation, "t" * 5_000 + " the end has a NEEDLE")
+    hits = {h["message_id"]: h["content"]
+            for h in await search_messages(pool, tenant.account_id, "needle", 10)}
+    assert hits[head] == ("needle at the start " + "h" * 5_000)[:SEARCH_EXCERPT_CHARS]
+    assert hits[tail] == ("t" * 5_000 + " the end has a NEEDLE")[-SEARCH_EXCERPT_CHARS:]
 
 
 async def test_a_title_hit_carries_the_start_of_its_newest_message(pool: asyncpg.Pool) -> None:

@@ -10,6 +10,7 @@ import pytest
 from agentd.tools import ToolContext, ToolError, default_tools
 from agentd.tools.builtin import evaluate
 from agentd.tools.registry import InvalidToolSchema, Tool, compile_schema
+from agentd.tools.schema_patterns import match_budget
 
 # The calculator never touches the database; a context without a store is enough.
 CTX = ToolContext(uuid.uuid4(), uuid.uuid4(), uuid.uuid4(), 1, None)  # type: ignore[arg-type]
@@ -138,3 +139,20 @@ def test_patterns_still_check_as_jsonschema_does(schema: dict[str, Any], bad: di
     with pytest.raises(ToolError, match=reason):
         tool.check_arguments(bad)
     assert tool.check_arguments(good) == good
+
+
+def test_the_matches_of_one_check_share_one_deadline() -> None:
+    """Many matches that each stay under the deadline cannot add up: a check's matches share
+    one budget, and what is left of it bounds each (none left: the next match is refused)."""
+    validator = compile_schema({"type": "object", "properties": {
+        "s": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$"}}}})
+    assert list(validator.iter_errors({"s": ["abc"] * 100})) == []  # each well under 50 ms
+    with match_budget(0.0), pytest.raises(TimeoutError):
+        list(validator.iter_errors({"s": ["abc"]}))
+
+
+def test_a_schema_whose_patterns_jsonschema_would_match_without_a_deadline_is_refused() -> None:
+    with pytest.raises(InvalidToolSchema, match="unevaluatedProperties beside patternProperties"):
+        compile_schema({"type": "object", "allOf": [{"patternProperties": {"^x": {}}}],
+                        "unevaluatedProperties": False})
+    compile_schema({"type": "object", "unevaluatedProperties": False})  # alone: fine

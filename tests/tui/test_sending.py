@@ -228,3 +228,28 @@ async def test_a_lost_send_handed_back_with_more_text_is_replayed_and_the_rest_p
 
         assert await poll_until(both, WAIT_S, what="the new message posted") == [
             FIRST, "and one more thing"]
+
+
+async def test_a_lost_send_edited_where_it_stands_is_a_new_message(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    """Words added at the end of a lost send's own line change that message: it goes whole, as
+    a new message, not as the lost send replayed with the words posted apart."""
+    async with sending_tui(daemon, desk, agenttui_dirs, "lost and edited") as (
+            conversation, posts, screen, pilot):
+        posts.lose_for = {"edit me"}
+        screen.composer.text = "edit me"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "edit me" and
+                       any("may not have been sent" in n for n in screen.notices),
+                       "the lost send back in the composer")
+        posts.lose_for = set()
+        screen.composer.text = "edit me, please"
+        await pilot.press("enter")
+
+        async def both() -> list[str] | None:
+            messages = await user_messages(daemon, desk, conversation)
+            return messages if len(messages) >= 2 else None
+
+        assert await poll_until(both, WAIT_S, what="the edited message posted") == [
+            "edit me", "edit me, please"]
+        assert not any("had reached the daemon" in n for n in screen.notices)

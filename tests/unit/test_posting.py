@@ -20,6 +20,9 @@ COMMIT_LOST = asyncpg.ConnectionDoesNotExistError("connection was closed in the 
 
 
 class _Transaction:
+    def __init__(self, commit_lost: bool) -> None:
+        self.commit_lost = commit_lost
+
     async def start(self) -> None:
         pass
 
@@ -27,22 +30,27 @@ class _Transaction:
         pass
 
     async def commit(self) -> None:
-        raise COMMIT_LOST
+        if self.commit_lost:
+            raise COMMIT_LOST
 
 
 class _Connection:
+    def __init__(self, commit_lost: bool) -> None:
+        self.commit_lost = commit_lost
+
     def transaction(self) -> _Transaction:
-        return _Transaction()
+        return _Transaction(self.commit_lost)
 
 
 class _Lending:
     """pool.acquire(): lends a connection; giving it back fails when `release_fails`."""
 
-    def __init__(self, release_fails: bool) -> None:
+    def __init__(self, release_fails: bool, commit_lost: bool) -> None:
         self.release_fails = release_fails
+        self.commit_lost = commit_lost
 
     async def __aenter__(self) -> _Connection:
-        return _Connection()
+        return _Connection(self.commit_lost)
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
@@ -51,15 +59,17 @@ class _Lending:
 
 
 class _Pool:
-    def __init__(self, release_fails: bool) -> None:
+    def __init__(self, release_fails: bool, commit_lost: bool) -> None:
         self.release_fails = release_fails
+        self.commit_lost = commit_lost
 
     def acquire(self) -> _Lending:
-        return _Lending(self.release_fails)
+        return _Lending(self.release_fails, self.commit_lost)
 
 
-def _service(release_fails: bool) -> Service:
-    return Service(_Pool(release_fails), hub=None, settings=None, tools=None)  # type: ignore[arg-type]
+def _service(release_fails: bool, commit_lost: bool = True) -> Service:
+    pool: Any = _Pool(release_fails, commit_lost)
+    return Service(pool, hub=None, settings=None, tools=None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("release_fails", [False, True])
@@ -76,3 +86,11 @@ async def test_without_a_claim_beside_it_a_lost_commit_is_raised_as_itself() -> 
     with pytest.raises(asyncpg.ConnectionDoesNotExistError):
         async with _service(False)._posting(None):
             pass
+
+
+async def test_a_commit_that_landed_is_not_hidden_by_a_failed_release() -> None:
+    """The COMMIT answered: the turn is written (and, with a claim beside it, started here).
+    A release that fails afterwards is logged; the post goes on to answer with its turn."""
+    slot: Any = object()
+    async with _service(release_fails=True, commit_lost=False)._posting(slot):
+        pass  # no error leaves it

@@ -495,7 +495,7 @@ def build_spec() -> dict[str, Any]:
                                                 "type": "array", "items": {
                                                     "type": "object", "required": [
                                                         "conversation_id", "message_id",
-                                                        "content"],
+                                                        "content", "truncated"],
                                                     "properties": {
                                                         "message_id": {
                                                             "type": ["string", "null"],
@@ -513,8 +513,10 @@ def build_spec() -> dict[str, Any]:
                                                         "truncated": {
                                                             "type": "boolean",
                                                             "description": "the message is "
-                                                            "longer than `content`: "
-                                                            "`message_id` loads it whole"}}}}}},
+                                                            "longer than `content`; GET "
+                                                            "/v1/conversations/{id}/messages"
+                                                            "?until=<message_id> loads it "
+                                                            "whole"}}}}}},
                                            "matches"),
                               "400": _error("bad query"), **_ERRORS}}},
             "/v1/conversations/{id}/runs": {"post": {

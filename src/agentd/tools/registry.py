@@ -22,7 +22,7 @@ from jsonschema.protocols import Validator
 
 from agentd.conversations import Note
 from agentd.providers.base import ToolSpec
-from agentd.tools.schema_patterns import with_deadline
+from agentd.tools.schema_patterns import match_budget, unbounded_matching, with_deadline
 from agentd.vocabulary import ApprovalPolicy
 
 log = logging.getLogger("agentd.tools")
@@ -81,6 +81,9 @@ def compile_schema(schema: Any) -> Validator:
         raise InvalidToolSchema(f"invalid input schema ({type(exc).__name__})") from None
     if schema.get("type", "object") != "object":
         raise InvalidToolSchema("the input schema must describe a JSON object")
+    if unbounded_matching(schema):
+        raise InvalidToolSchema("unevaluatedProperties beside patternProperties is not "
+                                "supported: those patterns could not be matched under a deadline")
     return with_deadline(cls)(schema)
 
 
@@ -109,7 +112,8 @@ class Tool:
         if not isinstance(args, dict):
             raise ToolError("arguments must be a JSON object")
         try:
-            error = best_match(self.validator.iter_errors(args))
+            with match_budget():
+                error = best_match(self.validator.iter_errors(args))
         except TimeoutError:  # schema_patterns: a pattern that backtracks without end
             raise ToolError(f"the arguments of {self.name} cannot be checked: a pattern of its "
                             "input schema took too long to match them") from None

@@ -10,14 +10,19 @@ turns into a tool error the model reads). jsonschema has no hook for its regex e
 request for one is open: python-jsonschema/jsonschema#1561), so the three keywords that match
 are restated here on `regex`; their messages are jsonschema's own.
 
-Left to `re`: `unevaluatedProperties` next to `patternProperties`, which jsonschema resolves
-through its own walk of the schema.
+A whole check shares one deadline (`match_budget`), so many matches that each stay under it
+cannot add up to minutes. `unevaluatedProperties` also matches `patternProperties`, through
+jsonschema's own walk of the schema (`$ref`, `allOf`, ...) which cannot be restated in a few
+lines: a schema holding both is refused (`unbounded_matching`), and its tool disabled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import time
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import jsonschema.validators
@@ -25,18 +30,16 @@ import regex
 from jsonschema import ValidationError
 from jsonschema.protocols import Validator
 
-# Long enough for any sane pattern over a tool argument (microseconds), short enough that a
-# runaway one costs the event loop no more than a slow statement.
+# Long enough for any sane pattern over a tool's arguments (microseconds each), short enough
+# that a runaway one costs the event loop no more than a slow statement.
 MATCH_TIMEOUT_S = 0.05
 
-
-def with_deadline(cls: type[Validator]) -> type[Validator]:
-    """`cls` (a jsonschema draft's validator) with its matching keywords on `regex`."""
-    return _extended(cls)
+_deadline: ContextVar[float | None] = ContextVar("agentd_pattern_deadline", default=None)
 
 
 @functools.cache
-def _extended(cls: type[Validator]) -> type[Validator]:
+def with_deadline(cls: type[Validator]) -> type[Validator]:
+    """`cls` (a jsonschema draft's validator) with its matching keywords on `regex`."""
     keywords = {"pattern": _pattern, "patternProperties": _pattern_properties,
                 "additionalProperties": _additional_properties}
     mine = {k: v for k, v in keywords.items() if k in cls.VALIDATORS}
@@ -47,8 +50,41 @@ def _extended(cls: type[Validator]) -> type[Validator]:
     return extended
 
 
+@contextlib.contextmanager
+def match_budget(seconds: float = MATCH_TIMEOUT_S) -> Iterator[None]:
+    """Every pattern matched inside shares one deadline, `seconds` from now."""
+    token = _deadline.set(time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def unbounded_matching(schema: Any) -> bool:
+    """Whether `schema` anywhere holds both `unevaluatedProperties` and `patternProperties`,
+    whose patterns jsonschema would match with `re`, without a deadline."""
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Mapping):
+            found.update(key for key in node
+                         if key in ("unevaluatedProperties", "patternProperties"))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return len(found) == 2
+
+
 def _search(pattern: str, text: str) -> bool:
-    return regex.search(pattern, text, timeout=MATCH_TIMEOUT_S) is not None
+    deadline = _deadline.get()
+    timeout = MATCH_TIMEOUT_S if deadline is None else deadline - time.monotonic()
+    if timeout <= 0:
+        raise TimeoutError("the schema's patterns ran out of time")
+    return regex.search(pattern, text, timeout=timeout) is not None
 
 
 def _pattern(validator: Any, pattern: str, instance: Any,

@@ -226,10 +226,10 @@ class _ResumableStream:
                 # Start over from a fresh snapshot, at once (whatever failed before), and say
                 # so: the place the stream was resumed from is no longer served.
                 self._forget_cursor()
+                attempt = 0
                 yield self._status(ConnectionStatus(
                     ConnectionState.RECONNECTING, attempt,
                     "the stream's place was refused; starting over from the current state", 0.0))
-                attempt = 0
                 continue
             except RateLimited as exc:  # over a limit for now: wait as long as it asks
                 error = describe(exc)

@@ -12,7 +12,7 @@ import contextlib
 import re
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -92,59 +92,59 @@ class UncertainSend:
     at: float  # time.monotonic() when its answer was lost
 
 
-def resent(text: str, uncertain: list[UncertainSend]) -> list[UncertainSend | str]:
-    """`text` as the messages it is, in order: each uncertain send it holds as a paragraph
-    block of its own, word for word (sent again under its own key, so the daemon replays it
-    if it was posted), and the text between them (new messages). The composer hands lost sends
-    back joined with SEPARATOR, ahead of refused sends, drafts and what was typed since;
-    sending that whole as one new message would post a lost send a second time. A message may
-    hold blank lines of its own: only a whole uncertain text, between block boundaries, is cut
-    out, never a split of what is typed."""
+def resent(text: str, uncertain: list[UncertainSend],
+           handed_back: Sequence[str] = ()) -> list[UncertainSend | str]:
+    """`text` as the messages it is, in order: an uncertain send (sent again under its own key,
+    so the daemon replays it if it was posted) or a new message's text.
+
+    `handed_back`: the texts the composer put back, unedited, at the head of `text` (a lost or
+    refused send, a draft a stop returned), what was typed below them the rest. Each of them
+    that is an uncertain send word for word goes as that send; the others and what was typed,
+    between them, as new messages: sent as one new message, a lost send that had reached the
+    daemon would be posted a second time inside it. Nothing typed is ever cut apart, so a
+    paragraph that merely reads like a lost send stays in its message.
+
+    Without them (edited, or none), `text` is uncertain sends only if it is some of them joined
+    as the composer joins them (SEPARATOR between them, in the order they came back), and
+    otherwise one new message: a message may hold blank lines of its own."""
     wanted = text.strip()
+    block = SEPARATOR.join(handed_back)
+    if not handed_back:
+        for first in range(len(uncertain)):
+            for last in range(first, len(uncertain)):
+                run = uncertain[first:last + 1]
+                if SEPARATOR.join(u.text for u in run).strip() == wanted:
+                    return list(run)
+        return [wanted]
     parts: list[UncertainSend | str] = []
+    new: list[str] = []  # new text since the last uncertain send, in order
     left = list(uncertain)
-    new_from = 0  # the start of the text not yet given to a part
-    for at in _block_starts(wanted):
-        if at < new_from:  # inside an uncertain send cut out (it has blank lines of its own)
-            continue
-        found = next((u for u in left if _block_at(wanted, at, u.text.strip())), None)
+    for piece in [*handed_back, text[len(block):]]:
+        found = next((u for u in left if u.text.strip() == piece.strip() != ""), None)
         if found is None:
+            if piece.strip():
+                new.append(piece.strip())
             continue
-        before = wanted[new_from:at].strip()
-        if before:
-            parts.append(before)
+        if new:
+            parts.append(SEPARATOR.join(new))
+            new = []
         parts.append(found)
         left.remove(found)
-        new_from = at + len(found.text.strip()) + len(SEPARATOR)
-    rest = wanted[new_from:].strip()
-    if rest:
-        parts.append(rest)
+    if new:
+        parts.append(SEPARATOR.join(new))
     return parts
 
 
+# A blank line, whatever whitespace it holds: where one paragraph ends and the next begins.
+_PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
+
+
 def holds_block(text: str, block: str) -> bool:
-    """Whether `block` (stripped) is whole paragraph blocks of `text` (stripped): a draft "ok"
-    is not in a composer that holds "look" or "ok, and"."""
-    text, block = text.strip(), block.strip()
-    return any(_block_at(text, at, block) for at in _block_starts(text))
-
-
-def _block_starts(text: str) -> Iterator[int]:
-    """Where each paragraph block of `text` starts: at 0 and after each SEPARATOR."""
-    at = 0
-    while True:
-        yield at
-        following = text.find(SEPARATOR, at)
-        if following < 0:
-            return
-        at = following + len(SEPARATOR)
-
-
-def _block_at(text: str, at: int, block: str) -> bool:
-    """Whether `block` is the whole of the paragraph blocks of `text` that start at `at`."""
-    end = at + len(block)
-    return bool(block) and text.startswith(block, at) and (
-        end == len(text) or text.startswith(SEPARATOR, end))
+    """Whether `block` is whole paragraphs of `text`, blank lines and spaces around them
+    aside: a draft "ok" is not in a composer that holds "look" or "ok, and"."""
+    have = [p.strip() for p in _PARAGRAPH_BREAK.split(text.strip())]
+    want = [p.strip() for p in _PARAGRAPH_BREAK.split(block.strip())]
+    return any(have[at:at + len(want)] == want for at in range(len(have) - len(want) + 1))
 
 
 @dataclass
@@ -544,16 +544,20 @@ class MainScreen(LifecycleScreen):
             target = self._new_conversation
         # The drafts shown now went out with this text or were deleted before it: settled once
         # it is posted (a send that fails puts them back in the composer with it).
-        self.send(event.text, target, list(self._drafts_shown))  # composer cleared, in key order
+        self.send(event.text, event.handed_back, target,
+                  list(self._drafts_shown))  # composer cleared, in key order
 
     @work(group="send", exit_on_error=False)
-    async def send(self, text: str, target: str | NewConversation, drafts: list[str]) -> None:
+    async def send(self, text: str, handed_back: Sequence[str], target: str | NewConversation,
+                   drafts: list[str]) -> None:
         async with self._send_lock:
-            if await self._send(text, target):
+            if await self._send(text, target, handed_back):
                 self.settle_drafts(drafts)
 
-    async def _send(self, text: str, target: str | NewConversation) -> bool:
-        """Post `text`; True once posted, False when it was put back in the composer."""
+    async def _send(self, text: str, target: str | NewConversation,
+                    handed_back: Sequence[str] = ()) -> bool:
+        """Post `text` (`handed_back`: the texts the composer put back at its head, unedited);
+        True once posted, False when it was put back in the composer."""
         settings = self.app.settings
         if self.me is None:
             self.composer.put_back(text, unless_here=False)
@@ -578,7 +582,7 @@ class MainScreen(LifecycleScreen):
         now = time.monotonic()
         earlier = [u for u in self._uncertain.get(conversation_id, [])
                    if now - u.at < RESEND_WINDOW_S]
-        parts = resent(text, earlier)
+        parts = resent(text, earlier, handed_back)
         again = [part for part in parts if isinstance(part, UncertainSend)]
         if not again:
             # A new message (one queued behind an uncertain send, say): it leaves those sends'

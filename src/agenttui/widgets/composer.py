@@ -36,10 +36,15 @@ class Composer(TextArea):
     ]
 
     class Submitted(Message):
-        def __init__(self, composer: Composer, text: str) -> None:
+        """`handed_back`: the texts put back at the head of `text`, unedited (put_back), in
+        order; what follows them was typed."""
+
+        def __init__(self, composer: Composer, text: str,
+                     handed_back: tuple[str, ...] = ()) -> None:
             super().__init__()
             self.composer = composer
             self.text = text
+            self.handed_back = handed_back
 
     class PageTurned(Message):
         """PageUp (step -1) or PageDown (1) while the composer's text fits: for the transcript."""
@@ -86,14 +91,23 @@ class Composer(TextArea):
     def action_submit(self) -> None:
         text = self.text
         if text.strip():
+            handed_back = self._unedited_handed_back(text)
             # Cleared now, not when the screen gets the message: keys after this Enter are
             # already queued behind it and belong to the next message.
             self.clear()
             self._handed_back = []
-            self.post_message(self.Submitted(self, text))
+            self.post_message(self.Submitted(self, text, handed_back))
 
     def action_newline(self) -> None:
         self.insert("\n")
+
+    def _unedited_handed_back(self, text: str) -> tuple[str, ...]:
+        """The texts handed back, if `text` still starts with them as they were put back
+        (followed by nothing, or by a blank line and what was typed); else none."""
+        block = SEPARATOR.join(self._handed_back)
+        if self._handed_back and (text == block or text.startswith(block + SEPARATOR)):
+            return tuple(self._handed_back)
+        return ()
 
     def put_back(self, text: str, *, unless_here: bool = True) -> None:
         """Return text to the composer (a failed send, a draft); what is typed stays too.
@@ -107,9 +121,8 @@ class Composer(TextArea):
         paragraphs = {part.strip() for part in current.split(SEPARATOR)}
         if not text.strip() or (unless_here and text.strip() in paragraphs):
             return
-        block = SEPARATOR.join(self._handed_back)
-        if self._handed_back and current.startswith(block):
-            typed = current[len(block):]
+        if self._unedited_handed_back(current):
+            typed = current[len(SEPARATOR.join(self._handed_back)):]
         else:  # edited (or nothing handed back yet): start a new block
             self._handed_back = []
             typed = current
