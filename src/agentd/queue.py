@@ -914,7 +914,7 @@ def _no_hint(_channel: Channel, _payload: str) -> None:
 _ONE_ROWS_FAULT = ("22", "23", "54", "55P03")
 # Runs written alone at once after a shared statement failed: a run whose row is held waits
 # out its own lock_timeout without holding up the others, and a batch of 64 does not ask the
-# pool for 64 connections. As many waits in vain with none landing say the lock is on more
+# pool for 64 connections. As many waits in vain with none getting by say the lock is on more
 # than one run's row (a table's, a migration's): the rest are not tried, each waiting as long.
 _ALONE_AT_ONCE = 4
 

@@ -108,7 +108,6 @@ def resent(text: str, uncertain: list[UncertainSend],
     as the composer joins them (SEPARATOR between them, in the order they came back), and
     otherwise one new message: a message may hold blank lines of its own."""
     wanted = text.strip()
-    block = SEPARATOR.join(handed_back)
     if not handed_back:
         for first in range(len(uncertain)):
             for last in range(first, len(uncertain)):
@@ -119,7 +118,8 @@ def resent(text: str, uncertain: list[UncertainSend],
     parts: list[UncertainSend | str] = []
     new: list[str] = []  # new text since the last uncertain send, in order
     left = list(uncertain)
-    for piece in [*handed_back, text[len(block):]]:
+    typed = text[len(SEPARATOR.join(handed_back)):]
+    for piece in [*handed_back, typed]:
         found = next((u for u in left if u.text.strip() == piece.strip() != ""), None)
         if found is None:
             if piece.strip():
@@ -544,11 +544,11 @@ class MainScreen(LifecycleScreen):
             target = self._new_conversation
         # The drafts shown now went out with this text or were deleted before it: settled once
         # it is posted (a send that fails puts them back in the composer with it).
-        self.send(event.text, event.handed_back, target,
+        self.send(event.text, target, event.handed_back,
                   list(self._drafts_shown))  # composer cleared, in key order
 
     @work(group="send", exit_on_error=False)
-    async def send(self, text: str, handed_back: Sequence[str], target: str | NewConversation,
+    async def send(self, text: str, target: str | NewConversation, handed_back: Sequence[str],
                    drafts: list[str]) -> None:
         async with self._send_lock:
             if await self._send(text, target, handed_back):
