@@ -16,6 +16,11 @@ queued behind it in the same conversation (what a chat's second message does whi
 streams), beside `--other-running` turns running in an account with nothing queued, and a claim
 (limit 10) that finds nothing, as each claim loop's wake does then.
 
+Then, for each count Q of `--backlog`: one account at its running limit (`--backlog-running`
+turns running, each in its own conversation) with Q follow-ups queued behind them, beside a
+second account whose follow-up waits too, and a claim (limit 10) that finds nothing: a claim
+walks an account's queued turns to find one whose conversation is idle.
+
 Per claim: the statement's round trip on the client's clock, and the CPU time of the server
 process that ran it (from /proc: on the embedded server only, as the other benchmarks measure
 PostgreSQL's CPU). The statistics are refreshed after each phase's turns are written, as the
@@ -177,6 +182,43 @@ async def measure_blocked(dsn: str, server_pid: int | None, accounts: int, other
             "server_cpu_ms_mean": _mean(series["cpu"])}
 
 
+async def measure_backlog(dsn: str, server_pid: int | None, backlog: int, running: int,
+                          claims: int) -> dict[str, Any]:
+    """Claims that find nothing beside an account at its running limit whose `backlog`
+    queued turns all wait behind its `running` turns, and a second account waiting too."""
+    pool = await open_pool(dsn, max_size=2)
+    try:
+        _token, busy_id = await make_account(pool, account="at-limit", device="at-limit")
+        await pool.execute("UPDATE account SET max_running = $1 WHERE id = $2", running,
+                           busy_id)
+        busy = await make_conversations(pool, busy_id, running)
+        await _enqueue(pool, busy_id, busy, "running")
+        started = await claim_runs(pool, worker_id="bench-busy", lease_ttl_s=LEASE_S,
+                                   limit=running, default_max_running=MAX_RUNNING)
+        assert len(started) == running, f"started {len(started)} of {running}"
+        for first in range(0, backlog, 500):  # round robin over the running conversations
+            await _enqueue(pool, busy_id, [busy[n % running] for n in
+                                           range(first, min(first + 500, backlog))], "behind")
+        _token, other_id = await make_account(pool, account="other", device="other")
+        [other] = await make_conversations(pool, other_id, 1)
+        await enqueue_runs(pool, account_id=other_id, default_max_queued=MAX_QUEUED,
+                           runs=[NewRun(other, tag, REQUEST) for tag in ("first", "follow-up")])
+        [_started] = await claim_runs(pool, worker_id="bench-busy", lease_ttl_s=LEASE_S,
+                                      limit=1, default_max_running=MAX_RUNNING)
+        async with pool.acquire() as conn:
+            await conn.execute("ANALYZE agent_run")
+            pid = await conn.fetchval("SELECT pg_backend_pid()")
+            series: dict[str, list[float]] = {"wall": [], "cpu": []}
+            for i in range(WARMUP + claims):
+                got = await _timed(conn, lambda: backend_cpu_seconds(server_pid, pid),
+                                   BLOCKED_CLAIM_LIMIT, series if i >= WARMUP else None)
+                assert got == 0, "a claim started a turn queued behind a running one"
+    finally:
+        await pool.close()
+    return {"backlog": backlog, "running": running, "wall_ms": percentiles(series["wall"]),
+            "server_cpu_ms_mean": _mean(series["cpu"])}
+
+
 def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 3) if values else None
 
@@ -195,21 +237,31 @@ async def main() -> int:
     parser.add_argument("--other-running", type=int, default=1000,
                         help="turns running beside them in an account with nothing queued "
                         "(1000)")
+    parser.add_argument("--backlog", default="1000,10000",
+                        help="follow-ups queued behind the running turns of an account at "
+                        "its limit, comma-separated (1000,10000)")
+    parser.add_argument("--backlog-running", type=int, default=20,
+                        help="that account's running limit, all of it running (20)")
     args = parser.parse_args()
     try:
         counts = [int(n) for n in args.running.split(",")]
         blocked = [int(n) for n in args.blocked.split(",")] if args.blocked else []
+        backlogs = [int(n) for n in args.backlog.split(",")] if args.backlog else []
     except ValueError:
-        parser.error("--running and --blocked take counts such as 0,100,1000")
+        parser.error("--running, --blocked and --backlog take counts such as 0,100,1000")
     if args.quick:
         counts, args.claims = [min(n, 100) for n in counts[:2]], min(args.claims, 30)
         blocked, args.other_running = [min(n, 50) for n in blocked[:1]], \
             min(args.other_running, 50)
+        backlogs = [min(n, 200) for n in backlogs[:1]]
         args.running, args.blocked = ",".join(map(str, counts)), ",".join(map(str, blocked))
+        args.backlog = ",".join(map(str, backlogs))
     if any(n < 0 for n in counts) or any(n < 1 for n in blocked) or args.claims < 1 \
-            or args.locked < 1 or not 0 <= args.other_running <= MAX_RUNNING:
-        parser.error("--running must be counts >= 0, --blocked counts >= 1, --other-running "
-                     f"0..{MAX_RUNNING}; --claims and --locked at least 1")
+            or args.locked < 1 or not 0 <= args.other_running <= MAX_RUNNING \
+            or any(n < 1 for n in backlogs) or not 1 <= args.backlog_running <= MAX_RUNNING:
+        parser.error("--running must be counts >= 0, --blocked and --backlog counts >= 1, "
+                     f"--other-running 0..{MAX_RUNNING}, --backlog-running 1..{MAX_RUNNING}; "
+                     "--claims and --locked at least 1")
     if max(counts) + args.locked + 1 > MAX_RUNNING:
         parser.error(f"--running plus --locked must stay under the account's {MAX_RUNNING} "
                      "running turns")
@@ -231,6 +283,13 @@ async def main() -> int:
             fresh = await database.fresh(f"b{b}")
             passed_by.append(await measure_blocked(fresh.dsn, database.server_pid, b,
                                                    args.other_running, args.claims))
+        behind = []
+        for q in backlogs:
+            progress(f"{q} follow-ups behind {args.backlog_running} running turns of an "
+                     f"account at its limit: {args.claims} claims")
+            fresh = await database.fresh(f"q{q}")
+            behind.append(await measure_backlog(fresh.dsn, database.server_pid, q,
+                                                args.backlog_running, args.claims))
     summary = []
     for row in rows:
         n = row["running"]
@@ -253,8 +312,18 @@ async def main() -> int:
                    f"running turns ({row['other_running']} more running), server CPU",
                    row["server_cpu_ms_mean"], "ms"),
         ]
+    for row in behind:
+        summary += [
+            figure(f"claim finding nothing beside {row['backlog']} turns queued behind "
+                   f"{row['running']} running at the account's limit, p50",
+                   row["wall_ms"].get("p50"), "ms"),
+            figure(f"claim finding nothing beside {row['backlog']} turns queued behind "
+                   f"{row['running']} running at the account's limit, server CPU",
+                   row["server_cpu_ms_mean"], "ms"),
+        ]
     emit({"benchmark": "claim_cost", "params": params_of(args), "machine": machine,
-          "results": {"by_running": rows, "beside_blocked_accounts": passed_by},
+          "results": {"by_running": rows, "beside_blocked_accounts": passed_by,
+                      "beside_a_backlog_at_the_limit": behind},
           "summary": summary,
           "seconds": round(time.monotonic() - started, 1)})
     return 0
