@@ -167,15 +167,7 @@ async def measure_blocked(dsn: str, server_pid: int | None, accounts: int, other
         started = await claim_runs(pool, worker_id="bench-busy", lease_ttl_s=LEASE_S,
                                    limit=accounts, default_max_running=MAX_RUNNING)
         assert len(started) == accounts, f"started {len(started)} of {accounts}"
-        async with pool.acquire() as conn:
-            await conn.execute("ANALYZE agent_run")
-            pid = await conn.fetchval("SELECT pg_backend_pid()")
-            series: dict[str, list[float]] = {"wall": [], "cpu": []}
-            for i in range(WARMUP + claims):
-                got = await _timed(conn, lambda: backend_cpu_seconds(server_pid, pid),
-                                   BLOCKED_CLAIM_LIMIT,
-                                   series if i >= WARMUP else None)
-                assert got == 0, "a claim started a turn queued behind a running one"
+        series = await _claims_finding_nothing(pool, server_pid, claims)
     finally:
         await pool.close()
     return {"accounts": accounts, "other_running": others, "wall_ms": percentiles(series["wall"]),
@@ -205,18 +197,32 @@ async def measure_backlog(dsn: str, server_pid: int | None, backlog: int, runnin
                            runs=[NewRun(other, tag, REQUEST) for tag in ("first", "follow-up")])
         [_started] = await claim_runs(pool, worker_id="bench-busy", lease_ttl_s=LEASE_S,
                                       limit=1, default_max_running=MAX_RUNNING)
-        async with pool.acquire() as conn:
-            await conn.execute("ANALYZE agent_run")
-            pid = await conn.fetchval("SELECT pg_backend_pid()")
-            series: dict[str, list[float]] = {"wall": [], "cpu": []}
-            for i in range(WARMUP + claims):
-                got = await _timed(conn, lambda: backend_cpu_seconds(server_pid, pid),
-                                   BLOCKED_CLAIM_LIMIT, series if i >= WARMUP else None)
-                assert got == 0, "a claim started a turn queued behind a running one"
+        series = await _claims_finding_nothing(pool, server_pid, claims)
     finally:
         await pool.close()
     return {"backlog": backlog, "running": running, "wall_ms": percentiles(series["wall"]),
             "server_cpu_ms_mean": _mean(series["cpu"])}
+
+
+async def _claims_finding_nothing(pool: asyncpg.Pool, server_pid: int | None,
+                                  claims: int) -> dict[str, list[float]]:
+    """`claims` claims (limit 10) after the warm-up, each of which must find nothing; their
+    wall and server CPU times. The statistics are refreshed first."""
+    async with pool.acquire() as conn:
+        await conn.execute("ANALYZE agent_run")
+        pid = await conn.fetchval("SELECT pg_backend_pid()")
+        series: dict[str, list[float]] = {"wall": [], "cpu": []}
+        for i in range(WARMUP + claims):
+            got = await _timed(conn, lambda: backend_cpu_seconds(server_pid, pid),
+                               BLOCKED_CLAIM_LIMIT, series if i >= WARMUP else None)
+            assert got == 0, "a claim started a turn queued behind a running one"
+    return series
+
+
+def _p50_and_cpu(what: str, measured: dict[str, Any]) -> list[dict[str, Any]]:
+    """The two headline figures of a measured claim: its round trip p50 and server CPU."""
+    return [figure(f"{what}, p50", measured["wall_ms"].get("p50"), "ms"),
+            figure(f"{what}, server CPU", measured["server_cpu_ms_mean"], "ms")]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -293,34 +299,17 @@ async def main() -> int:
     summary = []
     for row in rows:
         n = row["running"]
-        summary += [
-            figure(f"claim of one turn, {n} running, p50", row["one_turn"]["wall_ms"].get("p50"),
-                   "ms"),
-            figure(f"claim of one turn, {n} running, server CPU",
-                   row["one_turn"]["server_cpu_ms_mean"], "ms"),
-            figure(f"claim meeting {args.locked} locked turns, {n} running, p50",
-                   row["meeting_locked"]["wall_ms"].get("p50"), "ms"),
-            figure(f"claim meeting {args.locked} locked turns, {n} running, server CPU",
-                   row["meeting_locked"]["server_cpu_ms_mean"], "ms"),
-        ]
+        summary += _p50_and_cpu(f"claim of one turn, {n} running", row["one_turn"])
+        summary += _p50_and_cpu(f"claim meeting {args.locked} locked turns, {n} running",
+                                row["meeting_locked"])
     for row in passed_by:
-        summary += [
-            figure(f"claim finding nothing beside {row['accounts']} accounts waiting behind "
-                   f"running turns ({row['other_running']} more running), p50",
-                   row["wall_ms"].get("p50"), "ms"),
-            figure(f"claim finding nothing beside {row['accounts']} accounts waiting behind "
-                   f"running turns ({row['other_running']} more running), server CPU",
-                   row["server_cpu_ms_mean"], "ms"),
-        ]
+        summary += _p50_and_cpu(
+            f"claim finding nothing beside {row['accounts']} accounts waiting behind running "
+            f"turns ({row['other_running']} more running)", row)
     for row in behind:
-        summary += [
-            figure(f"claim finding nothing beside {row['backlog']} turns queued behind "
-                   f"{row['running']} running at the account's limit, p50",
-                   row["wall_ms"].get("p50"), "ms"),
-            figure(f"claim finding nothing beside {row['backlog']} turns queued behind "
-                   f"{row['running']} running at the account's limit, server CPU",
-                   row["server_cpu_ms_mean"], "ms"),
-        ]
+        summary += _p50_and_cpu(
+            f"claim finding nothing beside {row['backlog']} turns queued behind "
+            f"{row['running']} running at the account's limit", row)
     emit({"benchmark": "claim_cost", "params": params_of(args), "machine": machine,
           "results": {"by_running": rows, "beside_blocked_accounts": passed_by,
                       "beside_a_backlog_at_the_limit": behind},
