@@ -436,7 +436,7 @@ class TurnRunner:
                 decision = await self._ask(turn, call, tool, args)
                 if decision.decision != ApprovalDecision.APPROVE:
                     raise ToolError(self._denial(decision))
-            return {"result": await self._tools.call(tool, args, ctx)}
+            return {"result": await tool.fn(args, ctx)}  # checked above, once
         except ToolError as exc:
             return {"error": str(exc)}
 

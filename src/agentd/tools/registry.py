@@ -179,10 +179,11 @@ class ToolRegistry:
                 return tool
         return None
 
-    async def call(self, name: str | Tool, args: Any, ctx: ToolContext) -> Any:
-        """Run a tool, whatever its policy (the executor asks first); bad arguments or a tool's
-        own refusal raise ToolError, never crash."""
-        tool = name if isinstance(name, Tool) else await self.find(name)
+    async def call(self, name: str, args: Any, ctx: ToolContext) -> Any:
+        """Run a tool by name, whatever its policy; bad arguments or a tool's own refusal
+        raise ToolError, never crash. (The executor, which checks the arguments before it asks
+        for approval, runs the tool it found itself.)"""
+        tool = await self.find(name)
         if tool is None:
             raise ToolError(f"unknown tool {name!r}")
         return await tool.fn(tool.check_arguments(args), ctx)
