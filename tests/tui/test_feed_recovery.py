@@ -1,12 +1,14 @@
 """The client's streams recover from what a live daemon and a bad network can do to them: a 429
-waits out its Retry-After, a gap's backfill that never answers reconnects instead of ending the
-feed, and a connection that the server accepts and drops at once makes the backoff grow."""
+or a 503 waits out its Retry-After (the feed and retried calls alike), a gap's backfill that
+never answers reconnects instead of ending the feed, and a connection that the server accepts
+and drops at once makes the backoff grow."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 
 import httpx
@@ -26,6 +28,7 @@ from tests.tui.helpers import FAST_BACKOFF, client_for, is_stream
 
 WAIT_S = 60.0
 TOO_MANY = {"error": {"code": "too_many_streams", "message": "too many open streams"}}
+BUSY = {"error": {"code": "unavailable", "message": "the database is unavailable; retry shortly"}}
 
 
 def frame_data(frame: bytes) -> dict | None:
@@ -162,6 +165,51 @@ async def test_a_429_retry_after_is_honoured_up_to_a_cap(daemon: Daemon, desk: D
         seen = await drain(client.conversation_events(conversation.id),
                            lambda i: bool(reconnecting([i])))
     assert reconnecting(seen)[0].retry_in == FAST_BACKOFF.retry_after_cap == 60.0
+
+
+async def test_a_503_on_the_feed_waits_its_retry_after(daemon: Daemon, desk: Device) -> None:
+    network = Network()
+    refusals = [httpx.Response(503, headers={"Retry-After": "1"}, json=BUSY)]
+    network.refuse = lambda r: refusals.pop() if refusals else None
+    async with client_for(daemon, desk, transport=network) as client:
+        conversation = await client.create_conversation("busy")
+        seen = await drain(client.conversation_events(conversation.id),
+                           lambda i: isinstance(i, ConnectionStatus) and i.connected)
+    [waited] = reconnecting(seen)
+    assert waited.error == BUSY["error"]["message"]
+    # The daemon's Retry-After, not the client's own first backoff step (0.05 s here).
+    assert waited.retry_in is not None and waited.retry_in >= 1.0, waited
+
+
+class _BusyOnce(httpx.AsyncBaseTransport):
+    """A real transport to the daemon that answers the first GET of `path` with a 503 asking
+    for a wait of `retry_after` seconds, and notes when each request of that path went out."""
+
+    def __init__(self, path: str, retry_after: str) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.path = path
+        self.retry_after = retry_after
+        self.sent_at: list[float] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == self.path:
+            self.sent_at.append(time.monotonic())
+            if len(self.sent_at) == 1:
+                return httpx.Response(503, headers={"Retry-After": self.retry_after}, json=BUSY)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_retried_call_waits_a_503s_retry_after(daemon: Daemon, desk: Device) -> None:
+    network = _BusyOnce("/v1/me", "1")
+    async with client_for(daemon, desk, transport=network) as client:
+        me = await client.me()
+    assert me.device == desk.name
+    first, second = network.sent_at
+    # Asked again after the daemon's second, not after the client's own 0.05 s first step.
+    assert second - first >= 1.0, network.sent_at
 
 
 async def test_a_backfill_that_never_answers_reconnects_and_loses_nothing(

@@ -156,6 +156,7 @@ class AgentClient:
                     **kwargs: Any) -> httpx.Response:
         attempt = 0
         while True:
+            asked = 0.0
             try:
                 response = await self._http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
@@ -174,8 +175,10 @@ class AgentClient:
                 error = error_from_response(response)
                 if not isinstance(error, Unavailable) or attempt >= retries:
                     raise error
+                # A daemon that is starting or draining says when to come back (Retry-After).
+                asked = self.backoff.asked(error)
             attempt += 1
-            await asyncio.sleep(self.backoff.delay(attempt))
+            await asyncio.sleep(max(self.backoff.delay(attempt), asked))
 
     async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return (await self._send(method, path, **kwargs)).json()

@@ -49,7 +49,8 @@ class Backoff:
 
     A stream starts the backoff over once a connection has stayed up `healthy_after` seconds
     (or delivered new events): one the server accepts and then drops at once counts as failed.
-    A server's Retry-After (429) is honoured up to `retry_after_cap` seconds.
+    A server's Retry-After (a 429, or a 503 while it starts or drains) is honoured up to
+    `retry_after_cap` seconds.
     """
 
     initial: float = 0.25
@@ -62,6 +63,10 @@ class Backoff:
     def delay(self, attempt: int) -> float:
         base = min(self.maximum, self.initial * self.factor ** max(0, attempt - 1))
         return base * (1 + random.uniform(-self.jitter, self.jitter))
+
+    def asked(self, error: ApiError) -> float:
+        """The wait the server asked for with `error` (Retry-After), capped; 0 if none."""
+        return min(error.retry_after or 0.0, self.retry_after_cap)
 
 
 class ConnectionState(StrEnum):
@@ -231,15 +236,14 @@ class _ResumableStream:
                     ConnectionState.RECONNECTING, attempt,
                     "the stream's place was refused; starting over from the current state", 0.0))
                 continue
-            except RateLimited as exc:  # over a limit for now: wait as long as it asks
-                error = describe(exc)
-                wait_at_least = min(exc.retry_after or 0.0, backoff.retry_after_cap)
             except ApiError as exc:
-                if not (isinstance(exc, Unavailable) or exc.status >= 500):
+                if not (isinstance(exc, (RateLimited, Unavailable)) or exc.status >= 500):
                     yield self._status(ConnectionStatus(ConnectionState.CLOSED, attempt,
                                                         describe(exc)))
                     raise
+                # Over a limit or busy for now: wait at least as long as the server asks.
                 error = describe(exc)
+                wait_at_least = backoff.asked(exc)
             except TimeoutError:  # a gap's backfill that did not answer in stream_timeout
                 error = "the server did not answer in time"
             except (httpx.TransportError, SSEError, _ProtocolError) as exc:
