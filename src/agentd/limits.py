@@ -107,16 +107,10 @@ class AddressRateLimiter:
             self._buckets.popitem(last=False)
         return None if allowed else (1.0 - tokens) / self.rate
 
-    def wait_for(self, address: str) -> float | None:
-        """None if `address` has an attempt left now, else the seconds until it has (nothing
-        is spent: for limits that spend only on a failure, checked before the work)."""
-        tokens, stamp = self._buckets.get(rate_key(address), (self.capacity, self._clock()))
-        tokens = min(self.capacity, tokens + (self._clock() - stamp) * self.rate)
-        return None if tokens >= 1.0 else (1.0 - tokens) / self.rate
-
     def give_back(self, address: str) -> None:
         """Return an attempt `take` spent (never past a full bucket): for an attempt the
-        database never judged, such as a statement that lost a race and rolled back."""
+        database never judged, such as a statement that lost a race and rolled back, or one
+        that proved not to be a failure (a token that names a device)."""
         address = rate_key(address)
         if address in self._buckets:
             tokens, stamp = self._buckets[address]

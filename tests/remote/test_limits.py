@@ -375,6 +375,35 @@ async def test_an_address_whose_tokens_name_no_one_is_refused_before_the_lookup(
     assert 'agentd_throttled_total{reason="too_many_attempts"}' in metrics
 
 
+async def test_guesses_sent_together_spend_the_bucket_before_their_lookups(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    """Unknown tokens sent together: no more are looked up than the bucket holds. The attempt
+    used to be spent only after the lookup, so every request that arrived while lookups were
+    in flight passed a bucket that held a single attempt. Here the lookups are held in flight
+    (the device table locked) while the guesses arrive."""
+    daemon = spawn_remote()
+    await daemon.wait_ready()
+    burst = 150
+    limits = httpx.Limits(max_connections=burst, max_keepalive_connections=burst)
+    async with daemon.client(headers={"Authorization": "Bearer agd_guess"}, timeout=30.0,
+                             limits=limits) as guesser:
+        spent_first = AUTH_FAILURES_PER_MIN - 50
+        for n in range(spent_first):
+            assert (await guesser.get("/v1/me")).status_code == 401, n
+        # Some 50 attempts left, a few more as the bucket refills (5 a second) meanwhile.
+        left = AUTH_FAILURES_PER_MIN - spent_first + 20
+        async with pool.acquire() as conn, conn.transaction():
+            # Under the daemon's lock_timeout (5 s): the held lookups wait, they do not fail.
+            await conn.execute("LOCK TABLE device IN ACCESS EXCLUSIVE MODE")
+            guesses = [asyncio.ensure_future(guesser.get("/v1/me")) for _ in range(burst)]
+            # Those past the bucket are refused without a lookup, so while the lookups wait.
+            await poll_until(lambda: sum(g.done() for g in guesses) >= burst - left, 3.0,
+                             what="the guesses past the bucket refused before any lookup")
+        codes = [g.status_code for g in await asyncio.gather(*guesses)]
+    assert set(codes) <= {401, 429}, codes
+    assert codes.count(401) <= left, codes.count(401)
+
+
 async def test_tokens_guessed_at_metrics_count_as_guesses(
         spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
     """/metrics and /readyz look a token up too (from another host): their unknown tokens are

@@ -39,23 +39,31 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 async def _looked_up(request: web.Request, token: str) -> Principal | None:
     """Who `token` names. Each token costs a database read: an address whose tokens keep naming
-    no one is refused before the read (Throttled), as pairing attempts are (its failures are
-    what it spends), unless this token named a device lately (limits.RecentlyValid: the devices
-    behind a guesser's proxy or NAT go on)."""
+    no one is refused before the read (Throttled), as pairing attempts are, unless this token
+    named a device lately (limits.RecentlyValid: the devices behind a guesser's proxy or NAT go
+    on). The attempt is spent before the read and given back if the token names a device:
+    spent only after it, requests sent together all passed a bucket that held one attempt."""
     runtime = request.app[RUNTIME]
     address = peer_address(request)
     # Tokens are printable ASCII; anything else (a header's undecodable bytes) names no one.
     digest = hash_token(token) if token.isascii() and token.isprintable() else b""
-    if digest not in runtime.valid_tokens:
-        wait = runtime.auth_failures.wait_for(address)
+    spent = digest not in runtime.valid_tokens
+    if spent:
+        wait = runtime.auth_failures.take(address)
         if wait is not None:
             raise Throttled("too_many_attempts", "too many requests with unknown or revoked "
                             "tokens from this address; wait and retry", wait)
-    who = await _principal_of(request, token)
+    try:
+        who = await _principal_of(request, token)
+    except BaseException:
+        if spent:  # never judged (the database failed, the client left): not a failure
+            runtime.auth_failures.give_back(address)
+        raise
     if who is None:
-        runtime.auth_failures.take(address)
         runtime.valid_tokens.discard(digest)
     else:
+        if spent:
+            runtime.auth_failures.give_back(address)
         runtime.valid_tokens.add(digest)
     return who
 
