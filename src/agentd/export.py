@@ -67,7 +67,7 @@ def _readable(content: str) -> str:
     """A result stored as JSON, with its non-ASCII text as itself rather than \\u escapes."""
     try:
         value = json.loads(content)
-    except ValueError:
+    except (ValueError, RecursionError):  # a tool's text nested too deep is shown as it is
         return content
     # Only the escapes change: a result stored some other way is shown exactly as stored.
     return _json(value) if json.dumps(value) == content else content

@@ -139,7 +139,7 @@ class FeedCursor:
             cursor = cls((stamp, UUID(raw["w"][1])),
                          {UUID(k): v for k, v in raw["o"].items()})
         except (ValueError, KeyError, TypeError, IndexError, binascii.Error,
-                UnicodeDecodeError, AttributeError):
+                UnicodeDecodeError, AttributeError, RecursionError):  # JSON nested too deep
             raise BadCursor("not a cursor this server issued") from None
         # Positions are the seqs this server wrote: whole numbers, never a float such as
         # Infinity (which JSON parsing here accepts) or a bool.

@@ -654,6 +654,10 @@ BAD_INPUT: list[tuple[str, str, str, dict[str, Any], int, str | None]] = [
     ("feed: cursor seq fractional", "GET", "/v1/conversations/{cid}/events",
      {"cursor": {"w": ["2020-01-01T00:00:00+00:00", str(uuid.UUID(int=0))],
                  "o": {"{rid}": 1.5}}}, 400, "invalid_cursor"),
+    # JSON nested deeper than the decoder recurses: was a 500 with a traceback in the log.
+    ("feed: cursor nested too deep", "GET", "/v1/conversations/{cid}/events",
+     {"headers": {"Last-Event-ID": base64.urlsafe_b64encode(b"[" * 2000).decode()}}, 400,
+     "invalid_cursor"),
     ("feed: cursor time out of range", "GET", "/v1/conversations/{cid}/events",
      {"cursor": {"w": ["0001-01-01T00:00:00+14:00", str(uuid.UUID(int=0))], "o": {}}}, 400,
      "invalid_cursor"),

@@ -219,3 +219,23 @@ async def test_a_refused_cursor_is_said_and_the_feed_starts_over_at_once(
                     break
         refused = [s for s in statuses if s.error and "refused" in s.error]
         assert len(refused) == 1 and refused[0].retry_in == 0.0, statuses
+
+
+async def test_unicode_line_separators_cross_the_feed_inside_their_message(
+        daemon: Daemon, desk: Device) -> None:
+    """SSE lines end at CR or LF only: U+2028, U+2029 and U+0085 inside a message's JSON stay
+    in it (httpx-sse before 0.4.2 split frames there, and the feed then reconnected forever
+    on the same frame)."""
+    text = "one\u2028two\u2029three\x85four"
+    async with client_for(daemon, desk) as client:
+        conversation = await client.create_conversation("separators")
+        created = await client.create_run(conversation.id, text,
+                                          params={"tokens": 2, "delay_ms": 0})
+        await client.wait_run(created.run_id)
+        stream = client.conversation_events(conversation.id)
+        async with asyncio.timeout(WAIT_S), contextlib.aclosing(stream.__aiter__()) as items:
+            async for item in items:
+                if isinstance(item, Snapshot):
+                    break
+    assert [m.content for m in item.state.messages if m.role == "user"] == [text]
+    assert stream.reconnects == 0

@@ -42,10 +42,13 @@ def test_a_long_tool_result_is_exported_whole_and_its_backticks_cannot_close_the
 
 
 def test_a_result_stored_as_plain_text_or_odd_json_is_shown_as_stored() -> None:
+    deep = "[" * 5000 + "]" * 5000  # JSON nested past what the decoder recurses into
     text = _export(_message(MessageRole.TOOL, "not json at all"),
-                   _message(MessageRole.TOOL, '{"a":1}'))
+                   _message(MessageRole.TOOL, '{"a":1}'),
+                   _message(MessageRole.TOOL, deep))
     assert "```\nnot json at all\n```" in text
     assert '```\n{"a":1}\n```' in text
+    assert f"```\n{deep}\n```" in text
 
 
 def test_an_exchange_a_retry_replaced_is_kept_and_marked() -> None:
