@@ -194,6 +194,27 @@ async def test_retry_and_edit_keep_the_old_exchange_marked_on_every_device(
     assert live == ["a better question"]
 
 
+async def test_an_edit_the_daemon_refuses_comes_back_to_the_composer(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    """The editor closes on Enter: an edit refused (its turn still running) used to take what
+    was written in it along, with only a notice left."""
+    async with client_for(daemon, desk) as api:
+        conversation = await api.create_conversation("edit refused")
+    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation.id,
+                           params=SLOW) as (app, pilot):
+        await wait_for(pilot, lambda: attached(app), "desk to attach")
+        await send(app, pilot, "a long one")
+        await wait_for(pilot, lambda: turns(app) and turns(app)[0].running, "it to run")
+        await pilot.press("f5")
+        editor = await wait_for(pilot, lambda: isinstance(app.screen, EditPrompt) and
+                                app.screen, "the editor")
+        editor.query_one("#edited").text = "words I took care over"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.main.composer.text == "words I took care over",
+                       "the refused edit back in the composer")
+        assert len(turns(app)) == 1 and turns(app)[0].question == "a long one"
+
+
 async def test_cancel_one_queued_turn_from_another_device_returns_the_draft_to_its_author(
         daemon: Daemon, desk: Device, laptop: Device, agenttui_dirs: Path) -> None:
     async with client_for(daemon, desk) as api:

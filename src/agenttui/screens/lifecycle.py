@@ -13,7 +13,7 @@ from textual import work
 from textual.binding import Binding, BindingType
 from textual.screen import Screen
 
-from agenttui.client import AgentClient, ApiError, describe
+from agenttui.client import AgentClient, ApiError, describe, outcome_unknown
 from agenttui.conversation import Changes, ConversationModel, Turn
 from agenttui.screens.confirm import Confirm
 from agenttui.screens.edit import EditPrompt
@@ -21,6 +21,7 @@ from agenttui.screens.models import ModelPicker
 
 if TYPE_CHECKING:
     from agenttui.app import AgentTUI
+    from agenttui.widgets.composer import Composer
     from agenttui.widgets.conversation_list import ConversationList
     from agenttui.widgets.ownership_bar import OwnershipBar
     from agenttui.widgets.transcript import Transcript
@@ -102,6 +103,10 @@ class LifecycleScreen(Screen[None]):
 
     @property
     def transcript(self) -> Transcript:
+        raise NotImplementedError
+
+    @property
+    def composer(self) -> Composer:
         raise NotImplementedError
 
     @property
@@ -254,8 +259,18 @@ class LifecycleScreen(Screen[None]):
             run = await self.client.retry(model.conversation_id, question_id, content=content,
                                           params=self.app.settings.params or None)
         except ApiError as exc:
-            self.notify(f"{'Edit' if content is not None else 'Retry'} refused: "
-                        f"{describe(exc)}", severity="error")
+            if content is None:
+                self.notify(f"Retry refused: {describe(exc)}", severity="error")
+                return
+            # The editor is closed: what was written in it must not go with it.
+            self.composer.put_back(content, unless_here=False)
+            if outcome_unknown(exc):
+                self.notify(f"The edit's answer was lost ({describe(exc)}); it may have been "
+                            "applied. Your text is in the composer: check the transcript "
+                            "before you send it.", severity="error", title="Edit uncertain")
+            else:
+                self.notify(f"Edit refused: {describe(exc)}. Your text is in the composer.",
+                            severity="error", title="Edit refused")
             return
         model.note_created(run.run_id)
         self._clear_selection()
