@@ -1021,14 +1021,19 @@ SELECT pg_notify('agentd_run_enqueued', $1::text);
 -- create_pairing --
 -- params: code_hash, account_id, device_name, created_by, ttl_s, max_open
 -- A one-time code, stored only as its hash, valid until a deadline on the database clock; none
--- while the account holds max_open codes neither spent nor expired (no row: one device cannot
--- grow the table without bound; concurrent mints may pass it by as many as run at once).
+-- while the account holds max_open codes that can still be redeemed: neither spent nor expired,
+-- nor minted by a device revoked since (no row: one device cannot grow the table without bound,
+-- and a stolen device, once revoked, cannot keep its account from pairing; concurrent mints
+-- may pass the limit by as many as run at once).
 INSERT INTO pairing (code_hash, account_id, device_name, created_by, expires_at)
 SELECT $1::bytea, $2::uuid, $3::text, $4::uuid,
        clock_timestamp() + make_interval(secs => $5::float8)
 WHERE (SELECT count(*) FROM pairing p
        WHERE p.account_id = $2::uuid AND p.used_at IS NULL
-         AND p.expires_at > clock_timestamp()) < $6::int
+         AND p.expires_at > clock_timestamp()
+         AND (p.created_by IS NULL OR EXISTS (
+             SELECT 1 FROM device maker
+             WHERE maker.id = p.created_by AND maker.revoked_at IS NULL))) < $6::int
 RETURNING expires_at;
 
 -- redeem_pairing --

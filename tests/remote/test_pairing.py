@@ -160,3 +160,23 @@ async def test_an_account_holds_a_bounded_number_of_open_codes(
         assert await pool.fetchval("SELECT count(*) FROM pairing") == pairing.MAX_OPEN_CODES
         assert (await redeem(daemon, codes[0], "tablet")).status_code == 201
         assert (await laptop.post("/v1/pairings", json={})).status_code == 201
+
+
+async def test_codes_a_revoked_device_minted_no_longer_fill_its_account(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    """A stolen device fills its account with codes and is revoked: its codes redeem nothing,
+    and they no longer count either (until they expired, nobody could pair a new device)."""
+    daemon = spawn_remote()
+    await daemon.wait_ready()
+    owner = await new_device(pool, "alice", "laptop")
+    stolen = await new_device(pool, "alice", "phone")
+    async with stolen.client(daemon) as thief:
+        codes = [(await thief.post("/v1/pairings", json={})).json()["code"]
+                 for _ in range(pairing.MAX_OPEN_CODES)]
+    async with owner.client(daemon) as laptop:
+        assert (await laptop.post("/v1/pairings", json={})).status_code == 429
+        assert (await laptop.delete(f"/v1/devices/{stolen.device_id}")).status_code in (200, 204)
+        made = await laptop.post("/v1/pairings", json={})
+        assert made.status_code == 201, made.text
+    assert (await redeem(daemon, codes[0], "the thief's")).status_code != 201
+    assert (await redeem(daemon, made.json()["code"], "tablet")).status_code == 201
