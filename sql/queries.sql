@@ -554,12 +554,13 @@ SELECT analyze_tables($1::text[]);
 -- trim_journal --
 -- params: older_than_s
 -- Retention: the journal is a delivery buffer; the message table is the record. Trim events of
--- runs terminal for longer than the retention age and null their request snapshots.
+-- runs terminal for longer than the retention age, and the copy of the question in their
+-- request (the message holds it): its model and params stay, for a retry and beside the answer.
 WITH old AS (
-    UPDATE agent_run SET request = NULL
+    UPDATE agent_run SET request = request - 'content'
     WHERE status IN ('completed', 'failed', 'cancelled')
       AND finished_at < clock_timestamp() - make_interval(secs => $1::float8)
-      AND (request IS NOT NULL OR EXISTS (SELECT 1 FROM run_event e WHERE e.run_id = id))
+      AND (request ? 'content' OR EXISTS (SELECT 1 FROM run_event e WHERE e.run_id = id))
     RETURNING id
 )
 DELETE FROM run_event e USING old WHERE e.run_id = old.id;

@@ -6,6 +6,7 @@ conversation feed, so every attached device follows without reloading.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import uuid
 from typing import Any
@@ -13,6 +14,7 @@ from uuid import UUID
 
 import httpx
 
+from agentd import queue
 from agentd.providers.demo import expected_answer
 from agentd.queries import Q
 from tests.api.conftest import Api, started_api
@@ -428,6 +430,29 @@ async def test_edit_resends_new_text_and_retry_last_inherits_the_runs_params(api
     live = [m for m in (await state(api, cid))["messages"] if not m["superseded_by"]]
     assert [m["content"] for m in live] == [
         "a question, fixed", expected_answer("demo", "a question, fixed", 3)]
+
+
+async def test_a_retry_past_the_journals_retention_still_inherits_the_runs_params(
+        api: Api) -> None:
+    """Retention trims a finished run's events and the copy of its question in its request;
+    its params and model stay, so a retry the next day runs as the retried turn did (the
+    whole request was nulled, and a retry then ran on no params at all)."""
+    cid = await create_conversation(api.a)
+    first = await finished_turn(api, cid, "yesterday's question", {"tokens": 3, "delay_ms": 0})
+    assert await queue.trim_journal(api.pool, older_than_s=0) >= 1
+    request = json.loads(await api.pool.fetchval(
+        "SELECT request::text FROM agent_run WHERE id = $1", UUID(first["id"])))
+    assert "content" not in request
+    assert request["params"] == {"tokens": 3, "delay_ms": 0} and request["model"]
+    assert await api.pool.fetchval(
+        "SELECT count(*) FROM run_event WHERE run_id = $1", UUID(first["id"])) == 0
+    again = await api.a.post(f"/v1/conversations/{cid}/runs", json={"retry_of": "last"})
+    assert again.status_code == 202, again.text
+    run = await wait_run(api.a, again.json()["run_id"])
+    assert run["usage"]["output_tokens"] == 3  # the retried run's params came along
+    [old_answer] = [m for m in (await state(api, cid))["messages"]
+                    if m["run_id"] == first["id"] and m["role"] == "assistant"]
+    assert old_answer["model"] == request["model"]  # still shown beside the old answer
 
 
 async def test_retry_after_a_cancel_and_replayed_under_its_idempotency_key(api: Api) -> None:
