@@ -212,6 +212,34 @@ async def test_a_retried_call_waits_a_503s_retry_after(daemon: Daemon, desk: Dev
     assert second - first >= 1.0, network.sent_at
 
 
+async def test_a_cursor_too_long_for_a_header_starts_the_feed_over(
+        daemon: Daemon, desk: Device) -> None:
+    """The feed's cursor names every turn still open: with some 170 queued in one conversation
+    it outgrows a request header, and the daemon answers the resume 431. The feed then starts
+    over from a fresh snapshot; it used to end for good (`disconnected`)."""
+    network = Network()
+    cuts = [True]
+    # The connection is cut once, right after its snapshot (whose id is the long cursor).
+    network.cut_after = lambda frame: b"event: snapshot" in frame and bool(cuts) and cuts.pop()
+    async with client_for(daemon, desk) as api, \
+            client_for(daemon, desk, transport=network) as client:
+        conversation = await api.create_conversation("a long queue")
+        await api.create_run(conversation.id, "a long one",
+                             params={"tokens": 2000, "delay_ms": 50})
+        for n in range(170):
+            await api.create_run(conversation.id, f"follow-up {n}",
+                                 params={"tokens": 1, "delay_ms": 0})
+        try:
+            seen = await drain(client.conversation_events(conversation.id),
+                               lambda i: isinstance(i, Snapshot) and not cuts)
+        finally:
+            await api.stop_conversation(conversation.id)
+    [first, again] = [i for i in seen if isinstance(i, Snapshot)]
+    assert not again.resumed  # started over, without the cursor
+    assert len(again.state.runs) == len(first.state.runs) == 171
+    assert "starting over" in (reconnecting(seen)[-1].error or ""), reconnecting(seen)
+
+
 async def test_a_backfill_that_never_answers_reconnects_and_loses_nothing(
         daemon: Daemon, desk: Device) -> None:
     network = Network()

@@ -202,7 +202,10 @@ class AgentClient:
                 if response.status_code >= 400:
                     await response.aread()
                     error = error_from_response(response)
-                    if error.code == "invalid_cursor":
+                    if error.code == "invalid_cursor" or (last_event_id and
+                                                          response.status_code == 431):
+                        # A cursor refused, or too long for a header (it names every turn
+                        # still open: a conversation with a long queue): start over without it.
                         raise BadCursor(error.message)
                     raise error
                 yield EventSource(response)
