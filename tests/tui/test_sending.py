@@ -5,6 +5,7 @@ without a duplicate, and a feed that gave up starts again when its conversation 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,30 @@ async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
         monkeypatch.setattr(main_screen, "RESEND_WINDOW_S", 0.0)  # the window has passed
         await pilot.press("enter")
         await wait_for(pilot, lambda: posts.keys[-1] != lost_key, "a post with a new key")
+
+
+async def test_a_lost_send_resent_after_its_settings_changed_is_known_posted(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    """A send whose answer was lost had landed; the params (or the model) change before it is
+    sent again, so the daemon answers its key with 409 idempotency_conflict. That 409 says the
+    first post went in: the TUI used to say "Not sent" and hand the text back, and sending it
+    once more posted it twice."""
+    async with sending_tui(daemon, desk, agenttui_dirs, "lost, then changed") as (
+            conversation, posts, screen, pilot):
+        posts.lose_answers = True
+        screen.composer.text = "only once"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "only once",
+                       "the lost send back in the composer")
+        posts.lose_answers = False
+        screen.app.settings = dataclasses.replace(screen.app.settings,
+                                                  params={"tokens": 4, "delay_ms": 0})
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: any("had reached the daemon" in n
+                                          for n in screen.notices), "the send known posted")
+        assert screen.composer.text == ""
+        assert not any(n.startswith("Not sent") for n in screen.notices)
+        assert await user_messages(daemon, desk, conversation) == ["only once"]
 
 
 async def test_a_message_sent_behind_an_uncertain_one_leaves_it_its_resend(

@@ -617,6 +617,12 @@ class MainScreen(LifecycleScreen):
             run = await self.client.create_run(conversation_id, text, params=settings.params,
                                                idempotency_key=key)
         except ApiError as exc:
+            if exc.code == "idempotency_conflict":
+                # This key was posted before (keys are never reused for another text): a send
+                # whose answer was lost did land, under settings or a model changed since.
+                self.notify("Your message had reached the daemon after all (with the settings "
+                            "it was first sent with): it was not posted again.")
+                return True
             self.composer.put_back(text, unless_here=False)
             if not outcome_unknown(exc):
                 self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
