@@ -159,6 +159,8 @@ class Turn:
     superseded: bool = False  # a retry or an edit replaced this exchange (kept, marked)
     usage: dict[str, Any] | None = None  # the run's token counts, once it reported them
     model: str | None = None  # the model that answered, when known
+    # Its other messages: tool calls and their results (a search hit can name one).
+    step_ids: set[str] = field(default_factory=set)
 
     @property
     def text(self) -> str:
@@ -348,10 +350,12 @@ class ConversationModel:
         return changes
 
     def key_of_message(self, message_id: str) -> str | None:
-        """The turn holding message `message_id` (question or answer), if loaded."""
+        """The turn holding message `message_id` (its question, answer, or a tool step's), if
+        loaded."""
         for key in reversed(self.order):
             turn = self.turns[key]
-            if message_id in (turn.question_id, turn.answer_id, key):
+            if message_id in (turn.question_id, turn.answer_id, key) or \
+                    message_id in turn.step_ids:
                 return key
         return None
 
@@ -676,6 +680,7 @@ def _take_message(turn: Turn, message: Message) -> None:
         if message.status == MessageStatus.COMPLETE:
             turn.started = True
     elif message.role == MessageRole.ASSISTANT and message.tool_calls:
+        turn.step_ids.add(message.id)
         for call in message.tool_calls:
             step = turn.tools.setdefault(call.id, ToolStep(call.id, call.name))
             step.arguments = tool_arguments(call.arguments)
@@ -687,6 +692,7 @@ def _take_message(turn: Turn, message: Message) -> None:
         turn.model = message.model or turn.model
         turn.superseded = turn.superseded or message.superseded_by is not None
     elif message.role == MessageRole.TOOL and message.tool_call_id:
+        turn.step_ids.add(message.id)
         step = turn.tools.setdefault(message.tool_call_id,
                                      ToolStep(message.tool_call_id, "tool"))
         step.done = True

@@ -231,3 +231,18 @@ def test_an_older_page_asked_before_a_fresh_snapshot_that_does_not_join_is_dropp
                                    "before": "q48"})
     model.apply_page(older, model.before)
     assert model.order == ["r48", "r49", "r50", "r51"] and model.before == "q48"
+
+
+def test_a_tool_step_message_is_found_in_its_turn() -> None:
+    """A search hit can name a tool call or its result: the jump found only questions and
+    answers, and said the message was no longer in the conversation."""
+    model = ConversationModel(ME, CONV)
+    call = {**message("m2", "assistant", "", "complete", "r1"),
+            "tool_calls": [{"id": "c1", "name": "clock", "arguments": {}}]}
+    result = {**message("m3", "tool", '{"now": "noon"}', "complete", "r1"),
+              "tool_call_id": "c1"}
+    model.apply(snapshot([message("m1", "user", "what time is it", "complete", "r1"), call,
+                          result, message("m4", "assistant", "noon", "complete", "r1")],
+                         [run("r1", "completed", OTHER)]))
+    assert [model.key_of_message(m) for m in ("m1", "m2", "m3", "m4")] == ["r1"] * 4
+    assert model.key_of_message("elsewhere") is None
