@@ -199,6 +199,17 @@ class Settings:
                 ("http://", "https://")):
             raise SettingsError(f"public_url ({_env('public_url')}) must start with http:// "
                                 f"or https://, got {self.public_url!r}")
+        for name in [n.strip() for n in self.tls_names.split(",") if n.strip()]:
+            try:
+                certificate_name(name)
+            except ValueError as exc:
+                raise SettingsError(f"tls_names ({_env('tls_names')}): {exc}") from None
+        if self.public_url is not None:
+            try:
+                certificate_name(urlsplit(self.public_url).hostname or "")
+            except ValueError as exc:
+                raise SettingsError(f"public_url ({_env('public_url')}): its host {exc}"
+                                    ) from None
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise SettingsError("log_level (AGENTD_LOG_LEVEL) must be debug|info|warning|error")
         for key, low, high in (("account_max_running", 1, MAX_ACCOUNT_RUNNING),
@@ -256,6 +267,22 @@ def literal_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def certificate_name(name: str) -> str:
+    """`name` as a certificate names it: an address as written, a host name in ASCII (its
+    A-label: "bücher.lan" is "xn--bcher-kva.lan"). ValueError if it is neither."""
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        pass
+    try:
+        ascii_name = name.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise ValueError(f"{name!r} is neither an address nor a host name") from None
+    if not ascii_name or any(c.isspace() or c in "/:@[]" for c in ascii_name):
+        raise ValueError(f"{name!r} is neither an address nor a host name")
+    return ascii_name.lower()
 
 
 def is_loopback_host(host: str) -> bool:

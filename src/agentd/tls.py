@@ -29,7 +29,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from agentd.files import replace_file
 from agentd.fingerprints import fingerprint
-from agentd.settings import Settings, is_loopback_host
+from agentd.settings import Settings, certificate_name, is_loopback_host
 
 log = logging.getLogger("agentd.tls")
 
@@ -125,21 +125,13 @@ def _say_unnamed(cert: x509.Certificate, settings: Settings, directory: Path) ->
         return
     named = {n.lower() for n in names.get_values_for_type(x509.DNSName)} | \
         {str(a) for a in names.get_values_for_type(x509.IPAddress)}
-    missing = sorted({n for n in chosen if _normal(n) not in named})
+    missing = sorted({n for n in chosen if n not in named})
     if missing:
         log.warning("the self-signed TLS certificate does not name how agentd is now "
                     "reached: clients that check names refuse it (agenttui pins it, and does "
                     "not mind); remove the tls directory to make one that does, after which "
                     "paired devices must re-pin", extra={"missing": ",".join(missing),
                                                          "tls_dir": str(directory)})
-
-
-def _normal(name: str) -> str:
-    """A name as a certificate's subjectAltName holds it (an address in its one spelling)."""
-    try:
-        return str(ipaddress.ip_address(name.strip("[]")))
-    except ValueError:
-        return name.lower()
 
 
 def server_context(cert: ServerCertificate) -> ssl.SSLContext:
@@ -158,7 +150,9 @@ def _chosen_names(settings: Settings) -> list[str]:
     names = [settings.listen_host] if settings.listen_host not in _WILDCARDS else []
     if settings.public_url:
         names.append(_url_host(settings.public_url))
-    return names + [n.strip() for n in settings.tls_names.split(",") if n.strip()]
+    # As a certificate spells them (checked by Settings.validate): a host name in ASCII.
+    return [certificate_name(n) for n in
+            names + [n.strip() for n in settings.tls_names.split(",") if n.strip()]]
 
 
 def certificate_names(settings: Settings) -> list[str]:
@@ -267,7 +261,10 @@ def _generate(cert_path: Path, key_path: Path, names: list[str]) -> None:
         try:
             alt.append(x509.IPAddress(ipaddress.ip_address(name)))
         except ValueError:
-            alt.append(x509.DNSName(name))
+            try:
+                alt.append(x509.DNSName(certificate_name(name)))
+            except ValueError:  # this machine's own name, unusable in a certificate: skipped
+                log.warning("a host name left out of the certificate", extra={"name": name})
     now = dt.datetime.now(dt.UTC)
     cert = (
         x509.CertificateBuilder()
