@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     from agentd.logs import configure_logging
     from agentd.startup import SchemaBehind, StoppedWhileStarting
     from agentd.supervisor import SLOT_ENV
-    from agentd.tls import TLSError
+    from agentd.tls import NotTheFleetsCertificate, TLSError
 
     configure_logging(settings.log_level if args.command == "serve" else "warning",
                       worker=os.environ.get(SLOT_ENV) if args.command == "serve" else None)
@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
         # The database cannot be had, as when a server cannot be reached: exit 1 (2 is for
         # a malformed value, checked before anything starts).
         _fail(f"{exc}. Pass --dsn (or AGENTD_DSN) to use an existing PostgreSQL server.", 1)
+    except NotTheFleetsCertificate as exc:
+        _fail(str(exc))
     except TLSError as exc:
         _fail(f"{exc}. Fix tls_cert/tls_key, or remove them to use a self-signed certificate.")
     except ListenError as exc:

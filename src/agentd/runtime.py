@@ -73,6 +73,7 @@ from agentd.supervisor import (
 )
 from agentd.systemd import sd_notify, stopping
 from agentd.tls import (
+    NotTheFleetsCertificate,
     ServerCertificate,
     local_url,
     say_expiry,
@@ -169,6 +170,9 @@ async def serve(settings: Settings, handoff: Handoff | None = None) -> int:
             if settings.serves_tls else None
         if handoff is None:  # a supervisor says it once for its workers
             say_expiry(certificate)
+        elif certificate is not None and handoff.fingerprint not in (None,
+                                                                     certificate.fingerprint):
+            raise NotTheFleetsCertificate(certificate.fingerprint, str(handoff.fingerprint))
         raise_open_files_limit(settings.max_connections + 256)
         database = await open_database(settings)
         try:

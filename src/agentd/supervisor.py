@@ -35,6 +35,8 @@ log = logging.getLogger("agentd.supervisor")
 SOCKETS_ENV = "AGENTD_WORKER_SOCKETS"  # comma-separated inherited file descriptors
 READY_FD_ENV = "AGENTD_WORKER_READY_FD"  # the worker writes READY=1 here once it serves
 SLOT_ENV = "AGENTD_WORKER_SLOT"  # 1..N, for its log lines
+# The fingerprint of the certificate the supervisor loaded: every worker serves that one.
+FINGERPRINT_ENV = "AGENTD_WORKER_FINGERPRINT"
 # "stdin": the supervisor's config text follows on the worker's stdin; "none": it read no file.
 # On stdin, not in the environment: the text may hold secrets, and a worker's environment is
 # inherited by the programs it starts (MCP servers).
@@ -197,6 +199,7 @@ class Handoff:
     ready_fd: int
     slot: int
     parent_pid: int
+    fingerprint: str | None = None  # the certificate the fleet serves (None: plain HTTP)
 
     def report_ready(self) -> None:
         with contextlib.suppress(OSError):
@@ -209,12 +212,13 @@ def handoff_from_environment() -> Handoff | None:
     fds = os.environ.pop(SOCKETS_ENV, None)
     ready = os.environ.pop(READY_FD_ENV, None)
     slot = os.environ.pop(SLOT_ENV, "0")
+    fingerprint = os.environ.pop(FINGERPRINT_ENV, None) or None
     if not fds or ready is None:
         return None
     sockets = [socket.socket(fileno=int(fd)) for fd in fds.split(",")]
     for sock in sockets:
         os.set_inheritable(sock.fileno(), False)  # a worker's own children never hold the port
-    return Handoff(sockets, int(ready), int(slot), os.getppid())
+    return Handoff(sockets, int(ready), int(slot), os.getppid(), fingerprint)
 
 
 async def watch_parent(handoff: Handoff, stop: asyncio.Event) -> None:
@@ -244,8 +248,9 @@ class Fleet:
     """N worker processes on the inherited sockets, kept at N until told to stop."""
 
     def __init__(self, settings: Settings, dsn: str, sockets: list[socket.socket], count: int,
-                 config: ConfigSource) -> None:
+                 config: ConfigSource, fingerprint: str | None = None) -> None:
         self.settings = settings
+        self.fingerprint = fingerprint
         self.dsn = dsn
         self.sockets = sockets
         self.count = count
@@ -271,6 +276,8 @@ class Fleet:
             READY_FD_ENV: str(ready_fd), SLOT_ENV: str(slot)})
         if settings.data_dir is not None:
             env["AGENTD_DATA_DIR"] = str(settings.data_dir)
+        if self.fingerprint is not None:
+            env[FINGERPRINT_ENV] = self.fingerprint
         return env
 
     async def spawn(self, slot: int) -> Worker:
@@ -485,8 +492,10 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
             finally:
                 await pool.close()
             claim(sockets, settings.listen_host, settings.listen_port)
-            return await _run_fleet(Fleet(settings, database.dsn, sockets, count, config),
-                                    stop, hurry, certificate.fingerprint if certificate else None,
+            fingerprint = certificate.fingerprint if certificate else None
+            return await _run_fleet(Fleet(settings, database.dsn, sockets, count, config,
+                                          fingerprint),
+                                    stop, hurry, fingerprint,
                                     embedded=database.embedded is not None)
         finally:
             await asyncio.to_thread(database.close, service=True)

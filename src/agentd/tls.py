@@ -43,6 +43,18 @@ class TLSError(RuntimeError):
     """The certificate cannot be read, made or served; the message says which file and why."""
 
 
+class NotTheFleetsCertificate(TLSError):
+    """A worker restarted by its supervisor found another certificate than the one the rest of
+    the fleet serves (renewed or removed on disk since the start): it does not serve, so one
+    port never presents two certificates."""
+
+    def __init__(self, found: str, served: str) -> None:
+        super().__init__(
+            f"the certificate on disk ({found}) is not the one the other workers serve "
+            f"({served}): this worker does not serve until agentd is restarted, which "
+            "serves the certificate on disk with every worker")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerCertificate:
     cert_path: Path

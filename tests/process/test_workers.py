@@ -11,7 +11,9 @@ refused, or, by default, made smaller.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
+import ssl
 
 import httpx
 import psutil
@@ -205,6 +207,26 @@ async def test_workers_serve_tls_on_the_one_port(spawn_remote, pool):
         except httpx.TransportError:
             return
     assert answer.status_code == 400
+
+
+async def test_a_restarted_worker_never_serves_another_certificate_than_the_fleets(
+        spawn_remote, pool):
+    """The certificate on disk changes while the fleet runs (removed here, as a renewal or
+    the operator would), then a worker dies. Its replacement used to load or make the new one
+    while its sibling served the old: pinned clients refused about one connection in two. It
+    now refuses to serve, and every connection presents the fleet's one certificate."""
+    daemon = spawn_remote(tls=True, workers=2)
+    victim = min(await fleet_serving(daemon))
+    served = daemon.cert_path.read_text()
+    shutil.rmtree(daemon.cert_path.parent)
+    psutil.Process(victim).send_signal(signal.SIGKILL)
+
+    await daemon.wait_for_log("is not the one the other workers serve", 30)
+    assert daemon.log_text().count("agentd worker serving") == 2  # no third ever served
+    trusted = ssl.create_default_context(cadata=served)
+    for _ in range(20):  # fresh handshakes: whichever process accepts, the one certificate
+        async with daemon.client(verify=trusted) as client:
+            assert (await client.get("/healthz")).status_code == 200
 
 
 def processes_of(daemon: Daemon) -> list[psutil.Process]:
