@@ -92,17 +92,18 @@ def test_an_ipv6_host_gets_one_bucket_for_its_whole_64() -> None:
     assert limiter.take("198.51.100.7") is not None  # mapped or not, the same IPv4 address
 
 
-def test_a_limit_that_spends_on_failures_is_looked_at_without_spending() -> None:
+def test_an_attempt_given_back_can_be_spent_again_but_never_past_a_full_bucket() -> None:
+    """Bearer tokens spend before their lookup and give back what named a device."""
     clock = Clock()
     limiter = AddressRateLimiter(2, clock=clock)
-    assert limiter.wait_for("198.51.100.7") is None
-    assert limiter.wait_for("198.51.100.7") is None  # looking spends nothing
-    limiter.take("198.51.100.7")
-    limiter.take("198.51.100.7")
-    wait = limiter.wait_for("198.51.100.7")
+    assert limiter.take("198.51.100.7") is None and limiter.take("198.51.100.7") is None
+    wait = limiter.take("198.51.100.7")
     assert wait is not None and 29.9 <= wait <= 30.0
-    clock.now += 30
-    assert limiter.wait_for("198.51.100.7") is None
+    limiter.give_back("198.51.100.7")
+    assert limiter.take("198.51.100.7") is None
+    for _ in range(5):
+        limiter.give_back("198.51.100.7")
+    assert [limiter.take("198.51.100.7") is None for _ in range(3)] == [True, True, False]
 
 
 def test_an_address_holds_its_share_of_connections_and_loopback_is_not_capped() -> None:
