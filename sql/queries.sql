@@ -1262,13 +1262,15 @@ CROSS JOIN LATERAL (
 ) attached
 WHERE c.id = $1::uuid AND c.account_id = $2::uuid;
 
--- conversation_run_usage --
--- params: conversation_id
--- The model and token counts of each run of a conversation that reported usage, shown beside
--- the answer it produced.
-SELECT id, request ->> 'model' AS model, usage
-FROM agent_run
-WHERE conversation_id = $1::uuid AND usage IS NOT NULL;
+-- runs_of_messages --
+-- params: conversation_id, run_ids
+-- What a page of messages shows of their runs: the model and token counts beside each answer,
+-- the device that asked above each question. Only the page's runs, and only this
+-- conversation's (the ids come from its messages).
+SELECT r.id, r.request ->> 'model' AS model, r.usage, r.origin_device_id, d.name AS device
+FROM agent_run r
+LEFT JOIN device d ON d.id = r.origin_device_id
+WHERE r.conversation_id = $1::uuid AND r.id = ANY ($2::uuid[]);
 
 -- delete_conversation --
 -- params: conversation_id, account_id

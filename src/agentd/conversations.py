@@ -49,6 +49,8 @@ class Message:
     superseded_by: UUID | None = None  # the user message of the exchange that replaced it
     model: str | None = None  # on a run's answer: the model that wrote it
     usage: dict[str, Any] | None = None  # on a run's answer: the run's token counts
+    device_id: UUID | None = None  # on a run's question: the device that asked it
+    device: str | None = None  # that device's name
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,8 +227,7 @@ async def conversation_state(db: Db, account_id: UUID, conversation_id: UUID, *,
         oldest = None if not runs else \
             await _turn_position(db, conversation_id, runs[0].user_message_id, "until")
         page = await _page(db, meta, conversation_id, NO_TURN_BOUND, limit, oldest)
-    messages = _with_usage(page.messages, await db.fetch(*Q.conversation_run_usage.bind(
-        conversation_id=conversation_id)))
+    messages = await _with_runs(db, conversation_id, page.messages)
     runs.sort(key=lambda run: run.status != RunStatus.RUNNING)
     return ConversationState(meta.conversation, messages, runs, meta.lease, meta.usage,
                              page.has_more, page.before, meta.attached)
@@ -246,9 +247,8 @@ async def message_page(db: Db, account_id: UUID, conversation_id: UUID, *,
     until_turn = None if until is None else \
         await _turn_position(db, conversation_id, until, "until")
     page = await _page(db, meta, conversation_id, before_turn, limit, until_turn)
-    messages = _with_usage(page.messages, await db.fetch(*Q.conversation_run_usage.bind(
-        conversation_id=conversation_id)))
-    return dataclasses.replace(page, messages=messages)
+    return dataclasses.replace(page, messages=await _with_runs(db, conversation_id,
+                                                               page.messages))
 
 
 class TranscriptChanged(Exception):
@@ -295,15 +295,26 @@ def _messages(rows: list[Any], meta: ConversationMeta) -> list[Message]:
                     r["created_at"], meta.superseded.get(r["id"])) for r in rows]
 
 
-def _with_usage(messages: list[Message], runs: list[Any]) -> list[Message]:
-    """Each run's model and token counts on its answer: the run's last assistant message."""
-    by_run = {r["id"]: r for r in runs}
+async def _with_runs(db: Db, conversation_id: UUID, messages: list[Message]) -> list[Message]:
+    """Each run's model and token counts on its answer (the run's last assistant message), and
+    the device that asked on its question: read for the page's runs only."""
+    run_ids = list({m.run_id for m in messages if m.run_id is not None})
+    if not run_ids:
+        return messages
+    by_run = {r["id"]: r for r in await db.fetch(*Q.runs_of_messages.bind(
+        conversation_id=conversation_id, run_ids=run_ids))}
     answers = {m.run_id: i for i, m in enumerate(messages)
                if m.role == MessageRole.ASSISTANT and m.run_id in by_run}
-    for run_id, index in answers.items():
-        run = by_run[run_id]
-        messages[index] = dataclasses.replace(messages[index], model=run["model"],
-                                              usage=run["usage"])
+    for index, message in enumerate(messages):
+        run = by_run.get(message.run_id)
+        if run is None:
+            continue
+        if message.role == MessageRole.USER:
+            messages[index] = dataclasses.replace(message, device_id=run["origin_device_id"],
+                                                  device=run["device"])
+        elif answers.get(message.run_id) == index and run["usage"] is not None:
+            messages[index] = dataclasses.replace(message, model=run["model"],
+                                                  usage=run["usage"])
     return messages
 
 

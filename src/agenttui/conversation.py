@@ -292,6 +292,7 @@ class ConversationModel:
         runs = {r.id: r for r in state.runs}
         old = self.turns
         turns = _group(state.messages, old, keep_stream=resumed)
+        self._learn_askers(state.messages)
         for run in state.runs:  # active runs always have their question in the transcript
             turn = turns.setdefault(run.id, _fresh_from(old.get(run.id), run.id, run.id,
                                                         keep_stream=resumed))
@@ -338,6 +339,7 @@ class ConversationModel:
         if self.before != asked_before:
             return Changes()
         grouped = _group(page.messages, {}, keep_stream=False)
+        self._learn_askers(page.messages)
         new = {key: turn for key, turn in grouped.items() if key not in self.turns}
         for turn in new.values():
             _settle(turn)
@@ -469,6 +471,10 @@ class ConversationModel:
         turn = self.turns.get(run_id)
         if turn is not None and turn.device_id is None:
             turn.device_id = self.me.device_id
+
+    def _learn_askers(self, messages: Iterable[Message]) -> None:
+        for message in messages:
+            self._learn_device(message.device_id, message.device)
 
     def _learn_device(self, device_id: str | None, name: str | None) -> None:
         if device_id and name:
@@ -675,6 +681,7 @@ def _take_message(turn: Turn, message: Message) -> None:
     if message.role == MessageRole.USER:
         turn.question = message.content
         turn.question_id = message.id
+        turn.device_id = message.device_id or turn.device_id
         turn.question_status = message.status
         turn.superseded = message.superseded_by is not None
         if message.status == MessageStatus.COMPLETE:

@@ -95,6 +95,8 @@ class Message:
     superseded_by: str | None = None  # a retry or an edit replaced this exchange
     model: str | None = None  # on a run's answer: the model that wrote it
     usage: dict[str, Any] | None = None  # on a run's answer: its token counts
+    device_id: str | None = None  # on a run's question: the device that asked it
+    device: str | None = None  # and its name
 
     @classmethod
     def from_wire(cls, data: dict[str, Any]) -> Message:
@@ -105,7 +107,8 @@ class Message:
                    _enum(MessageStatus, data["status"]), _opt_str(data.get("run_id")),
                    parse_time(data.get("created_at")), calls, _opt_str(data.get("tool_call_id")),
                    _opt_str(data.get("superseded_by")), _opt_str(data.get("model")),
-                   data.get("usage"))
+                   data.get("usage"), _opt_str(data.get("device_id")),
+                   _opt_str(data.get("device")))
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,13 @@ async def test_pages_walk_the_transcript_newest_first_in_whole_turns(api: Api):
     assert [len(p) for p in pages] == [10, 10, 10, 10, 10]
     walked = [m for page in reversed(pages) for m in page]
     assert _ids(walked) == _ids(whole["messages"])
+    # Every question, on every page, names the device that asked it (a client showed an old
+    # page's questions as "another device"); an answer names its model instead.
+    me = assert_json(await api.a.get("/v1/me"))
+    for message in walked + whole["messages"]:
+        asker = (message.get("device_id"), message.get("device"))
+        assert asker == ((me["device_id"], me["device"]) if message["role"] == "user"
+                         else (None, None)), message
     assert walked[0]["role"] == "user" and walked[-1]["content"].endswith("End of answer 25.")
 
     odd = assert_json(await api.a.get(f"{path}/messages", params={"limit": "3"}))

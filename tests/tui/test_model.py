@@ -246,3 +246,23 @@ def test_a_tool_step_message_is_found_in_its_turn() -> None:
                          [run("r1", "completed", OTHER)]))
     assert [model.key_of_message(m) for m in ("m1", "m2", "m3", "m4")] == ["r1"] * 4
     assert model.key_of_message("elsewhere") is None
+
+
+def test_every_question_loaded_names_the_device_that_asked_it() -> None:
+    """Questions carry their asker: those of a snapshot and of older pages are labelled by it,
+    not "another device" (only the 20 newest turns' runs used to be looked up one by one)."""
+    model = ConversationModel(ME, CONV)
+
+    def asked(n: int, device_id: str, device: str) -> list[dict[str, Any]]:
+        question, answer = _turn(n)
+        return [{**question, "device_id": device_id, "device": device}, answer]
+
+    model.apply(_page_state(asked(10, OTHER, "laptop") + asked(11, ME.device_id, ME.device),
+                            before="q10"))
+    page = MessagePage.from_wire({"messages": asked(9, OTHER, "laptop"), "has_more": False,
+                                  "before": None})
+    model.apply_page(page, model.before)
+    older, theirs, mine = (model.turns[key] for key in ("r9", "r10", "r11"))
+    assert model.device_name(older.device_id) == model.device_name(theirs.device_id) == "laptop"
+    assert model.mine(mine) and not model.mine(theirs) and not model.mine(older)
+    assert model.runs_to_resolve() == []  # nothing left to look up one by one

@@ -85,7 +85,12 @@ SCHEMAS: dict[str, Any] = {
                                                      "never shown to the model again)"},
                     "model": {"type": ["string", "null"],
                               "description": "on a run's answer: the model that wrote it"},
-                    "usage": {**_ref("Usage"), "description": "on a run's answer: its tokens"}}},
+                    "usage": {**_ref("Usage"), "description": "on a run's answer: its tokens"},
+                    "device_id": {"type": ["string", "null"], "format": "uuid",
+                                  "description": "on a run's question: the device that asked "
+                                                 "it (null: it came from no device)"},
+                    "device": {"type": ["string", "null"],
+                               "description": "on a run's question: that device's name"}}},
     "Run": {"type": "object",
             "required": ["id", "conversation_id", "status", "cancel_requested", "worker_id",
                          "error", "usage", "created_at", "started_at", "finished_at"],

@@ -18,6 +18,7 @@ from agentd.conversations import (
 )
 from agentd.providers.catalog import Offer
 from agentd.queue import Draft, Event
+from agentd.vocabulary import MessageRole
 
 
 def ts(value: datetime | None) -> str | None:
@@ -55,6 +56,9 @@ def message(m: Message) -> dict[str, Any]:
     if m.usage is not None:
         out["usage"] = m.usage
         out["model"] = m.model
+    if m.role == MessageRole.USER and m.run_id is not None:
+        out["device_id"] = str(m.device_id) if m.device_id else None
+        out["device"] = m.device
     if m.tool_calls:
         out["tool_calls"] = m.tool_calls
     if m.tool_call_id:
