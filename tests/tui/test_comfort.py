@@ -207,6 +207,8 @@ async def test_the_list_shows_older_conversations_a_page_at_a_time(
         for shown, more in ((newest_first[:4], True), (newest_first, False)):
             first_new = len(listing.conversations)
             app.main.action_focus_list()
+            # Focus moves once the app handles it: an Enter pressed before went to the composer.
+            await wait_for(pilot, lambda: app.focused is listing, "the list focused")
             listing.highlighted = listing.option_count - 1
             await pilot.press("enter")
             await wait_for(pilot, lambda shown=shown, more=more: listed() == (shown, more),
