@@ -195,7 +195,9 @@ class TurnRunner:
                 # granted a full lease, and a write here would put one more synchronous commit
                 # in front of every turn. One round trip with the transcript.
                 if transcript is None:
-                    beat, rows = await open_turn(self._pool, claim)
+                    # A dropped connection here (a pooled one whose server went away) is
+                    # retried as every later write of the turn is: it is only a read.
+                    beat, rows = await _retried(open_turn, self._pool, claim)
                     transcript = rows
                     if beat.cancel_requested:
                         held.cancel.set()
@@ -535,11 +537,11 @@ _T = TypeVar("_T")
 
 
 async def _retried(write: Callable[..., Awaitable[_T]], *args: Any, **kwargs: Any) -> _T:
-    """A tool step's write, run again after a dropped connection, a deadlock or a lock wait in
-    vain, as journal appends are (the fence decides whether a retry may still write). Each
-    such write is idempotent: a message carries its own id, an approval its call id, and the
-    repair answers only what is still open, so an attempt whose answer was lost is found, not
-    doubled."""
+    """A turn's opening read or a tool step's write, run again after a dropped connection, a
+    deadlock or a lock wait in vain, as journal appends are (the fence decides whether a retry
+    may still write). Each such write is idempotent: a message carries its own id, an approval
+    its call id, and the repair answers only what is still open, so an attempt whose answer
+    was lost is found, not doubled."""
     for delay in RETRY_DELAYS_S:
         try:
             return await write(*args, **kwargs)

@@ -2,7 +2,8 @@
 drops right after the commit): its retry is refused by the fence, since the run has ended.
 The turn is then counted as finished, not as a lost lease, and the ending's wake-ups, which the
 lost answer kept from going out, are sent: the conversation's next turn starts at once instead
-of at the dispatcher's next tick.
+of at the dispatcher's next tick. A turn's opening read that meets a dropped connection is
+read again, not the end of the turn.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import asyncpg
+import pytest
 
+from agentd import executor
 from agentd.executor import TurnRunner
 from agentd.group_commit import Batcher
 from agentd.heartbeat import LeaseKeeper
@@ -133,3 +136,28 @@ async def test_a_turn_a_finalizer_ended_while_its_answer_was_lost_has_lost_its_l
     assert metrics.registry.get_sample_value("agentd_fenced_writes_total") == 1
     # Its wake-ups go out all the same: whoever ended the run, it has ended.
     assert (Channel.RUN_ENQUEUED, str(claim.conversation_id)) in hints
+
+
+async def test_a_turn_whose_opening_read_meets_a_dropped_connection_still_runs(
+        dsn: str, pool: asyncpg.Pool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim the dispatcher made reads the lease and transcript first, on a pooled
+    connection that may have died with its server (a restart, a failover). That read was not
+    retried: the turn failed as an internal error before any work began."""
+    real = executor.open_turn
+    calls = 0
+
+    async def dropped_once(db: asyncpg.Pool, claim: Claim):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise LOST
+        return await real(db, claim)
+
+    monkeypatch.setattr(executor, "open_turn", dropped_once)
+    async with runner_with(dsn, pool, tmp_path, Batcher(pool, lambda items: finish_runs(
+            pool, items))) as (runner, _hints, _metrics):
+        claim = await claimed_turn(pool)
+        assert await runner.run(claim)
+    assert calls == 2
+    assert await pool.fetchval("SELECT status FROM agent_run WHERE id = $1",
+                               claim.run_id) == RunStatus.COMPLETED
