@@ -194,6 +194,38 @@ async def test_nul_characters_in_a_tool_calls_id_and_arguments_are_dropped_every
     assert [c["id"] for c in tool_calls] == ["call_9"]
 
 
+async def test_a_tool_call_id_too_long_to_store_is_replaced_the_same_everywhere(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path) -> None:
+    """A gateway's call id of 300 characters, for a tool that asks a device first: the
+    approval stores ids of at most 200, and its insert failed the whole turn as an internal
+    error. The id is now replaced by its digest, the same in every place it goes."""
+    long_id = "call_" + "x" * 295
+    fake.script(sse(openai_tool_calls([(long_id, "calculator", ['{"expression": "6 * 7"}'])])),
+                sse(openai_text("42.")))
+    config = tmp_path / "agentd.toml"
+    config.write_text('[tools]\ncalculator = "ask"\n')
+    settings = load_settings(config, env={"AGENTD_HEARTBEAT_S": "1", "AGENTD_FLUSH_MS": "20",
+                                          "AGENTD_APPROVAL_TIMEOUT_S": "1", **openai_env(fake)})
+    tenant = await new_tenant(pool)
+    run = await enqueue(pool, tenant.account_id, tenant.conversation_id, "what is 6*7?",
+                        request={"content": "what is 6*7?", "model": "openai:fake",
+                                 "params": {}})
+    [claim] = await claim_runs(pool, worker_id=WORKER, lease_ttl_s=settings.lease_ttl_s)
+    async with worker(dsn, pool, settings, default_tools(settings.tool_policies)) as runner:
+        assert await runner.run(claim)  # nobody decides: denied after 1 s, and the turn goes on
+    row = await pool.fetchrow("SELECT * FROM agent_run WHERE id = $1", run.run_id)
+    journal = await assert_journal_sound(pool, run.run_id)
+    assert row["status"] == RunStatus.COMPLETED, row["error"]
+    [asked] = of_type(journal, EventType.APPROVAL_REQUESTED)
+    [call] = of_type(journal, EventType.TOOL_CALL)
+    [result] = of_type(journal, EventType.TOOL_RESULT)
+    replaced = call["call_id"]
+    assert replaced.startswith("call_") and len(replaced) <= 200 and replaced != long_id
+    assert asked["call_id"] == result["call_id"] == replaced
+    sent = fake.received[1].body["messages"]
+    assert sent[-2]["tool_calls"][0]["id"] == sent[-1]["tool_call_id"] == replaced
+
+
 def failure_logged(caplog: pytest.LogCaptureFixture, run_id: Any) -> str:
     """The daemon log's line for a failed run, found by its run id (the detail lives there)."""
     lines = [r.getMessage() for r in caplog.records

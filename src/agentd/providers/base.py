@@ -6,11 +6,27 @@ usage and a finish reason. Cancelling the consuming task must close the upstream
 
 from __future__ import annotations
 
+import hashlib
+import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentd.pgtext import clean, clean_text
+
+MAX_CALL_ID = 200  # the longest call id an approval stores (sql/010_tool_approvals.sql)
+
+
+def storable_call_id(raw: str) -> str:
+    """The id a model gave a tool call, as agentd stores and sends it back: cleaned (pgtext.py);
+    none (or nothing but NULs) gets a fresh one, and one longer than MAX_CALL_ID its digest.
+    A gateway's odd id used to fail, at the approval's insert, every turn that asked for one."""
+    cleaned = clean_text(raw)
+    if not cleaned:
+        return f"call_{uuid.uuid4().hex}"
+    if len(cleaned) > MAX_CALL_ID:
+        return "call_" + hashlib.sha256(cleaned.encode()).hexdigest()[:40]
+    return cleaned
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +46,7 @@ class ToolCallRequest:
         # What the model sent, made storable once (pgtext.py): the id and name are written to
         # the journal, the answer's tool calls and the approval, and matched between them, so
         # each must be the same text wherever it is stored.
-        object.__setattr__(self, "id", clean_text(self.id))
+        object.__setattr__(self, "id", storable_call_id(self.id))
         object.__setattr__(self, "name", clean_text(self.name))
         object.__setattr__(self, "arguments", clean(self.arguments))
 

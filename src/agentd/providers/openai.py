@@ -8,14 +8,12 @@ none (a local Ollama) get no Authorization header when that variable is unset.
 from __future__ import annotations
 
 import contextlib
-import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from agentd.pgtext import clean_text
 from agentd.providers.base import (
     Finish,
     ProviderError,
@@ -62,10 +60,9 @@ class _PartialCall:
         if fragment != self.name:
             self.name += fragment
 
-    def finish(self, index: int, names: ToolNames) -> ToolCallRequest:
-        # Cleaned before the fallback: an id of nothing but NULs is no id (pgtext.py).
-        call_id = clean_text(self.id) or f"call_{index}_{uuid.uuid4().hex[:12]}"
-        return ToolCallRequest(call_id, names.local(self.name), decode_arguments(self.arguments))
+    def finish(self, names: ToolNames) -> ToolCallRequest:
+        # An id that is none, or too long to store, is replaced by ToolCallRequest.
+        return ToolCallRequest(self.id, names.local(self.name), decode_arguments(self.arguments))
 
 
 def to_openai_messages(messages: list[dict[str, Any]], params: dict[str, Any],
@@ -171,7 +168,7 @@ class OpenAIProvider:
             raise ProviderError(f"{self.config.name}: the stream ended before the answer did "
                                 "(no finish_reason, no [DONE])")
         for index in sorted(calls):
-            yield calls[index].finish(index, names)
+            yield calls[index].finish(names)
         if usage is not None:
             yield usage
         yield Finish(finish or ("tool_calls" if calls else "stop"))
