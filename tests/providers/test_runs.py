@@ -22,7 +22,7 @@ from agentd.failures import CLIENT_MESSAGES
 from agentd.heartbeat import LeaseKeeper
 from agentd.hub import Hub
 from agentd.metrics import Metrics
-from agentd.providers import ProviderRegistry
+from agentd.providers import ProviderRegistry, http_stream
 from agentd.queue import WorkerReport, claim_runs, reap_expired
 from agentd.settings import Settings, load_settings
 from agentd.tools import Tool, ToolRegistry, default_tools
@@ -280,6 +280,24 @@ async def test_a_model_call_past_its_call_timeout_fails_even_while_it_streams(
     streamed = "".join(p["delta"] for p in of_type(journal, EventType.CONTENT_DELTA))
     assert streamed.startswith(" w0 w1")
     assert (await answer(pool, row["id"]))[-1] == ("assistant", streamed, "failed")
+    await fake.wait_client_gone(within=15)
+
+
+async def test_a_line_without_end_fails_the_call_before_it_fills_the_memory(
+        dsn: str, pool: asyncpg.Pool, fake: FakeServer, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server (or a proxy in front of it) that streams one line and never ends it, quickly
+    enough that no timeout fires: the event stream buffered it whole, as long as it went on.
+    Past MAX_EVENT_CHARS without an event (1 MB here, 16 MB by default) the call fails."""
+    monkeypatch.setattr(http_stream, "MAX_EVENT_CHARS", 1_000_000, raising=False)
+    fake.script(endless(lambda i: (b"data: " if i == 0 else b"") + b"x" * 65536,
+                        interval_s=0.01))
+    # Only the whole call's bound would end it otherwise (a timeout, not this failure).
+    settings = settings_for(tmp_path, openai_env(fake, AGENTD_OPENAI_CALL_TIMEOUT_S="20"))
+    row, journal = await run_turn(dsn, pool, settings, "openai:fake")
+    assert row["status"] == RunStatus.FAILED
+    assert_client_error(row, journal, "provider_error")
+    assert "without a whole event" in failure_logged(caplog, row["id"])
     await fake.wait_client_gone(within=15)
 
 

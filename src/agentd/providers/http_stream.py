@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -31,6 +31,10 @@ MAX_RETRIES = 3
 MAX_RETRY_WAIT_S = 60.0
 ERROR_BODY_BYTES = 4096
 DETAIL_CHARS = 300
+# The most text one event of an answer may hold, with the lines before it that are no event
+# (comments): a whole tool call's arguments fit many times over. httpx-sse buffers a line,
+# and an event's data lines, without any bound of its own.
+MAX_EVENT_CHARS = 16 * 1024 * 1024
 
 
 def required_base_url(config: ProviderConfig) -> str:
@@ -182,6 +186,7 @@ async def post_event_stream(client: httpx.AsyncClient, config: ProviderConfig, *
                         raise ProviderError(f"{config.name}: expected an event stream from "
                                             f"{url}, got {content_type or 'no content type'}: "
                                             f"{detail}")
+                    since_event = _bound_text(response, config)
                     async with contextlib.aclosing(source.aiter_sse()) as events:
                         while True:
                             # The idle bound covers a server that keeps the connection alive
@@ -191,6 +196,7 @@ async def post_event_stream(client: httpx.AsyncClient, config: ProviderConfig, *
                                     event = await anext(events)
                             except StopAsyncIteration:
                                 return
+                            since_event[0] = 0
                             yield event
         except httpx.TimeoutException as exc:
             raise ProviderError(_timeout_message(config, url, exc),
@@ -212,6 +218,27 @@ async def post_event_stream(client: httpx.AsyncClient, config: ProviderConfig, *
         log.warning("provider asked us to retry later",
                     extra={"provider": config.name, "wait_s": wait, "attempt": attempt})
         await asyncio.sleep(wait)
+
+
+def _bound_text(response: httpx.Response, config: ProviderConfig) -> list[int]:
+    """Make `response`'s text, as the event stream reads it (httpx-sse reads aiter_text),
+    fail with a ProviderError once more than MAX_EVENT_CHARS arrive without an event: a server
+    that sends one endless line would otherwise fill the daemon's memory until a timeout.
+    Returns the count, which the reader sets back to 0 at each event."""
+    count = [0]
+    read = response.aiter_text
+
+    async def aiter_text(chunk_size: int | None = None) -> AsyncIterator[str]:
+        async for text in read(chunk_size):
+            count[0] += len(text)
+            if count[0] > MAX_EVENT_CHARS:
+                raise ProviderError(f"{config.name}: the server sent more than "
+                                    f"{MAX_EVENT_CHARS:,} characters without a whole event",
+                                    "provider_error")
+            yield text
+
+    response.aiter_text = aiter_text  # type: ignore[method-assign]
+    return count
 
 
 async def _read_bounded(response: httpx.Response) -> bytes:
