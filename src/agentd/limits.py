@@ -15,6 +15,7 @@ in) their handshake went uncounted, and anyone could hold as many as the open-fi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import ipaddress
 import json
@@ -201,6 +202,16 @@ def _refusal(message: str) -> bytes:
 REFUSALS_OVER_TLS = 16
 
 
+def drop_when_unacknowledged(sock: socket.socket | None, seconds: float) -> None:
+    """TCP_USER_TIMEOUT (Linux): the kernel drops the connection once data it sent has gone
+    unacknowledged for `seconds`. Elsewhere, or on a socket that is not TCP, nothing."""
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if option is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, option, int(seconds * 1000))
+
+
 class ConnectionGuard:
     """Counts this process's connections and times request heads; see the module docstring.
 
@@ -209,10 +220,15 @@ class ConnectionGuard:
     """
 
     def __init__(self, *, max_connections: int, header_timeout_s: float,
-                 per_address: int | None = None) -> None:
+                 per_address: int | None = None, dead_after_s: float | None = None) -> None:
         self.max_connections = max_connections
         self.per_address = per_address or max_connections
         self.header_timeout_s = header_timeout_s
+        # A peer that acknowledges nothing of what was sent for this long is gone (a laptop
+        # closed or off the network without a reset): its connection is dropped then, not
+        # after the kernel's ~15 minutes of retransmissions, during which its streams held
+        # their slots and its device showed as attached.
+        self.dead_after_s = dead_after_s
         self.open = 0
         self.refused = 0
         self.refused_per_address = 0
@@ -297,6 +313,8 @@ class _GuardedProtocol(asyncio.Protocol):
         # A stream transport (an event loop's own need not subclass asyncio.Transport).
         transport = self._transport = cast(asyncio.Transport, transport)
         guard = self._guard
+        if guard.dead_after_s is not None:
+            drop_when_unacknowledged(transport.get_extra_info("socket"), guard.dead_after_s)
         self._address, refused = guard.admit(transport.get_extra_info("peername"))
         if refused is not None:
             self._refusal = refused

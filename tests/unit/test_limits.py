@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import uuid
 
 import pytest
@@ -123,3 +125,32 @@ def test_an_address_holds_its_share_of_connections_and_loopback_is_not_capped() 
     key, _ = taken[0]
     guard.leave(key)
     assert guard.admit(("2001:db8::3", 40005, 0, 0))[1] is None  # its share has room again
+
+
+async def test_a_served_connection_is_dropped_once_its_peer_acknowledges_nothing() -> None:
+    """The guard sets TCP_USER_TIMEOUT on each connection it accepts (a real socket): a peer
+    gone without a reset is dropped within it, not after the kernel's ~15 minutes."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):
+        pytest.skip("TCP_USER_TIMEOUT is Linux's")
+    seen: list[int] = []
+    served = asyncio.Event()
+
+    class Handler(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            sock = transport.get_extra_info("socket")
+            seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+            served.set()
+
+    guard = ConnectionGuard(max_connections=4, header_timeout_s=10, dead_after_s=40)
+    server = await asyncio.get_running_loop().create_server(
+        guard.protocol_factory(Handler), "127.0.0.1", 0)  # type: ignore[arg-type]
+    try:
+        port = server.sockets[0].getsockname()[1]
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        async with asyncio.timeout(10):
+            await served.wait()
+        writer.close()
+        assert seen == [40_000]
+    finally:
+        server.close()
+        await server.wait_closed()
