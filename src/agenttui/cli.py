@@ -116,6 +116,7 @@ Attach this machine to an agentd and save url, token and pinned certificate in
 {config_file()} (mode 0600).
 
   agenttui login URL --code CODE [--fingerprint SHA256:…]   pair with a one-time code
+  agenttui login URL --code - [--fingerprint SHA256:…]      the same, the code asked for
   agenttui login URL --token - [--fingerprint SHA256:…]     a token read from stdin
   agenttui login URL --fingerprint SHA256:…                 re-pin the stored server
 
@@ -126,7 +127,9 @@ Over https the certificate is pinned: without --fingerprint you are shown it and
     login.add_argument("url", nargs="?", metavar="URL", help="the daemon, e.g. "
                        "https://desk.lan:8740")
     login.add_argument("--url", dest="url_option", metavar="URL", help="the same, as an option")
-    login.add_argument("--code", help="a one-time pairing code, e.g. 7K3QX-M9V2D")
+    login.add_argument("--code", help="a one-time pairing code, e.g. 7K3QX-M9V2D; `-`: read "
+                       "it from stdin (asked for on a terminal), off the command line where "
+                       "other local users can read it")
     login.add_argument("--token", metavar="-", help="`-`: read a device token from stdin "
                        "(a token is never taken from the command line)")
     login.add_argument("--fingerprint", metavar="SHA256:…",

@@ -1,7 +1,8 @@
 """`agenttui login`: pair with a daemon (or take a token from stdin), pin its certificate, save.
 
-Three forms:
+Its forms:
   agenttui login URL --code CODE [--fingerprint SHA256:…]   redeem a pairing code
+  agenttui login URL --code - [--fingerprint SHA256:…]      the code from stdin (asked for)
   agenttui login URL --token - [--fingerprint SHA256:…]     a token from stdin, never argv
   agenttui login URL --fingerprint SHA256:…                 re-pin the stored token's server
 Over https the server's certificate is pinned: given with --fingerprint, or shown and confirmed
@@ -12,6 +13,7 @@ Nothing is sent to the server before its certificate is settled.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import getpass
 import socket
 import sys
@@ -84,6 +86,10 @@ async def _login(request: LoginRequest, stdin: TextIO, stderr: TextIO) -> str:
         if stored.get("url") != url or not isinstance(stored.get("token"), str):
             raise LoginError(f"no stored token for {url}: log in with --code or --token -")
     token = _read_token(stdin) if request.token_from_stdin else None
+    if request.code == "-":
+        # Off the command line, where every local user could read it while this waits (the
+        # trust prompt) and redeem it first.
+        request = dataclasses.replace(request, code=_read_code(stdin, stderr))
     pin = await _settle_pin(url, request, stdin, stderr)
     device = request.device or socket.gethostname() or "agenttui"
     try:
@@ -114,6 +120,16 @@ async def _login(request: LoginRequest, stdin: TextIO, stderr: TextIO) -> str:
     who = f" as device {device!r}" + (f" of account {account!r}" if account else "")
     pinned = f"; pinned {pin}" if pin else ""
     return f"logged in to {url}{who}{pinned}; saved to {path} (mode 0600)"
+
+
+def _read_code(stdin: TextIO, stderr: TextIO) -> str:
+    """`--code -`: the pairing code, one line of stdin (asked for on a terminal)."""
+    if stdin.isatty():
+        print("Pairing code (from `agentd pair`): ", end="", file=stderr, flush=True)
+    code = stdin.readline().strip()
+    if not code or any(c.isspace() for c in code):
+        raise LoginError("stdin held no pairing code (one line, e.g. 7K3QX-M9V2D)")
+    return code
 
 
 def _read_token(stdin: TextIO) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import asyncpg
 import httpx
+import psutil
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -161,28 +162,38 @@ async def _any_conversation(pool: asyncpg.Pool) -> str:
     return str(await pool.fetchval("SELECT id FROM conversation LIMIT 1"))
 
 
+@pytest.mark.parametrize("code_asked", [False, True], ids=["code-argument", "code-asked"])
 async def test_trust_on_first_use_asks_on_a_terminal(
-        spawn_remote: SpawnRemote, dsn: str, tmp_path: Path) -> None:
+        spawn_remote: SpawnRemote, dsn: str, tmp_path: Path, code_asked: bool) -> None:
+    """`--code -` asks for the code instead: the command line, which every local user can
+    read while the trust prompt waits, never holds it."""
     daemon = spawn_remote(tls=True)
     await daemon.wait_ready()
     url, code, pin = agentd_pair(daemon, dsn, "tablet")
     shown, code_ = await asyncio.to_thread(_login_on_a_terminal, url, code,
-                                           client_env(tmp_path / "tablet"))
+                                           client_env(tmp_path / "tablet"), code_asked)
     assert code_ == 0, shown.decode()
     assert pin.encode() in shown  # it showed the fingerprint it pinned, to compare with `pair`
     config = tomllib.loads((tmp_path / "tablet" / "config.toml").read_text())
     assert config["fingerprint"] == pin and config["device"] == "tablet"
 
 
-def _login_on_a_terminal(url: str, code: str, env: dict[str, str]) -> tuple[bytes, int]:
-    """`agenttui login URL --code CODE` on a pseudo-terminal, answering `y` when asked."""
+def _login_on_a_terminal(url: str, code: str, env: dict[str, str],
+                         code_asked: bool = False) -> tuple[bytes, int]:
+    """`agenttui login URL --code CODE` (or `--code -`, typing the code when asked) on a
+    pseudo-terminal, answering `y` when asked to trust."""
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "agenttui", "login", url, "--code", code],
-                            stdin=secondary, stdout=secondary, stderr=secondary, env=env,
+    argv = [sys.executable, "-m", "agenttui", "login", url, "--code", "-" if code_asked else code]
+    proc = subprocess.Popen(argv, stdin=secondary, stdout=secondary, stderr=secondary, env=env,
                             start_new_session=True)
     os.close(secondary)
     try:
-        shown = _read_until(primary, b"[y/N]", CLI_TIMEOUT_S)
+        shown = b""
+        if code_asked:
+            shown += _read_until(primary, b"Pairing code", CLI_TIMEOUT_S)
+            assert code not in " ".join(psutil.Process(proc.pid).cmdline())
+            os.write(primary, code.encode() + b"\n")
+        shown += _read_until(primary, b"[y/N]", CLI_TIMEOUT_S)
         os.write(primary, b"y\n")
         shown += _read_until(primary, None, CLI_TIMEOUT_S)
         return shown, proc.wait(timeout=CLI_TIMEOUT_S)
