@@ -197,7 +197,8 @@ class TurnRunner:
                 if transcript is None:
                     # A dropped connection here (a pooled one whose server went away) is
                     # retried as every later write of the turn is: it is only a read.
-                    beat, rows = await _retried(open_turn, self._pool, claim)
+                    beat, rows = await _retried(open_turn, self._pool, claim,
+                                                what="the turn's opening read")
                     transcript = rows
                     if beat.cancel_requested:
                         held.cancel.set()
@@ -536,7 +537,8 @@ class TurnRunner:
 _T = TypeVar("_T")
 
 
-async def _retried(write: Callable[..., Awaitable[_T]], *args: Any, **kwargs: Any) -> _T:
+async def _retried(write: Callable[..., Awaitable[_T]], *args: Any,
+                   what: str = "a tool step's write", **kwargs: Any) -> _T:
     """A turn's opening read or a tool step's write, run again after a dropped connection, a
     deadlock or a lock wait in vain, as journal appends are (the fence decides whether a retry
     may still write). Each such write is idempotent: a message carries its own id, an approval
@@ -546,7 +548,7 @@ async def _retried(write: Callable[..., Awaitable[_T]], *args: Any, **kwargs: An
         try:
             return await write(*args, **kwargs)
         except TRANSIENT as exc:
-            log.info("a tool step's write failed; retrying",
+            log.info(f"{what} failed; retrying",
                      extra={"error": str(exc) or type(exc).__name__, "retry_s": delay})
         await asyncio.sleep(delay)
     return await write(*args, **kwargs)

@@ -220,15 +220,10 @@ class ConnectionGuard:
     """
 
     def __init__(self, *, max_connections: int, header_timeout_s: float,
-                 per_address: int | None = None, dead_after_s: float | None = None) -> None:
+                 per_address: int | None = None) -> None:
         self.max_connections = max_connections
         self.per_address = per_address or max_connections
         self.header_timeout_s = header_timeout_s
-        # A peer that acknowledges nothing of what was sent for this long is gone (a laptop
-        # closed or off the network without a reset): its connection is dropped then, not
-        # after the kernel's ~15 minutes of retransmissions, during which its streams held
-        # their slots and its device showed as attached.
-        self.dead_after_s = dead_after_s
         self.open = 0
         self.refused = 0
         self.refused_per_address = 0
@@ -313,8 +308,6 @@ class _GuardedProtocol(asyncio.Protocol):
         # A stream transport (an event loop's own need not subclass asyncio.Transport).
         transport = self._transport = cast(asyncio.Transport, transport)
         guard = self._guard
-        if guard.dead_after_s is not None:
-            drop_when_unacknowledged(transport.get_extra_info("socket"), guard.dead_after_s)
         self._address, refused = guard.admit(transport.get_extra_info("peername"))
         if refused is not None:
             self._refusal = refused

@@ -220,10 +220,7 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     runtime.certificate = certificate
     runtime.connection_guard = ConnectionGuard(
         max_connections=settings.max_connections, header_timeout_s=settings.header_timeout_s,
-        per_address=settings.max_connections_per_address,
-        # Two keepalives unanswered, and a margin: a stream's keepalive is what a gone peer
-        # leaves unacknowledged.
-        dead_after_s=2 * settings.keepalive_s + 10)
+        per_address=settings.max_connections_per_address)
     # Half a keepalive: a revocation whose hint was lost still ends streams within one.
     runtime.revocations = RevocationWatch(pool, hub, poll_s=settings.keepalive_s / 2)
     runtime.revocations.start()

@@ -199,7 +199,7 @@ class Settings:
                 ("http://", "https://")):
             raise SettingsError(f"public_url ({_env('public_url')}) must start with http:// "
                                 f"or https://, got {self.public_url!r}")
-        for name in [n.strip() for n in self.tls_names.split(",") if n.strip()]:
+        for name in self.extra_tls_names:
             try:
                 certificate_name(name)
             except ValueError as exc:
@@ -235,6 +235,11 @@ class Settings:
         """Where sessions that need one go (migrations' lock, the heartbeat): `dsn` (the
         database's) unless that goes through a transaction pooler, then hub_dsn."""
         return self.hub_dsn if self.pooled and self.hub_dsn else dsn
+
+    @property
+    def extra_tls_names(self) -> list[str]:
+        """`tls_names`, one name or address each."""
+        return [n.strip() for n in self.tls_names.split(",") if n.strip()]
 
     @property
     def listen_host(self) -> str:
@@ -273,7 +278,7 @@ def certificate_name(name: str) -> str:
     """`name` as a certificate names it: an address as written, a host name in ASCII (its
     A-label: "bücher.lan" is "xn--bcher-kva.lan"). ValueError if it is neither."""
     try:
-        return str(ipaddress.ip_address(name))
+        return str(ipaddress.ip_address(name.strip("[]")))  # "[2001:db8::1]" as in a URL
     except ValueError:
         pass
     try:

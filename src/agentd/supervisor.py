@@ -35,7 +35,7 @@ log = logging.getLogger("agentd.supervisor")
 SOCKETS_ENV = "AGENTD_WORKER_SOCKETS"  # comma-separated inherited file descriptors
 READY_FD_ENV = "AGENTD_WORKER_READY_FD"  # the worker writes READY=1 here once it serves
 SLOT_ENV = "AGENTD_WORKER_SLOT"  # 1..N, for its log lines
-# The fingerprint of the certificate the supervisor loaded: every worker serves that one.
+# The fingerprint of the self-signed certificate the supervisor loaded: every worker serves it.
 FINGERPRINT_ENV = "AGENTD_WORKER_FINGERPRINT"
 # "stdin": the supervisor's config text follows on the worker's stdin; "none": it read no file.
 # On stdin, not in the environment: the text may hold secrets, and a worker's environment is
@@ -493,8 +493,13 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
                 await pool.close()
             claim(sockets, settings.listen_host, settings.listen_port)
             fingerprint = certificate.fingerprint if certificate else None
+            # The self-signed certificate is every worker's, as devices pinned it: a worker
+            # restarted after it changed on disk does not serve another. A configured one is
+            # renewed on disk (certbot) and trusted through its CA: a restarted worker serves
+            # the renewal.
+            fleets = fingerprint if certificate and certificate.self_signed else None
             return await _run_fleet(Fleet(settings, database.dsn, sockets, count, config,
-                                          fingerprint),
+                                          fleets),
                                     stop, hurry, fingerprint,
                                     embedded=database.embedded is not None)
         finally:

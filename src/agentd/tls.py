@@ -44,9 +44,9 @@ class TLSError(RuntimeError):
 
 
 class NotTheFleetsCertificate(TLSError):
-    """A worker restarted by its supervisor found another certificate than the one the rest of
-    the fleet serves (renewed or removed on disk since the start): it does not serve, so one
-    port never presents two certificates."""
+    """A worker restarted by its supervisor found another self-signed certificate than the one
+    the rest of the fleet serves (removed or made anew on disk since the start): it does not
+    serve, so one port never presents two certificates that devices pin."""
 
     def __init__(self, found: str, served: str) -> None:
         super().__init__(
@@ -163,8 +163,7 @@ def _chosen_names(settings: Settings) -> list[str]:
     if settings.public_url:
         names.append(_url_host(settings.public_url))
     # As a certificate spells them (checked by Settings.validate): a host name in ASCII.
-    return [certificate_name(n) for n in
-            names + [n.strip() for n in settings.tls_names.split(",") if n.strip()]]
+    return [certificate_name(n) for n in names + settings.extra_tls_names]
 
 
 def certificate_names(settings: Settings) -> list[str]:

@@ -123,7 +123,7 @@ def _tool_outcome(content: str) -> tuple[str | None, str | None]:
     """A tool message/event body -> (result text, error text)."""
     try:
         data = json.loads(content) if isinstance(content, str) else content
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to read: as it is
         return content, None
     if isinstance(data, dict):
         if "error" in data:

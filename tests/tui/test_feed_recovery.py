@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 
 import httpx
+import pytest
 
 from agentd.vocabulary import EventType, RunStatus
 from agenttui.client import (
@@ -21,6 +22,7 @@ from agenttui.client import (
     FeedItem,
     RunEvent,
     Snapshot,
+    streams,
 )
 from tests.support.daemon import Daemon
 from tests.support.factories import Device
@@ -212,11 +214,15 @@ async def test_a_retried_call_waits_a_503s_retry_after(daemon: Daemon, desk: Dev
     assert second - first >= 1.0, network.sent_at
 
 
+@pytest.mark.parametrize("sent", [False, True], ids=["left-unsent", "refused-431"])
 async def test_a_cursor_too_long_for_a_header_starts_the_feed_over(
-        daemon: Daemon, desk: Device) -> None:
+        daemon: Daemon, desk: Device, monkeypatch: pytest.MonkeyPatch, sent: bool) -> None:
     """The feed's cursor names every turn still open: with some 170 queued in one conversation
-    it outgrows a request header, and the daemon answers the resume 431. The feed then starts
-    over from a fresh snapshot; it used to end for good (`disconnected`)."""
+    it outgrows a request header. The client starts over from a fresh snapshot rather than
+    send it; sent anyway (a daemon with a smaller limit), the daemon answers the resume 431,
+    and the feed starts over then. It used to end for good (`disconnected`)."""
+    if sent:
+        monkeypatch.setattr(streams, "MAX_RESUME_ID", 1_000_000)
     network = Network()
     cuts = [True]
     # The connection is cut once, right after its snapshot (whose id is the long cursor).
@@ -237,7 +243,7 @@ async def test_a_cursor_too_long_for_a_header_starts_the_feed_over(
     [first, again] = [i for i in seen if isinstance(i, Snapshot)]
     assert not again.resumed  # started over, without the cursor
     assert len(again.state.runs) == len(first.state.runs) == 171
-    assert "starting over" in (reconnecting(seen)[-1].error or ""), reconnecting(seen)
+    assert ("starting over" in (reconnecting(seen)[-1].error or "")) is sent, reconnecting(seen)
 
 
 async def test_a_backfill_that_never_answers_reconnects_and_loses_nothing(

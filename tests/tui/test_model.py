@@ -266,3 +266,16 @@ def test_every_question_loaded_names_the_device_that_asked_it() -> None:
     assert model.device_name(older.device_id) == model.device_name(theirs.device_id) == "laptop"
     assert model.mine(mine) and not model.mine(theirs) and not model.mine(older)
     assert model.runs_to_resolve() == []  # nothing left to look up one by one
+
+
+def test_a_tool_result_nested_too_deep_to_read_is_shown_as_it_is() -> None:
+    """JSON nested past what the decoder recurses into (a tool's odd output): the model showed
+    nothing more of the conversation, its update broken by a RecursionError."""
+    deep = "[" * 5000 + "]" * 5000
+    model = ConversationModel(ME, CONV)
+    call = {**message("m2", "assistant", "", "complete", "r1"),
+            "tool_calls": [{"id": "c1", "name": "clock", "arguments": {}}]}
+    result = {**message("m3", "tool", deep, "complete", "r1"), "tool_call_id": "c1"}
+    model.apply(snapshot([message("m1", "user", "q", "complete", "r1"), call, result],
+                         [run("r1", "completed", OTHER)]))
+    assert model.turns["r1"].tools["c1"].result == deep

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import uuid
 
+import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
+from agentd.api import sse
 from agentd.limits import (
     AT_THE_ADDRESS_CAP,
     AT_THE_CAP,
@@ -127,30 +130,34 @@ def test_an_address_holds_its_share_of_connections_and_loopback_is_not_capped() 
     assert guard.admit(("2001:db8::3", 40005, 0, 0))[1] is None  # its share has room again
 
 
-async def test_a_served_connection_is_dropped_once_its_peer_acknowledges_nothing() -> None:
-    """The guard sets TCP_USER_TIMEOUT on each connection it accepts (a real socket): a peer
-    gone without a reset is dropped within it, not after the kernel's ~15 minutes."""
+async def test_a_stream_is_dropped_once_its_client_acknowledges_nothing() -> None:
+    """An event stream's socket (a real aiohttp server here) gets TCP_USER_TIMEOUT: a client
+    gone without a reset is dropped within it, not after the kernel's ~15 minutes. A plain
+    answer's is left alone: a download a client pauses reading is not cut."""
     if not hasattr(socket, "TCP_USER_TIMEOUT"):
         pytest.skip("TCP_USER_TIMEOUT is Linux's")
-    seen: list[int] = []
-    served = asyncio.Event()
+    seen: dict[str, int] = {}
 
-    class Handler(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            sock = transport.get_extra_info("socket")
-            seen.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
-            served.set()
+    def user_timeout(request: web.Request) -> int:
+        assert request.transport is not None
+        sock = request.transport.get_extra_info("socket")
+        return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
 
-    guard = ConnectionGuard(max_connections=4, header_timeout_s=10, dead_after_s=40)
-    server = await asyncio.get_running_loop().create_server(
-        guard.protocol_factory(Handler), "127.0.0.1", 0)  # type: ignore[arg-type]
-    try:
-        port = server.sockets[0].getsockname()[1]
-        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        async with asyncio.timeout(10):
-            await served.wait()
-        writer.close()
-        assert seen == [40_000]
-    finally:
-        server.close()
-        await server.wait_closed()
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = await sse.open_stream(request, dead_after_s=40)
+        seen["stream"] = user_timeout(request)
+        return response
+
+    async def plain(request: web.Request) -> web.Response:
+        seen["plain"] = user_timeout(request)
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_get("/stream", stream)
+    app.router.add_get("/plain", plain)
+    async with TestServer(app) as server, httpx.AsyncClient(base_url=str(server.make_url(
+            "/"))) as client:
+        assert (await client.get("/plain")).status_code == 200
+        async with client.stream("GET", "/stream") as answer:
+            assert answer.status_code == 200
+    assert seen == {"plain": 0, "stream": 40_000}

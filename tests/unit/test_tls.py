@@ -32,8 +32,9 @@ def der(path: Path) -> bytes:
 def test_first_start_makes_an_ecdsa_certificate_later_starts_reuse_it(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="agentd.tls"):
-        made = tls.server_certificate(settings(tmp_path, listen="127.0.0.1:9443",
-                                               tls_names="desk.lan, 10.1.2.3, Bücher.lan"))
+        made = tls.server_certificate(settings(
+            tmp_path, listen="127.0.0.1:9443",
+            tls_names="desk.lan, 10.1.2.3, Bücher.lan, [2001:db8::7]"))
     assert "made a self-signed TLS certificate" in caplog.text
     assert made.self_signed and made.fingerprint == fingerprint(der(made.cert_path))
     assert made.fingerprint.startswith("SHA256:") and len(made.fingerprint) == 7 + 43
@@ -46,7 +47,7 @@ def test_first_start_makes_an_ecdsa_certificate_later_starts_reuse_it(
     addresses = {str(a) for a in sans.get_values_for_type(x509.IPAddress)}
     assert {"desk.lan", "localhost"} <= set(names) and tls.socket.gethostname().lower() in names
     assert "xn--bcher-kva.lan" in names  # a name beyond ASCII as its A-label (it was a crash)
-    assert {"127.0.0.1", "::1", "10.1.2.3"} <= addresses
+    assert {"127.0.0.1", "::1", "10.1.2.3", "2001:db8::7"} <= addresses
     assert stat.S_IMODE(made.key_path.stat().st_mode) == 0o600
     assert stat.S_IMODE(made.cert_path.parent.stat().st_mode) == 0o700
 

@@ -6,6 +6,8 @@ one exception is POST /v1/pair, where a pairing code stands in for the token (ra
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
@@ -55,8 +57,10 @@ async def _looked_up(request: web.Request, token: str) -> Principal | None:
                             "tokens from this address; wait and retry", wait)
     try:
         who = await _principal_of(request, token)
+    except asyncio.CancelledError:
+        raise  # the client left while it was looked up: the attempt stays spent
     except BaseException:
-        if spent:  # never judged (the database failed, the client left): not a failure
+        if spent:  # never judged (the database failed): not a failure
             runtime.auth_failures.give_back(address)
         raise
     if who is None:

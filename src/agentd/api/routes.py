@@ -361,7 +361,7 @@ async def run_events(request: web.Request) -> web.StreamResponse:
                                f"Last-Event-ID must be in [0, {MAX_SEQ}]")
     await service.get_run(principal(request), run_id)  # 404 before the stream opens
     with open_device_stream(request, principal(request)) as stream:  # 429 over the limit
-        response = await sse.open_stream(request)
+        response = await sse.open_stream(request, dead_after_s=_dead_after_s(request))
 
         lag = _DeltaLag(request)
 
@@ -427,7 +427,7 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
                 presence_id = await service.attach(who, conversation_id, PRESENCE_TTL_S)
 
     try:
-        response = await sse.open_stream(request)
+        response = await sse.open_stream(request, dead_after_s=_dead_after_s(request))
         snapshot = wire.conversation_state(state)
         lag = _DeltaLag(request)
 
@@ -511,3 +511,9 @@ class _DeltaLag:
         written = event.created_at.timestamp()
         if written >= self._opened:
             self._histogram.observe(max(0.0, time.time() + self._offset_s - written))
+
+
+def _dead_after_s(request: web.Request) -> float:
+    """Two keepalives unanswered, and a margin: a stream's keepalive is what a gone client
+    leaves unacknowledged."""
+    return 2 * request.app[RUNTIME].settings.keepalive_s + 10

@@ -10,10 +10,19 @@ from typing import Any
 
 from aiohttp import web
 
+from agentd.limits import drop_when_unacknowledged
+
 OPEN_STREAM = web.RequestKey("open_stream", web.StreamResponse)
 
 
-async def open_stream(request: web.Request) -> web.StreamResponse:
+async def open_stream(request: web.Request, *, dead_after_s: float) -> web.StreamResponse:
+    """Start the stream's answer. A client that acknowledges nothing of it for `dead_after_s`
+    (a laptop gone without a reset) is dropped then, not after the kernel's ~15 minutes of
+    retransmissions, during which its stream held a slot and its device showed as attached.
+    Streams only: a download a client pauses reading (a pager) is not cut."""
+    transport = request.transport
+    if transport is not None:
+        drop_when_unacknowledged(transport.get_extra_info("socket"), dead_after_s)
     response = web.StreamResponse(headers={
         "Content-Type": "text/event-stream; charset=utf-8",
         "Cache-Control": "no-cache, no-transform",

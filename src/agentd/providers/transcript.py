@@ -97,6 +97,6 @@ def decode_arguments(text: str) -> dict[str, Any] | str:
         return {}
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested too deep: as bad as not JSON at all
         return text
     return value if isinstance(value, dict) else text

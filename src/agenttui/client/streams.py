@@ -69,6 +69,11 @@ class Backoff:
         return min(error.retry_after or 0.0, self.retry_after_cap)
 
 
+# The longest cursor sent back as Last-Event-ID: under the 8190 bytes a header may hold in
+# aiohttp (and in nginx's default buffers), with room for the rest of the line.
+MAX_RESUME_ID = 8000
+
+
 class ConnectionState(StrEnum):
     CONNECTING = "connecting"
     LIVE = "live"
@@ -210,6 +215,12 @@ class _ResumableStream:
                 await asyncio.sleep(delay)
             wait_at_least = 0.0
             sent = self._resume_id()
+            if sent is not None and len(sent) > MAX_RESUME_ID:
+                # Too long for a request header (a conversation with some 145 open turns): a
+                # daemon answers 431, a proxy in front of it maybe a 400 of its own. Start
+                # over from a fresh snapshot rather than send it.
+                self._forget_cursor()
+                sent = None
             connected_at: float | None = None
             events_before = self.new_events
             try:
