@@ -404,23 +404,28 @@ class TurnRunner:
         claim = turn.claim
         wire_calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]
         turn.asked_tools = True
+        asked_id = uuid4()
         await _retried(insert_message, self._pool, claim, role=MessageRole.ASSISTANT,
-                       content="", tool_calls=wire_calls, message_id=uuid4())
+                       content="", tool_calls=wire_calls, message_id=asked_id)
         added: list[dict[str, Any]] = [{"role": "assistant", "content": said,
                                         "tool_calls": wire_calls}]
         ctx = ToolContext(claim.run_id, claim.conversation_id, claim.account_id, claim.fence,
                           self._tool_store)
         for call in calls:
             turn.open_calls[call.id] = call.name
+            # Each event names the message it is stored in: a search hit names that message.
             await turn.emitter.event(EventType.TOOL_CALL, {
-                "call_id": call.id, "name": call.name, "arguments": call.arguments})
+                "call_id": call.id, "name": call.name, "arguments": call.arguments,
+                "message_id": str(asked_id)})
             result = await self._run_tool(turn, call, ctx)
             content = json.dumps(clean(result), default=str)
+            result_id = uuid4()
             await _retried(insert_message, self._pool, claim, role=MessageRole.TOOL,
-                           content=content, tool_call_id=call.id, message_id=uuid4())
+                           content=content, tool_call_id=call.id, message_id=result_id)
             del turn.open_calls[call.id]
             await turn.emitter.event(EventType.TOOL_RESULT, {
-                "call_id": call.id, "name": call.name, **json.loads(content)})
+                **json.loads(content), "call_id": call.id, "name": call.name,
+                "message_id": str(result_id)})
             added.append({"role": "tool", "content": content, "tool_call_id": call.id})
         return added
 

@@ -374,6 +374,8 @@ class ConversationModel:
         turn.last_seq = event.seq
         payload = event.payload
         kind = event.type
+        if kind in (EventType.TOOL_CALL, EventType.TOOL_RESULT) and payload.get("message_id"):
+            turn.step_ids.add(str(payload["message_id"]))  # the message a search hit names
         if kind == EventType.USER_MESSAGE:
             turn.question = str(payload.get("content") or turn.question)
             turn.question_id = str(payload.get("message_id") or turn.question_id or "") or None

@@ -192,6 +192,11 @@ async def test_nul_characters_in_a_tool_calls_id_and_arguments_are_dropped_every
         " AND conversation_id = (SELECT conversation_id FROM agent_run WHERE id = $1)",
         row["id"])
     assert [c["id"] for c in tool_calls] == ["call_9"]
+    # Each step's events name the message that holds it (what a search hit names).
+    held = {r["role"]: str(r["id"]) for r in await pool.fetch(
+        "SELECT id, role FROM message WHERE run_id = $1"
+        " AND (tool_call_id IS NOT NULL OR tool_calls IS NOT NULL)", row["id"])}
+    assert (call["message_id"], result["message_id"]) == (held["assistant"], held["tool"])
 
 
 async def test_a_tool_call_id_too_long_to_store_is_replaced_the_same_everywhere(

@@ -246,6 +246,13 @@ def test_a_tool_step_message_is_found_in_its_turn() -> None:
                          [run("r1", "completed", OTHER)]))
     assert [model.key_of_message(m) for m in ("m1", "m2", "m3", "m4")] == ["r1"] * 4
     assert model.key_of_message("elsewhere") is None
+    # A turn that ran live: its steps' messages are known from its events.
+    model.apply(event("r2", 1, EventType.USER_MESSAGE, message_id="n1", content="again"))
+    model.apply(event("r2", 2, EventType.TOOL_CALL, call_id="c2", name="clock",
+                      arguments={}, message_id="n2"))
+    model.apply(event("r2", 3, EventType.TOOL_RESULT, call_id="c2", name="clock",
+                      result={"now": "noon"}, message_id="n3"))
+    assert [model.key_of_message(m) for m in ("n1", "n2", "n3")] == ["r2"] * 3
 
 
 def test_every_question_loaded_names_the_device_that_asked_it() -> None:
