@@ -199,7 +199,8 @@ class Handoff:
     ready_fd: int
     slot: int
     parent_pid: int
-    fingerprint: str | None = None  # the certificate the fleet serves (None: plain HTTP)
+    # The self-signed certificate the fleet serves (None: plain HTTP, or a configured one).
+    fingerprint: str | None = None
 
     def report_ready(self) -> None:
         with contextlib.suppress(OSError):
@@ -497,9 +498,9 @@ async def supervise(settings: Settings, count: int, config: ConfigSource) -> int
             # restarted after it changed on disk does not serve another. A configured one is
             # renewed on disk (certbot) and trusted through its CA: a restarted worker serves
             # the renewal.
-            fleets = fingerprint if certificate and certificate.self_signed else None
+            pinned = fingerprint if certificate and certificate.self_signed else None
             return await _run_fleet(Fleet(settings, database.dsn, sockets, count, config,
-                                          fleets),
+                                          pinned),
                                     stop, hurry, fingerprint,
                                     embedded=database.embedded is not None)
         finally:

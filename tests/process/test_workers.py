@@ -19,6 +19,7 @@ import httpx
 import psutil
 import pytest
 
+from agentd import tls
 from agentd.db import connection_budget
 from agentd.settings import Settings
 from agentd.supervisor import worker_count
@@ -227,6 +228,41 @@ async def test_a_restarted_worker_never_serves_another_certificate_than_the_flee
     for _ in range(20):  # fresh handshakes: whichever process accepts, the one certificate
         async with daemon.client(verify=trusted) as client:
             assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_a_restarted_worker_serves_a_configured_certificates_renewal(
+        spawn_remote, pool, tmp_path):
+    """A configured certificate renewed on disk (certbot) is served by a worker restarted
+    after a crash: clients trust it through its CA, and refusing it would lose the worker
+    until agentd restarts. Only the self-signed certificate, which devices pin, is held."""
+    made = [tls.server_certificate(Settings(data_dir=tmp_path / name, tls="on").validate())
+            for name in ("first", "renewed")]
+    data_dir = tmp_path / "fleet"
+    (data_dir / "tls").mkdir(parents=True)
+    cert, key = data_dir / "tls" / "agentd.crt", data_dir / "tls" / "agentd.key"
+    shutil.copy(made[0].cert_path, cert)
+    shutil.copy(made[0].key_path, key)
+    key.chmod(0o600)
+    daemon = spawn_remote(tls=True, workers=2, data_dir=data_dir,
+                          env={"AGENTD_TLS_CERT": str(cert), "AGENTD_TLS_KEY": str(key)})
+    victim = min(await fleet_serving(daemon))
+    for source, target in ((made[1].cert_path, cert), (made[1].key_path, key)):
+        shutil.copy(source, target.with_suffix(".new"))
+        target.with_suffix(".new").replace(target)
+    psutil.Process(victim).send_signal(signal.SIGKILL)
+
+    await poll_until(lambda: daemon.log_text().count("agentd worker serving") == 3, 30,
+                     what="the replacement worker serving the renewal")
+    assert "is not the one the other workers serve" not in daemon.log_text()
+    renewed = ssl.create_default_context(cafile=str(made[1].cert_path))
+
+    async def renewal_served() -> bool:
+        with contextlib.suppress(httpx.ConnectError):
+            async with daemon.client(verify=renewed) as client:
+                return (await client.get("/healthz")).status_code == 200
+        return False  # the other worker, with the certificate it started with
+
+    await poll_until(renewal_served, 30, interval=0.01, what="the renewal served")
 
 
 def processes_of(daemon: Daemon) -> list[psutil.Process]:

@@ -4,6 +4,8 @@ turn from another device, archive, delete and usage, each seen live by a second 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,18 @@ def view(app: Any, key: str) -> TurnView:
 def attached(app: Any) -> bool:
     model = app.main.model
     return bool(model and model.snapshots)
+
+
+@contextlib.asynccontextmanager
+async def attached_to_new(daemon: Daemon, device: Device, dirs: Path, title: str,
+                          params: dict[str, Any]) -> AsyncIterator[tuple[Any, Any]]:
+    """A TUI of `device` attached to a new conversation: (the app, its pilot)."""
+    async with client_for(daemon, device) as api:
+        conversation = await api.create_conversation(title)
+    async with running_tui(daemon.url, device, dirs, conversation=conversation.id,
+                           params=params) as (app, pilot):
+        await wait_for(pilot, lambda: attached(app), "the TUI to attach")
+        yield app, pilot
 
 
 async def send(app: Any, pilot: Any, text: str) -> None:
@@ -113,11 +127,8 @@ async def test_the_model_picker_sets_the_conversations_model_for_every_device(
 
 async def test_select_a_message_fork_and_you_are_in_the_copy(
         daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
-    async with client_for(daemon, desk) as api:
-        conversation = await api.create_conversation("original")
-    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation.id,
-                           params=FAST) as (app, pilot):
-        await wait_for(pilot, lambda: attached(app), "attach")
+    async with attached_to_new(daemon, desk, agenttui_dirs, "original", FAST) as (app, pilot):
+        original_id = app.main.model.conversation_id
         await send(app, pilot, "first question")
         await finished_turns(app, pilot, 1)
         await send(app, pilot, "second question")
@@ -136,7 +147,7 @@ async def test_select_a_message_fork_and_you_are_in_the_copy(
 
         await pilot.press("f3")
         await wait_for(pilot, lambda: app.main.model and
-                       app.main.model.conversation_id != conversation.id and
+                       app.main.model.conversation_id != original_id and
                        app.main.model.snapshots, "the TUI to open the copy")
         copy = await finished_turns(app, pilot, 1)
         assert copy[0].question == "first question" and copy[0].text == first.text
@@ -148,7 +159,7 @@ async def test_select_a_message_fork_and_you_are_in_the_copy(
         # In the copy, the conversation goes on from the fork point.
         await send(app, pilot, "a different second question")
         await finished_turns(app, pilot, 2)
-    original = await api_state(daemon, desk, conversation.id)
+    original = await api_state(daemon, desk, original_id)
     assert [m.content for m in original.messages if m.role == "user"] == [
         "first question", "second question"]
 
@@ -198,11 +209,8 @@ async def test_an_edit_the_daemon_refuses_comes_back_to_the_composer(
         daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
     """The editor closes on Enter: an edit refused (its turn still running) used to take what
     was written in it along, with only a notice left."""
-    async with client_for(daemon, desk) as api:
-        conversation = await api.create_conversation("edit refused")
-    async with running_tui(daemon.url, desk, agenttui_dirs, conversation=conversation.id,
-                           params=SLOW) as (app, pilot):
-        await wait_for(pilot, lambda: attached(app), "desk to attach")
+    async with attached_to_new(daemon, desk, agenttui_dirs, "edit refused", SLOW) as (
+            app, pilot):
         await send(app, pilot, "a long one")
         await wait_for(pilot, lambda: turns(app) and turns(app)[0].running, "it to run")
         await pilot.press("f5")
