@@ -682,15 +682,22 @@ WITH revoked AS (
     UPDATE device SET revoked_at = clock_timestamp()
     WHERE id = $1::uuid AND revoked_at IS NULL
       AND ($2::uuid IS NULL OR account_id = $2::uuid)
-    RETURNING id
+    RETURNING id, revoked_at
 ), gone AS (
     DELETE FROM presence p USING revoked WHERE p.device_id = revoked.id
     RETURNING p.conversation_id
 )
-SELECT revoked.id, pg_notify('agentd_device', revoked.id::text),
+SELECT revoked.revoked_at, pg_notify('agentd_device', revoked.id::text),
        (SELECT count(pg_notify('agentd_conversation', c.conversation_id::text))
         FROM (SELECT DISTINCT conversation_id FROM gone) c) AS feeds_told
 FROM revoked;
+
+-- device_revoked_at --
+-- params: device_id, account_id
+-- A revocation asked again (its first answer lost) is answered as the first one was: revoked_at
+-- is set once and never cleared, so this read cannot race a revocation into a wrong answer.
+SELECT revoked_at FROM device
+WHERE id = $1::uuid AND revoked_at IS NOT NULL AND ($2::uuid IS NULL OR account_id = $2::uuid);
 
 -- create_conversation --
 -- params: account_id, title, model

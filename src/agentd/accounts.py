@@ -69,6 +69,14 @@ class DeviceInfo:
     revoked_at: datetime | None
 
 
+@dataclass(frozen=True, slots=True)
+class Revocation:
+    """A device's revocation: when it landed, and whether an earlier request had landed it."""
+
+    revoked_at: datetime
+    again: bool
+
+
 MAX_NAME_CHARS = 200  # the account and device tables' CHECK constraints
 
 
@@ -127,14 +135,21 @@ async def list_devices(db: Db) -> list[DeviceInfo]:
                        r["revoked_at"]) for r in await db.fetch(Q.list_devices.sql)]
 
 
-async def revoke_device(db: Db, device_id: UUID, *, account_id: UUID | None = None) -> bool:
-    """Revoke a device (of `account_id` only, when given); False if no such active device.
+async def revoke_device(db: Db, device_id: UUID, *,
+                        account_id: UUID | None = None) -> Revocation | None:
+    """Revoke a device (of `account_id` only, when given); None if there is no such device.
 
-    Its presence goes at once and its open streams end (agentd.revocation).
+    Its presence goes at once and its open streams end (agentd.revocation). A device revoked
+    before is answered with its first revocation (`again`): a retry whose first answer was lost
+    learns that it landed, instead of "not found".
     """
-    revoked = await db.fetchval(*Q.revoke_device.bind(device_id=device_id,
-                                                      account_id=account_id))
-    return revoked is not None
+    revoked_at = await db.fetchval(*Q.revoke_device.bind(device_id=device_id,
+                                                         account_id=account_id))
+    if revoked_at is not None:
+        return Revocation(revoked_at, again=False)
+    revoked_at = await db.fetchval(*Q.device_revoked_at.bind(device_id=device_id,
+                                                             account_id=account_id))
+    return Revocation(revoked_at, again=True) if revoked_at is not None else None
 
 
 async def account_devices(db: Db, account_id: UUID) -> list[DeviceInfo]:

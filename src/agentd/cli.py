@@ -366,9 +366,12 @@ async def _token(settings: Settings, args: argparse.Namespace) -> int:
                 state = "revoked" if d.revoked_at else "active"
                 print(f"{d.id!s:36}  {d.account:12}  {d.name:16}  {seen:20}  {state}")
         else:
-            if not await accounts.revoke_device(pool, device_id):
-                _fail(f"no active device {device_id}", 1)
-            print(f"revoked {device_id}")
+            revocation = await accounts.revoke_device(pool, device_id)
+            if revocation is None:
+                _fail(f"no device {device_id}", 1)
+            when = revocation.revoked_at.strftime("%Y-%m-%d %H:%M:%S %Z")
+            print(f"{device_id} was already revoked ({when})" if revocation.again
+                  else f"revoked {device_id}")
         return 0
 
     return await _with_pool(settings, work, writes=args.token_command != "list")

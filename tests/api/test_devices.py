@@ -7,6 +7,7 @@ is tests/remote/test_pairing.py; revocation's effect on live streams, tests/remo
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Any
 
 import httpx
@@ -72,12 +73,21 @@ async def test_devices_are_listed_without_secrets_and_revoked_by_their_account(a
     assert phone["token"] not in listing.text and "token" not in listing.text
 
     revoked = await api.a.delete(f"/v1/devices/{phone['device_id']}")
-    assert revoked.status_code == 200 and revoked.json() == {"revoked": phone["device_id"]}
+    assert revoked.status_code == 200
+    assert set(revoked.json()) == {"revoked", "revoked_at"}
+    assert revoked.json()["revoked"] == phone["device_id"]
     async with api.client(phone["token"]) as old_phone:
         assert_error(await old_phone.get("/v1/me"), 401, "unauthorized")
     devices = (await api.a.get("/v1/devices")).json()["devices"]
-    assert devices[1]["revoked_at"] is not None
-    assert_error(await api.a.delete(f"/v1/devices/{phone['device_id']}"), 404, "not_found")
+    assert devices[1]["revoked_at"] == revoked.json()["revoked_at"]
+    # Sent again (a script whose first answer was lost): the same answer, nothing changed.
+    before = await db_state(api.pool)
+    again = await api.a.delete(f"/v1/devices/{phone['device_id']}")
+    assert again.status_code == 200 and again.json() == revoked.json()
+    assert await db_state(api.pool) == before
+    assert_error(await api.a.delete(f"/v1/devices/{uuid.uuid4()}"), 404, "not_found")
+    # Another account's device is not found, revoked or not.
+    assert_error(await api.b.delete(f"/v1/devices/{phone['device_id']}"), 404, "not_found")
     # A code minted by a device that is revoked since is worth nothing.
     async with api.client(phone["token"]) as old_phone:
         assert_error(await old_phone.post("/v1/pairings"), 401, "unauthorized")

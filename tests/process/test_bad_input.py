@@ -85,7 +85,7 @@ AGENTD_CASES = {
     "token-revoke-not-an-id": (["token", "revoke", "--dsn", "{dsn}", "not-a-uuid"], 2,
                                ["not a device id"]),
     "token-revoke-unknown": (["token", "revoke", "--dsn", "{dsn}", str(uuid.UUID(int=1))], 1,
-                             ["no active device"]),
+                             ["no device"]),
     "account-set-not-a-number": (["account", "set", "a", "--dsn", "{dsn}", "--max-running",
                                   "lots"], 2, ["--max-running"]),
     "account-set-empty-name": (["account", "set", "", "--dsn", "{dsn}", "--max-queued", "1"],

@@ -8,16 +8,20 @@ while its lease has run out unreaped; the current one must.
 
 from __future__ import annotations
 
+import asyncio
 from uuid import UUID
 
 import asyncpg
 import pytest
 
+from agentd import db as dbmod
+from agentd.db import DbTimeouts
 from agentd.queue import Claim, claim_runs, reap_expired
 from agentd.tools import ToolContext, ToolError, default_tools
 from agentd.tools.notes import StaleFence
-from agentd.tools.store import DatabaseToolStore
+from agentd.tools.store import DatabaseToolStore, StoreUnavailable
 from tests.integration.helpers import race, wait_lease_expired
+from tests.support.daemon import poll_until
 from tests.support.factories import enqueue, new_tenant
 
 WORKER = "notes-test-worker"
@@ -132,6 +136,51 @@ async def test_a_run_whose_lease_ran_out_cannot_write_before_it_is_reaped(
     assert [r["text"] for r in await _notes(pool, tenant.conversation_id)] == ["while live"]
     assert await pool.fetchval("SELECT status FROM agent_run WHERE id = $1",
                                claim.run_id) == "running", "the test meant an unreaped run"
+
+
+async def test_a_note_the_database_does_not_answer_is_a_tool_error_not_a_failed_turn(
+        pool: asyncpg.Pool, dsn: str) -> None:
+    """The model reads what became of its write and the turn goes on: nothing written when the
+    server refused the statement, in doubt when the connection broke while it was out."""
+    _, current = await _superseded_and_current(pool)
+    await default_tools().call("notes", {"action": "append", "text": "before"}, current)
+    tools = default_tools()
+    # The tool's own one-connection pool, with a lock wait short enough for a test.
+    own = await dbmod.create_pool(dsn, min_size=1, max_size=1, application_name="notes-tool",
+                                  timeouts=DbTimeouts(lock_timeout_ms=300))
+    ctx = ToolContext(current.run_id, current.conversation_id, current.account_id,
+                      current.fence, DatabaseToolStore(own))
+    holder = await asyncpg.connect(dsn)
+    try:
+        # Another transaction holds the notebook's mark row: the append waits on it.
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute("SELECT 1 FROM conversation_note_fence WHERE conversation_id = $1"
+                             " FOR UPDATE", current.conversation_id)
+        with pytest.raises(StoreUnavailable, match="nothing written, try again"):
+            await tools.call("notes", {"action": "append", "text": "refused"}, ctx)
+
+        # The connection breaks while the statement waits: its fate is unknown to the tool.
+        await own.execute("SET lock_timeout = 0")
+        append = asyncio.ensure_future(
+            tools.call("notes", {"action": "append", "text": "in doubt"}, ctx))
+        waiting = await poll_until(lambda: pool.fetchval(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'notes-tool'"
+            " AND wait_event_type = 'Lock'"), 10, what="the append's lock wait")
+        await pool.execute("SELECT pg_terminate_backend($1)", waiting)
+        with pytest.raises(StoreUnavailable, match=r"may or may not have been written.*read back"):
+            await append
+        await lock.rollback()
+
+        # The pool opens a new connection; reads and writes work again.
+        listed = await tools.call("notes", {"action": "list"}, ctx)
+        assert [n["text"] for n in listed["notes"]] == ["before"]
+        await tools.call("notes", {"action": "append", "text": "after"}, ctx)
+        assert [r["text"] for r in await _notes(pool, current.conversation_id)] == [
+            "before", "after"]
+    finally:
+        await holder.close()
+        await own.close()
 
 
 async def test_notes_arguments_are_checked(pool: asyncpg.Pool) -> None:

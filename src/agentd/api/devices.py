@@ -134,7 +134,10 @@ async def list_devices(request: web.Request) -> web.Response:
 async def revoke_device(request: web.Request) -> web.Response:
     who = principal(request)
     device_id = parse_uuid(request.match_info["id"], "device")
-    if not await accounts.revoke_device(request.app[RUNTIME].pool, device_id,
-                                        account_id=who.account_id):
-        raise ServiceError(404, "not_found", "no such active device in this account")
-    return web.json_response({"revoked": str(device_id)})
+    revocation = await accounts.revoke_device(request.app[RUNTIME].pool, device_id,
+                                              account_id=who.account_id)
+    if revocation is None:
+        raise ServiceError(404, "not_found", "no such device in this account")
+    # The same answer for a device revoked before: a retry whose first answer was lost.
+    return web.json_response({"revoked": str(device_id),
+                              "revoked_at": wire.ts(revocation.revoked_at)})

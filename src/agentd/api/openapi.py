@@ -660,9 +660,12 @@ def build_spec() -> dict[str, Any]:
                 "summary": "revoke a device of this account: its token stops working and its "
                            "open streams end with an `error` event (device_revoked)",
                 "parameters": [_ID],
-                "responses": {"200": _json({"type": "object", "required": ["revoked"],
-                                            "properties": {"revoked": UUID}}, "revoked"),
-                              "404": _error("no such active device"), **_ERRORS}}},
+                "responses": {"200": _json({"type": "object",
+                                            "required": ["revoked", "revoked_at"],
+                                            "properties": {"revoked": UUID,
+                                                           "revoked_at": TIME}},
+                                           "revoked, now or by an earlier request"),
+                              "404": _error("no such device in this account"), **_ERRORS}}},
             "/healthz": {"get": {"summary": "liveness (open to all; the worker id only to "
                                             "loopback clients)", "security": [], "responses": {
                 "200": _json({"type": "object"}, "alive")}}},
