@@ -206,34 +206,57 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
     reconciled = await sweep(pool, settings)
     if reconciled:
         log.warning("boot reconciler failed orphaned runs", extra={"runs": reconciled})
+    # Each part is closed as soon as it exists, in the reverse order: a start that fails
+    # part-way (the database gone, the port taken) leaves no task or connection behind.
+    async with contextlib.AsyncExitStack() as parts:
+        return await _serve_parts(parts, settings, database, pool, stop, hurry, sockets,
+                                  certificate, handoff)
+    raise AssertionError("unreachable")  # mypy: an exit stack could swallow the exception
+
+
+async def _serve_parts(parts: contextlib.AsyncExitStack, settings: Settings,
+                       database: Database, pool: asyncpg.Pool, stop: asyncio.Event,
+                       hurry: asyncio.Event, sockets: list[socket.socket],
+                       certificate: ServerCertificate | None, handoff: Handoff | None) -> int:
+    providers = ProviderRegistry(settings)
+    parts.push_async_callback(providers.close)
+    mcp = McpTools(settings.mcp)  # each server starts when a run first needs it
+    parts.push_async_callback(mcp.close)
+    tools = default_tools(settings.tool_policies, sources=[mcp])
+
     async def send_probe(token: str) -> None:
         await notify_batch(pool, [(Channel.HUB_PROBE, token)])
 
     hub = Hub(settings.hub_dsn or database.dsn, send_probe=send_probe)
+    parts.push_async_callback(hub.close)
     await hub.start()
-    providers = ProviderRegistry(settings)
     worker_id = new_worker_id()
-    mcp = McpTools(settings.mcp)  # each server starts when a run first needs it
-    tools = default_tools(settings.tool_policies, sources=[mcp])
     runtime = Runtime(settings, pool, hub, worker_id, providers, tools=tools)
     runtime.clock_offset_s = await dbmod.clock_offset(pool)
     runtime.certificate = certificate
     runtime.connection_guard = ConnectionGuard(
         max_connections=settings.max_connections, header_timeout_s=settings.header_timeout_s,
         per_address=settings.max_connections_per_address)
-    # Half a keepalive: a revocation whose hint was lost still ends streams within one.
-    runtime.revocations = RevocationWatch(pool, hub, poll_s=settings.keepalive_s / 2)
-    runtime.revocations.start()
     metrics = runtime.metrics
-    load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
-                       max_pool_wait_s=settings.max_pool_wait_ms / 1000)
-    runtime.load = load
-    keeper = LeaseKeeper(settings.direct_dsn(database.dsn), hub, settings, metrics,
-                         report=lambda: _worker_report(runtime))
-    runtime.keeper = keeper
     # An ending's wake goes to this process's own claim loop alone while it claims.
     notifier = Notifier(pool, local=hub, claim_loop=lambda: runtime.dispatcher)
     notifier.start()
+    parts.push_async_callback(notifier.close)
+    load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
+                       max_pool_wait_s=settings.max_pool_wait_ms / 1000)
+    runtime.load = load
+    load.start()
+    parts.push_async_callback(load.close)
+    keeper = LeaseKeeper(settings.direct_dsn(database.dsn), hub, settings, metrics,
+                         report=lambda: _worker_report(runtime))
+    runtime.keeper = keeper
+    keeper.start()
+    # Closed after the drain: the turns still in flight until then need their beats.
+    parts.push_async_callback(keeper.close, retire=True)
+    # Half a keepalive: a revocation whose hint was lost still ends streams within one.
+    runtime.revocations = RevocationWatch(pool, hub, poll_s=settings.keepalive_s / 2)
+    runtime.revocations.start()
+    parts.push_async_callback(runtime.revocations.close)
     finishes: Finishes = Batcher(pool, lambda items: finish_runs(pool, items))
     appends: Appends = Batcher(
         pool, lambda batches: append_events_many(pool, batches))
@@ -255,69 +278,59 @@ async def _serve_with_pool(settings: Settings, database: Database, pool: asyncpg
                                # are drained this long at most, not aiohttp's 10 s.
                                lingering_time=2.0)
     await app_runner.setup()
-    load.start()
-    keeper.start()
-    reaping = asyncio.create_task(reap_forever(pool, settings, metrics), name="agentd-reaper")
-    analyzing = asyncio.create_task(statistics.keep_fresh_forever(pool),
-                                    name="agentd-statistics")
-    try:
-        if handoff is None:  # else the supervisor did, once for all its workers
-            # Before the first request is answered: once /readyz says ready, the local TUI's
-            # token is there to use.
-            await ensure_local_client(pool, local_url(settings),
-                                      certificate.fingerprint if certificate else None,
-                                      create=database.embedded is not None)
-        if handoff is None:  # a supervisor claims the port before it starts its workers
-            claim(sockets, settings.listen_host, settings.listen_port)
-        ssl_context = server_context(certificate) if certificate else None
-        from agentd.api.errors import json_error_handlers  # as build_app imports the API
+    parts.push_async_callback(app_runner.cleanup)
+    for name, housekeeping in (("agentd-reaper", reap_forever(pool, settings, metrics)),
+                               ("agentd-statistics", statistics.keep_fresh_forever(pool))):
+        parts.push_async_callback(_cancelled, asyncio.create_task(housekeeping, name=name))
+    if handoff is None:  # else the supervisor did, once for all its workers
+        # Before the first request is answered: once /readyz says ready, the local TUI's
+        # token is there to use.
+        await ensure_local_client(pool, local_url(settings),
+                                  certificate.fingerprint if certificate else None,
+                                  create=database.embedded is not None)
+    if handoff is None:  # a supervisor claims the port before it starts its workers
+        claim(sockets, settings.listen_host, settings.listen_port)
+    ssl_context = server_context(certificate) if certificate else None
+    from agentd.api.errors import json_error_handlers  # as build_app imports the API
 
-        sites = [GuardedSite(app_runner, sock, guard=runtime.connection_guard,
-                             ssl_context=ssl_context, handlers=json_error_handlers)
-                 for sock in sockets]
-        for site in sites:
-            await site.start()
-        dispatcher.start()
-        _settle_garbage_collection()
-        if not settings.serves_tls and not settings.listen_is_loopback:
-            log.warning("serving PLAIN HTTP on a non-loopback address (insecure_http): tokens "
-                        "and pairing codes cross the network in clear text",
-                        extra={"listen": settings.listen})
-        log.info("agentd worker serving" if handoff else "agentd serving", extra={
-            "url": sites[0].name, "worker_id": worker_id, "embedded": database.embedded is not None,
-            "fingerprint": certificate.fingerprint if certificate else None})
-        if handoff is not None:
-            handoff.report_ready()
-        else:
-            sd_notify("READY=1")
-        await stop.wait()
-        if handoff is None:
-            stopping(settings.drain_s + STOP_MARGIN_S + DATABASE_STOP_S)
-        runtime.draining = True
-        started = time.monotonic()
-        log.info("draining the turns in flight", extra={
-            "turns": len(dispatcher.in_flight), "seconds": settings.drain_s,
-            "to_cancel_them_now": "Ctrl-C again, or SIGUSR1" if handoff is None
-            else "Ctrl-C again, or SIGUSR1 to the supervisor"})
-        await dispatcher.stop_claiming()
-        finished, cancelled = await dispatcher.drain(settings.drain_s, hurry)
-        log.info("drained", extra={"finished": finished, "cancelled": cancelled,
-                                   "seconds": round(time.monotonic() - started, 3)})
-        return 0
-    finally:
-        for housekeeping in (reaping, analyzing):
-            housekeeping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await housekeeping
-        await app_runner.cleanup()
-        await runtime.revocations.close()
-        # After the drain: the turns still in flight until now needed their beats.
-        await keeper.close(retire=True)
-        await load.close()
-        await notifier.close()
-        await hub.close()
-        await providers.close()
-        await mcp.close()
+    sites = [GuardedSite(app_runner, sock, guard=runtime.connection_guard,
+                         ssl_context=ssl_context, handlers=json_error_handlers)
+             for sock in sockets]
+    for site in sites:
+        await site.start()
+    dispatcher.start()
+    _settle_garbage_collection()
+    if not settings.serves_tls and not settings.listen_is_loopback:
+        log.warning("serving PLAIN HTTP on a non-loopback address (insecure_http): tokens "
+                    "and pairing codes cross the network in clear text",
+                    extra={"listen": settings.listen})
+    log.info("agentd worker serving" if handoff else "agentd serving", extra={
+        "url": sites[0].name, "worker_id": worker_id, "embedded": database.embedded is not None,
+        "fingerprint": certificate.fingerprint if certificate else None})
+    if handoff is not None:
+        handoff.report_ready()
+    else:
+        sd_notify("READY=1")
+    await stop.wait()
+    if handoff is None:
+        stopping(settings.drain_s + STOP_MARGIN_S + DATABASE_STOP_S)
+    runtime.draining = True
+    started = time.monotonic()
+    log.info("draining the turns in flight", extra={
+        "turns": len(dispatcher.in_flight), "seconds": settings.drain_s,
+        "to_cancel_them_now": "Ctrl-C again, or SIGUSR1" if handoff is None
+        else "Ctrl-C again, or SIGUSR1 to the supervisor"})
+    await dispatcher.stop_claiming()
+    finished, cancelled = await dispatcher.drain(settings.drain_s, hurry)
+    log.info("drained", extra={"finished": finished, "cancelled": cancelled,
+                               "seconds": round(time.monotonic() - started, 3)})
+    return 0
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _worker_report(runtime: Runtime) -> WorkerReport:
