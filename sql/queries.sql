@@ -1174,16 +1174,22 @@ RETURNING a.decision;
 -- owns the run and was not asked to stop (FOR SHARE on the run: a finalizer cannot slip in
 -- between). A concurrent second decision waits on the approval row's lock, re-checks
 -- `decision IS NULL` and updates nothing. Scoped by account (rule 9). Wakes the waiting worker.
+-- The deciding device must still be unrevoked (FOR SHARE: a revocation committing meanwhile is
+-- waited for, so a device revoked after its token was checked decides nothing).
 WITH owner AS (
     SELECT id, claim_token FROM agent_run
     WHERE id = $1::uuid AND account_id = $3::uuid AND status = 'running'
       AND NOT cancel_requested AND lease_expires_at > clock_timestamp()
     FOR SHARE
+), decider AS (
+    SELECT id FROM device
+    WHERE id = $4::uuid AND account_id = $3::uuid AND revoked_at IS NULL
+    FOR SHARE
 ), decided AS (
     UPDATE tool_approval a
-    SET decision = $5::text, decided_by = $4::uuid, note = $6::text,
+    SET decision = $5::text, decided_by = decider.id, note = $6::text,
         decided_at = clock_timestamp()
-    FROM owner
+    FROM owner, decider
     WHERE a.run_id = owner.id AND a.execution_id = owner.claim_token AND a.call_id = $2::text
       AND a.decision IS NULL AND a.expires_at > clock_timestamp()
     RETURNING a.run_id, a.call_id, a.tool, a.decision, a.note, a.decided_at
@@ -1193,11 +1199,14 @@ SELECT decided.*, (SELECT name FROM device WHERE id = $4::uuid) AS decided_by_na
 FROM decided;
 
 -- explain_tool_approval --
--- params: run_id, call_id, account_id
--- Why a decision did not land: the approval as it is now, and whether the execution that asked
--- is still waiting for it. Read-only; scoped by account (rule 9).
+-- params: run_id, call_id, account_id, device_id
+-- Why a decision did not land: the approval as it is now, whether the execution that asked is
+-- still waiting for it, and whether the deciding device was revoked meanwhile. Read-only;
+-- scoped by account (rule 9).
 SELECT a.tool, a.decision, d.name AS decided_by_name, a.decided_by, a.timed_out, a.note,
        a.decided_at,
+       EXISTS (SELECT 1 FROM device WHERE id = $4::uuid AND revoked_at IS NOT NULL)
+           AS decider_revoked,
        a.expires_at <= clock_timestamp() AS expired,
        (r.status = 'running' AND r.claim_token = a.execution_id AND NOT r.cancel_requested
         AND r.lease_expires_at > clock_timestamp()) AS waiting

@@ -57,6 +57,7 @@ class Refusal:
     decision: Decision | None  # decided already (by a device or the timeout)
     expired: bool
     waiting: bool  # the execution that asked still waits for it
+    decider_revoked: bool = False  # the deciding device was revoked since its token was checked
 
 
 def _decision(row: Any) -> Decision:
@@ -108,14 +109,14 @@ async def decide_approval(db: Db, *, run_id: UUID, call_id: str, account_id: UUI
                     False, row["note"], row["decided_at"])
 
 
-async def explain_refusal(db: Db, *, run_id: UUID, call_id: str,
-                          account_id: UUID) -> Refusal:
-    row = await db.fetchrow(*Q.explain_tool_approval.bind(run_id=run_id, call_id=call_id,
-                                                          account_id=account_id))
+async def explain_refusal(db: Db, *, run_id: UUID, call_id: str, account_id: UUID,
+                          device_id: UUID) -> Refusal:
+    row = await db.fetchrow(*Q.explain_tool_approval.bind(
+        run_id=run_id, call_id=call_id, account_id=account_id, device_id=device_id))
     if row is None:
         return Refusal(False, None, False, False)
     decided = _decision(row) if row["decision"] is not None else None
-    return Refusal(True, decided, row["expired"], row["waiting"])
+    return Refusal(True, decided, row["expired"], row["waiting"], row["decider_revoked"])
 
 
 async def list_approvals(db: Db, run_id: UUID, account_id: UUID) -> list[dict[str, Any]]:

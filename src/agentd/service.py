@@ -772,10 +772,14 @@ class Service:
         if decided is not None:
             return decided
         why = await approvals.explain_refusal(self.pool, run_id=run_id, call_id=call_id,
-                                              account_id=who.account_id)
+                                              account_id=who.account_id,
+                                              device_id=who.device_id)
         if not why.exists:
             raise ServiceError(404, "approval_not_found",
                                "this run has no tool approval with that call id")
+        if why.decider_revoked:
+            raise ServiceError(401, "device_revoked",
+                               "this device's token was revoked; nothing was decided")
         if why.decision is not None:
             earlier = why.decision
             if earlier.timed_out:

@@ -7,6 +7,7 @@ SDK's safe few: HOME, LOGNAME, PATH, SHELL, TERM, USER).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -75,8 +76,10 @@ def _table(value: Any, where: str) -> Mapping[str, Any]:
 
 
 def _positive(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ToolSettingsError(f"{where} must be a number > 0")
+    # nan passes `<= 0` and inf is no bound: both are refused, as settings.py refuses them.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value <= 0:
+        raise ToolSettingsError(f"{where} must be a finite number > 0")
     return float(value)
 
 

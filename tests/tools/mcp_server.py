@@ -130,8 +130,10 @@ async def dangling(value: int) -> int:
 
 
 # Valid as a schema, but its `$ref` resolves nowhere: only checking arguments finds out.
+# TEST_MCP_DANGLING_REF points it elsewhere (a URL agentd must never fetch).
 server._tool_manager.get_tool("dangling").parameters = {  # type: ignore[union-attr]
-    "type": "object", "properties": {"value": {"$ref": "#/$defs/nope"}}}
+    "type": "object", "properties": {"value": {
+        "$ref": os.environ.get("TEST_MCP_DANGLING_REF", "#/$defs/nope")}}}
 
 
 def main() -> None:

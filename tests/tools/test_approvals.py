@@ -140,6 +140,37 @@ async def test_both_devices_answer_at_once_exactly_one_decision_lands(start_tool
                 [(decision, winner.json()["device"])]
 
 
+async def test_a_device_revoked_after_its_token_was_checked_decides_nothing(
+        start_tools_api) -> None:
+    """The decision waits on the device's row while a revocation commits: it must not land in
+    the revoked device's name (the statement did not look at the device at all)."""
+    async with start_tools_api({}, tools=ASK_CALCULATOR) as api:
+        token, device_id = await create_device_token(api.pool, account="alice", device="phone")
+        async with api.client(token) as phone:
+            conversation = await create_conversation(api.a)
+            run = await start_run(api.a, conversation, "ask", calc())
+            run_id = run["run_id"]
+            call_id = (await pending_call(phone, run_id))["call_id"]  # marks the phone seen
+            async with api.pool.acquire() as conn:
+                revoking = conn.transaction()
+                await revoking.start()
+                await conn.execute("SELECT 1 FROM device WHERE id = $1 FOR UPDATE", device_id)
+                answer = asyncio.create_task(decide(phone, run_id, call_id, "approve"))
+                await poll_until(lambda: api.pool.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE '%decider%'"), 10, what="the decision waiting on the device")
+                await conn.execute("UPDATE device SET revoked_at = clock_timestamp()"
+                                   " WHERE id = $1", device_id)
+                await revoking.commit()
+            assert_error(await answer, 401, "device_revoked")
+        assert await api.pool.fetchval("SELECT decision FROM tool_approval WHERE run_id = $1",
+                                       UUID(run_id)) is None
+        # Another device of the account still decides it.
+        decided = await decide(api.a, run_id, call_id, "approve")
+        assert decided.status_code == 200, decided.text
+        assert (await wait_run(api.a, run_id))["status"] == "completed"
+
+
 async def test_undecided_past_the_timeout_is_denied(start_tools_api) -> None:
     async with start_tools_api({}, tools=ASK_CALCULATOR, approval_timeout_s=1) as api:
         conversation = await create_conversation(api.a)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from tests.api.helpers import assert_error, start_run, wait_run
 from tests.support.daemon import poll_until
@@ -243,8 +244,42 @@ async def test_a_schema_that_cannot_check_its_arguments_is_the_tools_error_not_t
     internal_error, before)."""
     async with start_tools_api({"t": mcp_test_server(journal, **AUTO)}) as api:
         error = await error_the_model_read(api, "t.dangling", {"value": 1})
-        assert error.startswith("the arguments of t.dangling cannot be checked against its "
-                                "input schema ("), error
+        assert error == ("the arguments of t.dangling cannot be checked: its input schema "
+                         "holds a $ref it cannot resolve within itself (other schemas are never "
+                         "fetched)"), error
+
+
+@pytest.mark.parametrize("where", ["http", "file"])
+async def test_a_schema_ref_to_elsewhere_is_never_fetched(
+        start_tools_api, journal: Path, tmp_path: Path, where: str) -> None:
+    """jsonschema's default opens an unknown `$ref`'s URI itself (urlopen, with no timeout, on
+    the event loop): a tool's schema made the daemon fetch http:// and file:// URIs of the
+    server's choosing, from its own host, and a URI that never answered froze the process."""
+    fetched: list[str] = []
+
+    async def schema(request: web.Request) -> web.Response:
+        fetched.append(request.path)
+        return web.json_response({"type": "integer"})
+
+    app = web.Application()
+    app.router.add_get("/schema", schema)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    local = tmp_path / "schema.json"
+    local.write_text('{"type": "integer"}')
+    ref = f"http://127.0.0.1:{port}/schema" if where == "http" else local.as_uri()
+    server = mcp_test_server(journal, **AUTO)
+    server["env"]["TEST_MCP_DANGLING_REF"] = ref
+    try:
+        async with start_tools_api({"t": server}) as api:
+            error = await error_the_model_read(api, "t.dangling", {"value": 1})
+    finally:
+        await runner.cleanup()
+    assert "holds a $ref it cannot resolve within itself" in error, error
+    assert fetched == []
 
 
 async def test_bad_servers_and_schemas_are_clear_errors_and_runs_still_work(

@@ -92,3 +92,14 @@ def _write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / f"config-{abs(hash(text))}.toml"
     path.write_text(text)
     return path
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("timeout_s", "inf"), ("timeout_s", "nan"), ("start_timeout_s", "nan"),
+    ("start_timeout_s", "-inf")])
+def test_an_mcp_servers_timeouts_are_finite(tmp_path: Path, key: str, value: str) -> None:
+    """An MCP server's timeouts passed nan and inf: no bound on a call, and an undefined timer
+    for a start."""
+    text = f'[mcp.t]\ncommand = "/bin/true"\n{key} = {value}\n'
+    with pytest.raises(SettingsError, match=f"mcp.t.{key} must be a finite number > 0"):
+        load_settings(_write(tmp_path, text), env={})

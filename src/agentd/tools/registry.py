@@ -17,6 +17,8 @@ from typing import Any, Protocol
 from uuid import UUID
 
 import jsonschema
+import referencing
+import referencing.exceptions
 from jsonschema.exceptions import best_match
 from jsonschema.protocols import Validator
 
@@ -64,6 +66,18 @@ class InvalidToolSchema(ValueError):
 ToolFn = Callable[[dict[str, Any], ToolContext], Awaitable[Any]]
 
 
+def _never_retrieved(uri: str) -> referencing.Resource[Any]:
+    """A schema's `$ref` outside itself is never fetched: jsonschema's default would open the
+    URI (http://, file://) synchronously, on the event loop and from the daemon's host, for
+    whatever schema an MCP server lists."""
+    raise referencing.exceptions.NoSuchResource(ref=uri)  # type: ignore[call-arg]  # attrs
+
+
+# The drafts' own meta-schemas stay resolvable (jsonschema adds them to any registry).
+_LOCAL_ONLY: referencing.Registry[Any] = referencing.Registry(  # type: ignore[call-arg]
+    retrieve=_never_retrieved)
+
+
 def compile_schema(schema: Any) -> Validator:
     """A validator for a tool's input schema (its `$schema` draft, else 2020-12); raises
     InvalidToolSchema when the schema itself is invalid."""
@@ -84,7 +98,7 @@ def compile_schema(schema: Any) -> Validator:
     if unbounded_matching(schema):
         raise InvalidToolSchema("unevaluatedProperties beside patternProperties is not "
                                 "supported: those patterns could not be matched under a deadline")
-    return with_deadline(cls)(schema)
+    return with_deadline(cls)(schema, registry=_LOCAL_ONLY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +131,13 @@ class Tool:
         except TimeoutError:  # schema_patterns: a pattern that backtracks without end
             raise ToolError(f"the arguments of {self.name} cannot be checked: a pattern of its "
                             "input schema took too long to match them") from None
+        except referencing.exceptions.Unresolvable:
+            raise ToolError(f"the arguments of {self.name} cannot be checked: its input "
+                            "schema holds a $ref it cannot resolve within itself (other schemas "
+                            "are never fetched)") from None
         except (Exception, RecursionError) as exc:
-            # The schema cannot check them (a `$ref` to nowhere, arguments nested past the
-            # stack): the tool's fault, told to the model as its result; the turn goes on.
+            # The schema cannot check them (arguments nested past the stack): the tool's
+            # fault, told to the model as its result; the turn goes on.
             raise ToolError(f"the arguments of {self.name} cannot be checked against its "
                             f"input schema ({type(exc).__name__})") from None
         if error is not None:
