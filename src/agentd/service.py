@@ -100,6 +100,20 @@ class RunAsk:
 
 
 @dataclass(frozen=True, slots=True)
+class RetryTool:
+    """The tool a retry's run will name, and what checking it answered (None: usable), read
+    before any lock or claim slot is held (Service._retry_tool)."""
+
+    name: str | None
+    refusal: ServiceError | None
+
+
+def _retried_message(ask: RunAsk) -> UUID | None:
+    """The message a retry names (None: the latest turn's)."""
+    return ask.retry_of if isinstance(ask.retry_of, UUID) else None
+
+
+@dataclass(frozen=True, slots=True)
 class RunRequest:
     content: str
     model: ModelRef
@@ -392,11 +406,14 @@ class Service:
         rolled back whole and nothing was written, so it runs again without a claim beside
         it: three attempts in all. The third attempt's loss reaches the client as any request's
         lost race does, a 503 to retry (api/errors.py)."""
-        tool = (ask.params or {}).get("tool")
-        if isinstance(tool, str) and ask.retry_of is None:
-            # Before a claim slot is held: a tool's MCP server may take start_timeout_s to
-            # start, and a slot held that long is one no other post here can start beside. (A
-            # retry refuses an unavailable tool only after its replay and its 409s: _retry.)
+        # Before a claim slot is held: a tool's MCP server may take start_timeout_s to start,
+        # and a slot held that long is one no other post here can start beside. A retry refuses
+        # an unavailable tool only after its replay and its 409s (_retry), so it keeps the
+        # answer for then.
+        early = None
+        if ask.retry_of is not None:
+            early = await self._retry_tool(who, conversation_id, ask)
+        elif isinstance(tool := (ask.params or {}).get("tool"), str):
             await self._check_tool(tool)
         slot = await self.starter.reserve() if self.starter is not None else None
         for beside in (slot, None):
@@ -406,20 +423,23 @@ class Service:
                     # away cannot leave the slot unsettled: what committed starts, else it is
                     # given back.
                     return await self._create_run_settling(who, conversation_id, ask,
-                                                           idempotency_key, beside)
-                return await self._create_run(who, conversation_id, ask, idempotency_key, None)
+                                                           idempotency_key, beside, early)
+                return await self._create_run(who, conversation_id, ask, idempotency_key, None,
+                                              early)
             except asyncpg.PostgresError as exc:
                 if not queue.lost_race(exc):
                     raise
                 log.warning("a post lost a race with other transactions; nothing was written",
                             extra={"error": str(exc)})
-        return await self._create_run(who, conversation_id, ask, idempotency_key, None)
+        return await self._create_run(who, conversation_id, ask, idempotency_key, None, early)
 
     async def _create_run_settling(self, who: Principal, conversation_id: UUID, ask: RunAsk,
-                                   idempotency_key: str | None, slot: ClaimSlot) -> CreatedRun:
+                                   idempotency_key: str | None, slot: ClaimSlot,
+                                   early: RetryTool | None) -> CreatedRun:
         committed: Sequence[queue.Claim] = ()
         try:
-            created = await self._create_run(who, conversation_id, ask, idempotency_key, slot)
+            created = await self._create_run(who, conversation_id, ask, idempotency_key, slot,
+                                             early)
             committed = created.started  # returned only once its transaction has committed
             return created
         except queue.AnswerLost as lost:
@@ -441,12 +461,14 @@ class Service:
             slot.settle(committed)
 
     async def _create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
-                          idempotency_key: str | None, slot: ClaimSlot | None) -> CreatedRun:
+                          idempotency_key: str | None, slot: ClaimSlot | None,
+                          early: RetryTool | None) -> CreatedRun:
         if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
             raise ServiceError(400, "invalid_idempotency_key",
                                "Idempotency-Key must be 1-200 printable ASCII characters")
         if ask.retry_of is not None:
-            return await self._retry(who, conversation_id, ask, idempotency_key, slot)
+            assert early is not None  # _create_run_once read it before the slot
+            return await self._retry(who, conversation_id, ask, idempotency_key, slot, early)
         req, guess = await self._request_for(who, conversation_id, ask, guessing=True)
         try:
             return await self._post(who, conversation_id, req, idempotency_key, slot, guess)
@@ -582,20 +604,15 @@ class Service:
             raise ServiceError(422, "invalid_params", f"params.tool: no tool named {name!r}")
 
     async def _retry(self, who: Principal, conversation_id: UUID, ask: RunAsk,
-                     idempotency_key: str | None, slot: ClaimSlot | None) -> CreatedRun:
+                     idempotency_key: str | None, slot: ClaimSlot | None,
+                     early: RetryTool) -> CreatedRun:
         """Re-run (or edit and re-run) the latest turn: a new run, in ONE transaction with the
         mark that supersedes the old exchange (kept in the transcript, hidden from the model).
 
         Naming the message makes it a compare-and-set: two devices retrying the same turn get
         one new run and one 409, and a client that has not seen a newer turn cannot replace it.
         """
-        named = ask.retry_of if isinstance(ask.retry_of, UUID) else None  # None: "last"
-        # The tool is checked before the conversation's row is locked: starting its MCP server
-        # can take start_timeout_s, and the conversation's stops, posts and deletes must not
-        # queue behind the lock meanwhile (they would answer 503). A refusal is given only
-        # under the lock, after the replay and the 409s have had their say.
-        early = await self._retry_tool(who, conversation_id, ask, named)
-        refusal = await self._tool_refusal(early) if early is not None else None
+        named = _retried_message(ask)
         async with self._posting(slot) as conn:
             locked = await convs.lock_conversation(conn, who.account_id, conversation_id)
             if locked is None:
@@ -619,12 +636,12 @@ class Service:
                     exc.message += " (the retried turn's params; send params to replace them)"
                 raise
             tool = req.params.get("tool")
-            if tool is not None and tool != early:
-                # The latest turn changed between the read above and the lock (a turn posted
+            if tool is not None and tool != early.name:
+                # The latest turn changed between the early read and the lock (a turn posted
                 # and ended meanwhile): rare enough to check its tool here, under the lock.
                 await self._check_tool(tool)
-            elif tool is not None and refusal is not None:
-                raise refusal
+            elif tool is not None and early.refusal is not None:
+                raise early.refusal
             created = await self._enqueue(conn, who, conversation_id, req, idempotency_key,
                                           beside=slot)
             assert created.user_message_id is not None
@@ -635,32 +652,32 @@ class Service:
             return dataclasses.replace(created, started=tuple(
                 dataclasses.replace(claim, transcript=None) for claim in created.started))
 
-    async def _retry_tool(self, who: Principal, conversation_id: UUID, ask: RunAsk,
-                          named: UUID | None) -> str | None:
+    async def _retry_tool(self, who: Principal, conversation_id: UUID,
+                          ask: RunAsk) -> RetryTool:
         """The tool a retry's run will name (its own params, else the retried turn's), read
-        without a lock, only to start its server early; the locked read decides the retry."""
+        without a lock and checked (which starts its MCP server) before the conversation's row
+        is locked or a claim slot held: starting it can take start_timeout_s, and the
+        conversation's stops, posts and deletes must not queue behind the lock meanwhile (they
+        would answer 503). The locked read decides the retry."""
         params = ask.params
         if params is not None and not (isinstance(params, dict) and "tool" in params):
-            return None
+            return RetryTool(None, None)
         async with self.pool.acquire() as conn:
             # Authorized first: nothing is started for another account's conversation (a 404).
             if await convs.get_conversation(conn, who.account_id, conversation_id) is None:
                 raise not_found("conversation")
             if params is None:
-                target = await convs.retry_target(conn, conversation_id, named)
+                target = await convs.retry_target(conn, conversation_id, _retried_message(ask))
                 params = (target["request"] or {}).get("params") \
                     if target["id"] is not None else None
         tool = params.get("tool") if isinstance(params, dict) else None
-        return tool if isinstance(tool, str) else None
-
-    async def _tool_refusal(self, name: str) -> ServiceError | None:
-        """What checking the tool named would answer (None: it may be used), kept to be raised
-        later."""
+        if not isinstance(tool, str):
+            return RetryTool(None, None)
         try:
-            await self._check_tool(name)
-        except ServiceError as exc:
-            return exc
-        return None
+            await self._check_tool(tool)
+        except ServiceError as refusal:
+            return RetryTool(tool, refusal)
+        return RetryTool(tool, None)
 
     async def _replay_retry(self, conn: Conn, who: Principal,
                             conversation_id: UUID, key: str, ask: RunAsk,

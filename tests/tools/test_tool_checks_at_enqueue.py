@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.api.helpers import FAST, assert_error, start_run, wait_run
-from tests.support.daemon import free_port, poll_until
+from tests.support.daemon import ADMIT_ANY_LOAD, free_port, poll_until
 from tests.support.factories import create_conversation
 
 SECRET_VARIABLE = "AGENTD_REVIEW_MCP_KEY_NEVER_SET"  # the daemon's environment drops AGENTD_*
@@ -71,14 +71,16 @@ async def test_a_retry_waiting_for_its_tools_server_leaves_the_conversation_unlo
     """The race: a retry naming an MCP tool whose server is still starting (up to its
     start_timeout_s), against a post to the same conversation. Checked under the
     conversation's row lock, the retry held it for the whole start and the post met
-    lock_timeout (5 s): a 503. Checked first, the post goes through at once."""
+    lock_timeout (5 s): a 503. Checked first, the post goes through at once. Nor does the
+    retry hold the process's claim slot meanwhile: the post starts its turn in its own commit
+    (it was only queued while a retry held the slot for the server's whole start)."""
     first, starting = tmp_path / "first-start", tmp_path / "second-start"
     # Fails its first start at once (the first turn lists tools); from then on it starts and
     # never answers the handshake, so a start lasts start_timeout_s.
     script = (f"if [ -e '{first}' ]; then touch '{starting}'; exec sleep 600; "
               f"else touch '{first}'; exit 1; fi")
     servers = {"slow": {"command": "/bin/sh", "args": ["-c", script], "start_timeout_s": 12}}
-    async with start_tools_api(servers) as api:
+    async with start_tools_api(servers, **ADMIT_ANY_LOAD) as api:
         conversation = await create_conversation(api.a)
         turn = await start_run(api.a, conversation, "to be retried")
         assert (await wait_run(api.a, turn["run_id"]))["status"] == "completed"
@@ -105,6 +107,7 @@ async def test_a_retry_waiting_for_its_tools_server_leaves_the_conversation_unlo
                                          json={"content": "meanwhile", "params": FAST})
             assert meanwhile.status_code == 202, meanwhile.text
             assert not retrying.done()  # the post did not wait for the retry to end
+            assert meanwhile.json()["status"] == "running", meanwhile.json()
         finally:
             answer = await asyncio.wait_for(retrying, 30)
         # Under the lock the retry meets the post's turn: still active (its own tool listing
