@@ -248,9 +248,18 @@ async def connection_budget(db: Db) -> int:
 
 
 async def ensure_agentd_database(admin: asyncpg.Connection) -> None:
-    """On the embedded server: create the `agentd` database once, on first start."""
-    if not await admin.fetchval(*Q.database_exists.bind(name=EMBEDDED_DATABASE)):
+    """On the embedded server: create the `agentd` database once, on first start.
+
+    Processes starting together on a new cluster can all find it missing; all but one then
+    fail to create it (a duplicate name, or the catalog's unique index when the creations
+    overlap), which is what they wanted."""
+    if await admin.fetchval(*Q.database_exists.bind(name=EMBEDDED_DATABASE)):
+        return
+    try:
         await admin.execute(Q.create_agentd_database.sql)
+    except (asyncpg.exceptions.DuplicateDatabaseError, asyncpg.exceptions.UniqueViolationError):
+        if not await admin.fetchval(*Q.database_exists.bind(name=EMBEDDED_DATABASE)):
+            raise
 
 
 async def set_own_password(conn: asyncpg.Connection, password: str) -> None:

@@ -88,14 +88,30 @@ def holder_of(host: str, port: int) -> str:
 
 
 def describe_process(pid: int) -> str:
+    """"pid N (program and subcommand)": the words of its command line up to its first option
+    or value. Its options can hold secrets (`--dsn postgresql://user:password@…`) and this
+    message goes to a terminal and the journal, and as root it can describe any user's process."""
     try:
         process = psutil.Process(pid)
-        command = " ".join(process.cmdline()) or process.name()
+        words = process.cmdline()
     except psutil.Error:
         return f"pid {pid}"
+    shown: list[str] = []
+    for word in words:
+        if word.startswith("--") or (shown and any(mark in word for mark in ":=@/?&")):
+            break
+        shown.append(word)
+    command = " ".join(shown) or _name(process)
     if len(command) > COMMAND_CHARS:
         command = command[: COMMAND_CHARS - 1] + "…"
-    return f"pid {pid} ({command})"
+    return f"pid {pid} ({command}{' …' if len(shown) < len(words) else ''})"
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return process.name()
+    except psutil.Error:
+        return "?"
 
 
 def _overlaps(bound: str, host: str) -> bool:

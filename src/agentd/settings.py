@@ -327,7 +327,10 @@ def _coerce(key: str, value: Any, source: str) -> Any:
         if value is None:
             return None
         if "Path" in kind:
-            return Path(os.path.expanduser(str(value)))
+            # Empty means unset, as for the text keys: Path("") is the working directory, where
+            # a template's unset variable would put the cluster and its keys.
+            text = str(value)
+            return None if ("None" in kind and text == "") else Path(os.path.expanduser(text))
         if kind.startswith("float"):
             return _finite(value)
         if kind.startswith("bool"):

@@ -127,3 +127,35 @@ async def test_a_command_stopped_while_it_starts_the_server_stops_it(data_root: 
         assert not EmbeddedPostgres(data_root).is_running(), "left running for nobody"
     finally:
         await asyncio.to_thread(EmbeddedPostgres(data_root).stop, force=True)
+
+
+async def test_processes_creating_the_database_together_all_succeed(data_root: Path) -> None:
+    """Processes that start together on a new cluster each find no `agentd` database and
+    create it: all but the first failed ("already exists", exit 1). Raced from independent
+    connections at a barrier, the database dropped between rounds."""
+    server = EmbeddedPostgres(data_root)
+    await asyncio.to_thread(server.start)
+    racers = 6
+    try:
+        admins = [await asyncpg.connect(server.dsn("postgres")) for _ in range(racers)]
+        try:
+            for _ in range(15):
+                barrier = asyncio.Barrier(racers)
+
+                async def create(admin: asyncpg.Connection,
+                                 barrier: asyncio.Barrier = barrier) -> None:
+                    await barrier.wait()
+                    await ensure_agentd_database(admin)
+
+                results = await asyncio.gather(*(create(a) for a in admins),
+                                               return_exceptions=True)
+                assert [r for r in results if r is not None] == []
+                assert await admins[0].fetchval(
+                    "SELECT count(*) FROM pg_database WHERE datname = $1",
+                    EMBEDDED_DATABASE) == 1
+                await admins[0].execute(f"DROP DATABASE {EMBEDDED_DATABASE}")
+        finally:
+            for admin in admins:
+                await admin.close()
+    finally:
+        await asyncio.to_thread(server.stop, force=True)

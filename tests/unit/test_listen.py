@@ -4,10 +4,13 @@ second daemon told in plain words whichever of the two steps finds the port take
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
-from agentd.listen import ListenError, bind_listen_sockets, claim
+from agentd.listen import ListenError, bind_listen_sockets, claim, describe_process
 from tests.support.daemon import free_port
 
 
@@ -30,3 +33,33 @@ def test_two_daemons_bound_at_once_the_second_to_claim_is_told_who_holds_it() ->
     finally:
         for sock in first + second:
             sock.close()
+
+
+@pytest.mark.parametrize("secret_args", [
+    ["--dsn", "postgresql://app:S3cret@db/agentd"], ["postgresql://app:S3cret@db/agentd"],
+    ["-p", "app:S3cret"], ["--password=S3cret"]])
+def test_the_holder_is_described_without_its_options_or_values(
+        secret_args: list[str]) -> None:
+    """Its whole command line went into the error (and the journal), with whatever secrets its
+    options held; as root, any user's process."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "serve",
+                               *secret_args], stdin=subprocess.DEVNULL)
+    try:
+        said = poll_process(holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "S3cret" not in said
+    assert said.startswith(f"pid {holder.pid} ({sys.executable} -c"), said
+    assert said.endswith(" …)"), said
+
+
+def poll_process(pid: int) -> str:
+    """The description once the child's command line is readable (just after its exec)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        said = describe_process(pid)
+        if sys.executable in said:
+            return said
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} never showed its command line")

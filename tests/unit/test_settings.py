@@ -103,3 +103,12 @@ def test_an_mcp_servers_timeouts_are_finite(tmp_path: Path, key: str, value: str
     text = f'[mcp.t]\ncommand = "/bin/true"\n{key} = {value}\n'
     with pytest.raises(SettingsError, match=f"mcp.t.{key} must be a finite number > 0"):
         load_settings(_write(tmp_path, text), env={})
+
+
+def test_an_empty_path_is_unset_not_the_working_directory(tmp_path: Path) -> None:
+    """`AGENTD_DATA_DIR=` (a template's unset variable) put the cluster, its password file and
+    the TLS key in whatever directory the daemon started in."""
+    env = {"AGENTD_CONFIG": str(_write(tmp_path, 'tls_key = ""\n')), "AGENTD_DATA_DIR": "",
+           "AGENTD_TLS_CERT": ""}
+    s = load_settings(env=env)
+    assert (s.data_dir, s.tls_cert, s.tls_key) == (None, None, None)
