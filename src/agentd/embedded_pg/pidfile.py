@@ -8,6 +8,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from agentd.embedded_pg.errors import EmbeddedPgError
 
 
@@ -48,8 +50,13 @@ def read_pid_file(path: Path) -> PidFile | None:
                    started=at(2))
 
 
-def is_our_postgres(pid: int, data_dir: Path) -> bool:
-    """Return whether ``pid`` is a live PostgreSQL process working in ``data_dir``."""
+def is_our_postgres(pid: int, data_dir: Path, started: str = "") -> bool:
+    """Return whether ``pid`` is a live PostgreSQL process working in ``data_dir``.
+
+    `started`: the start time its pid file records, the proof used when its working directory
+    cannot be read (root without CAP_SYS_PTRACE, a container's default, cannot read another
+    account's). A server that cannot be disproved is taken as live: deleting a live server's
+    pid file lets a second one start on its data directory."""
     if pid <= 0:
         return False
     try:
@@ -64,11 +71,15 @@ def is_our_postgres(pid: int, data_dir: Path) -> bool:
         try:
             if (proc / "comm").read_text().strip() != "postgres":
                 return False
+        except OSError:
+            return False  # gone meanwhile
+        try:
             # The postmaster chdirs into its data directory.
             return os.path.realpath(os.readlink(proc / "cwd")) == os.path.realpath(data_dir)
+        except PermissionError:
+            return _started_at(pid, started)
         except OSError:
-            # Gone meanwhile, a zombie, or another account's process: not our server.
-            return False
+            return False  # gone meanwhile, or a zombie
     # No /proc (macOS, BSD): the process name is the best cheap evidence available.
     try:
         out = subprocess.run(
@@ -78,6 +89,20 @@ def is_our_postgres(pid: int, data_dir: Path) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return True
     return Path(out.stdout.strip()).name == "postgres"
+
+
+def _started_at(pid: int, started: str) -> bool:
+    """Whether `pid` began when its pid file says the server did (to the second it records):
+    a reused pid began later. Unknown (no time recorded, or unreadable) counts as yes."""
+    if not started.isdigit():
+        return True
+    try:
+        began = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
+    return abs(began - int(started)) < 2.0
 
 
 def processes_in(data_dir: Path) -> bool:

@@ -153,6 +153,7 @@ class EmbeddedPostgres:
         self._owns_server = False
         self._use_fd: int | None = None
         self._account_cache: Account | None = None
+        self._binaries_checked = False  # self.binaries: ones the server account can run
 
     # -- public API --------------------------------------------------------------------------
 
@@ -215,13 +216,11 @@ class EmbeddedPostgres:
 
     def _start_locked(self) -> bool:
         """Reuse the running server (False) or start one, initialising the cluster (True)."""
+        account = self._runnable_binaries()
         running = self._live_server(clean=True)
         if running is not None:
             self._adopt(running)
             return False
-        account = self._account()
-        if account is not None and not self._can_run_binaries(account):
-            self.binaries = self._mirror_binaries()
         self._prepare_socket_dir(account)
         password, made = self._ensure_password()
         if not (self.data_dir / "PG_VERSION").exists():
@@ -256,6 +255,7 @@ class EmbeddedPostgres:
                 log.info("the embedded PostgreSQL stays up: another process uses it",
                          extra={"data_dir": str(self.data_dir)})
                 return
+            self._runnable_binaries()
             running = self._live_server(clean=True)
             if running is None:
                 return
@@ -492,6 +492,17 @@ class EmbeddedPostgres:
                     "its own account", extra={"data_dir": str(self.data_dir),
                                               "account": account.name})
 
+    def _runnable_binaries(self) -> Account | None:
+        """The server account, once our binaries are ones it can run (our own copy when it
+        cannot reach the installation): chosen before anything runs as it, `pg_ctl status` on
+        a server another process started included."""
+        account = self._account()
+        if account is not None and not self._binaries_checked:
+            if not self._can_run_binaries(account):
+                self.binaries = self._mirror_binaries()
+            self._binaries_checked = True
+        return account
+
     def _can_run_binaries(self, account: Account) -> bool:
         try:
             result = self._run([self._tool("initdb"), "--version"], account, timeout=30)
@@ -571,11 +582,12 @@ class EmbeddedPostgres:
             info = read_pid_file(pid_path)
             if info is None and not pid_path.exists():
                 return None
-            if info is not None and info.pid < 0 and is_our_postgres(-info.pid, self.data_dir):
+            if info is not None and info.pid < 0 and is_our_postgres(-info.pid, self.data_dir,
+                                                                     info.started):
                 raise EmbeddedPgError(
                     f"a single-user PostgreSQL backend (pid {-info.pid}) is using {self.data_dir}"
                 )
-            if info is None or not is_our_postgres(info.pid, self.data_dir):
+            if info is None or not is_our_postgres(info.pid, self.data_dir, info.started):
                 if clean:
                     self._remove_stale(pid_path, info)
                 return None
@@ -610,7 +622,8 @@ class EmbeddedPostgres:
         socket_dir = _socket_dir_for(self.data_dir, self._configured_port)
         for lock in socket_dir.glob(".s.PGSQL.*.lock"):
             lock_info = read_pid_file(lock)
-            if lock_info is None or not is_our_postgres(lock_info.pid, self.data_dir):
+            if lock_info is None or not is_our_postgres(lock_info.pid, self.data_dir,
+                                                        lock_info.started):
                 try:
                     lock.unlink()
                 except FileNotFoundError:
