@@ -134,8 +134,11 @@ async def mcp_checks(settings: Settings) -> list[Check]:
                     detail += ": " + ", ".join(status.tools)
             else:
                 detail = f"{status.state} ({status.transport}): {status.error}"
-            for tool, reason in sorted(status.disabled.items()):
+            disabled = sorted(status.disabled.items())
+            for tool, reason in disabled[:20]:
                 detail += f"; tool {tool!r} disabled: {reason}"
+            if len(disabled) > 20:
+                detail += f"; {len(disabled) - 20} more tools disabled"
             checks.append(Check(f"mcp {status.name}",
                                 status.state == "ready" and not status.disabled, detail))
         return checks

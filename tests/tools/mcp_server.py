@@ -136,6 +136,17 @@ server._tool_manager.get_tool("dangling").parameters = {  # type: ignore[union-a
         "$ref": os.environ.get("TEST_MCP_DANGLING_REF", "#/$defs/nope")}}}
 
 
+# TEST_MCP_MANY_TOOLS=N: N more tools, one of them with a schema past agentd's bound and
+# one with a long description (what a server listing everything it can do looks like).
+for _n in range(int(os.environ.get("TEST_MCP_MANY_TOOLS") or 0)):
+    server.add_tool(lambda value=0: value, name=f"many_{_n:04d}",
+                    description="d" * 5_000 if _n == 1 else f"tool number {_n}")
+    if _n == 0:
+        server._tool_manager.get_tool("many_0000").parameters = {  # type: ignore[union-attr]
+            "type": "object", "properties": {
+                f"p{i}": {"type": "string", "description": "x" * 100} for i in range(600)}}
+
+
 def main() -> None:
     note("started", argv=sys.argv[1:])
     if len(sys.argv) > 1 and sys.argv[1] == "http":

@@ -384,3 +384,28 @@ async def test_a_server_unavailable_says_whether_it_failed_or_is_still_starting(
         assert said.endswith("is unavailable: it is still starting"), said
     finally:
         await server.close()
+
+
+async def test_a_server_listing_too_much_is_bounded(journal: Path) -> None:
+    """Every turn offers the model every tool: a server listing thousands (or megabytes of
+    schema) made every turn too large for its provider, and was compiled whole on the event
+    loop at each listing."""
+    from agentd.tool_settings import parse_server
+    from agentd.tools.mcp import MAX_DESCRIPTION_CHARS, MAX_TOOLS_PER_SERVER, McpTools
+
+    spec = mcp_test_server(journal)
+    spec["env"]["TEST_MCP_MANY_TOOLS"] = "400"
+    servers = McpTools({"t": parse_server("t", spec)})
+    try:
+        offered = await servers.tools()
+        [status] = servers.status()
+    finally:
+        await servers.close()
+    assert len(offered) == MAX_TOOLS_PER_SERVER, len(offered)
+    assert status.disabled["many_0000"].startswith("its input schema is larger than")
+    past = [name for name, why in status.disabled.items()
+            if why == f"the server lists more than {MAX_TOOLS_PER_SERVER} usable tools"]
+    # 9 of its own and 400 more, two of them refused for their schemas ("broken" as well).
+    assert len(past) == 9 + 400 - 2 - MAX_TOOLS_PER_SERVER, len(past)
+    long = next(tool for tool in offered if tool.name == "t.many_0001")
+    assert len(long.description) == MAX_DESCRIPTION_CHARS and long.description.endswith("…")

@@ -43,6 +43,12 @@ FAILING_SERVER_WAIT_S = 1.0
 BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # a connection that lived this long resets the backoff
 MAX_TOOL_PAGES = 100
+# Every turn offers the model every tool (their specs go with each model request): a server
+# listing thousands, or megabytes of schema, would make every turn too large for its provider
+# (OpenAI takes 128 tools), and each listing is compiled on the event loop.
+MAX_TOOLS_PER_SERVER = 128
+MAX_DESCRIPTION_CHARS = 2_000  # longer ones are cut, not refused
+MAX_SCHEMA_CHARS = 50_000  # as JSON; a larger input schema disables its tool
 MAX_RESULT_CHARS = 100_000
 VALID_TOOL_NAME = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
@@ -430,20 +436,26 @@ class McpServer:
         tools: dict[str, Tool] = {}
         disabled: dict[str, str] = {}
         for remote in listed:
-            reason = self._unusable(remote.name)
+            reason = self._unusable(remote)
+            if reason is None and len(tools) >= MAX_TOOLS_PER_SERVER:
+                reason = f"the server lists more than {MAX_TOOLS_PER_SERVER} usable tools"
             if reason is None:
                 try:
                     tool = Tool(f"{self.config.tool_prefix}.{remote.name}",
-                                remote.description or remote.title or remote.name,
-                                remote.input_schema, _caller(self, remote.name),
-                                self.config.policy(remote.name), self.config.name)
+                                _description(remote), remote.input_schema,
+                                _caller(self, remote.name), self.config.policy(remote.name),
+                                self.config.name)
                     tools[tool.name] = tool
                     continue
                 except InvalidToolSchema as exc:
                     reason = str(exc)
-            disabled[remote.name] = reason
-            log.warning("mcp tool disabled", extra={
-                "server": self.config.name, "tool": remote.name[:100], "reason": reason})
+            disabled[remote.name[:200]] = reason
+            if len(disabled) <= 20:  # a server listing thousands is told in one more line
+                log.warning("mcp tool disabled", extra={
+                    "server": self.config.name, "tool": remote.name[:100], "reason": reason})
+        if len(disabled) > 20:
+            log.warning("mcp tools disabled", extra={"server": self.config.name,
+                                                     "tools": len(disabled)})
         self.tools, self.disabled = tools, disabled
         unknown = sorted(set(self.config.tools) - {remote.name for remote in listed})
         said, self._unknown_policies = self._unknown_policies, unknown
@@ -454,10 +466,22 @@ class McpServer:
                 "server": self.config.name, "tools": ", ".join(t[:100] for t in unknown[:20])})
 
     @staticmethod
-    def _unusable(name: str) -> str | None:
+    def _unusable(remote: mcp_types.Tool) -> str | None:
+        name = remote.name
         if not 0 < len(name) <= 128 or not set(name) <= VALID_TOOL_NAME:
             return "its name is not 1-128 letters, digits, '_', '-' or '.'"
+        try:
+            size = len(json.dumps(remote.input_schema))
+        except (TypeError, ValueError, RecursionError):
+            return "its input schema cannot be read as JSON"
+        if size > MAX_SCHEMA_CHARS:
+            return f"its input schema is larger than {MAX_SCHEMA_CHARS:,} characters"
         return None
+
+
+def _description(remote: mcp_types.Tool) -> str:
+    text = remote.description or remote.title or remote.name
+    return text if len(text) <= MAX_DESCRIPTION_CHARS else text[:MAX_DESCRIPTION_CHARS - 1] + "…"
 
 
 def _caller(server: McpServer, remote: str) -> Any:
