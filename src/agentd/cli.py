@@ -248,7 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         _fail(f"invalid setting: dsn: {exc}")
     except asyncpg.PostgresError as exc:  # e.g. unknown role or database, a refused password
         _fail(f"the database refused: {_one_line(str(exc))}", 1)
-    except (OSError, ConnectionError) as exc:
+    except OSError as exc:
+        if exc.filename is not None:  # a file or directory (tls/, the data root), no server
+            _fail(f"cannot use {exc.filename}: {exc.strerror or exc}", 1)
         _fail(f"cannot reach the database: {exc}", 1)
     except KeyboardInterrupt:
         code = 130

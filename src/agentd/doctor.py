@@ -193,6 +193,9 @@ def _tls_check(settings: Settings) -> Check:
         cert = server_certificate(settings)
     except TLSError as exc:
         return Check("tls", False, str(exc))
+    except OSError as exc:  # the data directory's tls/ cannot be made or written
+        return Check("tls", False, f"cannot use {exc.filename or 'the TLS directory'}: "
+                                   f"{exc.strerror or exc}")
     kind = "self-signed" if cert.self_signed else "configured"
     ending = expiry_problem(cert)
     if ending is not None and not cert.self_signed:  # a self-signed one is made anew in time

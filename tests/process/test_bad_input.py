@@ -67,6 +67,11 @@ AGENTD_CASES = {
     "serve-unknown-option": (["serve", "--frobnicate"], 2, ["--frobnicate"]),
     "serve-config-missing": (["serve", "--config", "/nonexistent/agentd.toml"], 2,
                              ["does not exist"]),
+    # A data directory under a file: its tls/ cannot be made (root included). It was told as
+    # "cannot reach the database", which sent the operator after the wrong thing.
+    "serve-data-dir-unusable": (["serve", "--dsn", "{dsn}", "--listen",
+                                 "127.0.0.1:{unreachable}"], 1,
+                                ["cannot use", "Not a directory"]),
     "pair-empty-account": (["pair", "--dsn", "{dsn}", "--account", "", "--device", "x"], 2,
                            ["--account"]),
     "pair-long-device": (["pair", "--dsn", "{dsn}", "--account", "a", "--device", "d" * 201],
@@ -110,8 +115,13 @@ def test_agentd_answers_bad_input_with_one_line(case: str, dsn: str, tmp_path: P
     sslmode = ("&" if "?" in dsn else "?") + "sslmode=sometimes"
     values = {"dsn": dsn, "dsn_sslmode": dsn + sslmode, "unreachable": str(free_port()),
               "no_db": other_database(dsn, database=f"missing_{uuid.uuid4().hex[:8]}"),
-              "no_role": other_database(dsn, user=f"nobody_{uuid.uuid4().hex[:8]}")}
-    env = {"AGENTD_LEASE_TTL_S": "soon"} if case == "status-bad-setting" else None
+              "no_role": other_database(dsn, user=f"nobody_{uuid.uuid4().hex[:8]}"),
+              "a_file": str(tmp_path / "a-file")}
+    (tmp_path / "a-file").write_text("")
+    env = {"status-bad-setting": {"AGENTD_LEASE_TTL_S": "soon"},
+           "serve-data-dir-unusable": {"AGENTD_TLS": "on",
+                                       "AGENTD_DATA_DIR": str(tmp_path / "a-file" / "agentd")},
+           }.get(case)
     result = run("agentd", *[arg.format(**values) for arg in args], home=tmp_path, env=env)
     assert_one_line(result, "agentd", code, *words)
     if case.startswith("install-service"):
