@@ -4,7 +4,7 @@ palette entries for the main actions, the theme. Built by `make_app`, for the CL
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from functools import partial
 from typing import Any, ClassVar
@@ -14,6 +14,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.command import DiscoveryHit, Hit, Hits, Matcher, Provider
 from textual.content import Content
+from textual.filter import LineFilter
 from textual.screen import Screen
 from textual.theme import Theme
 
@@ -21,6 +22,7 @@ from agenttui.client import AgentClient, ApiError, describe
 from agenttui.drafts import DraftLedger
 from agenttui.escape_keys import esc_then_character
 from agenttui.idle_gc import IdleCollector
+from agenttui.no_controls import DropControls
 from agenttui.screens.help import HelpScreen
 from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.main import MainScreen
@@ -112,6 +114,12 @@ class AgentTUI(App[None]):
             key.strip() for keys in [*(row[0] for row in self.key_table()),
                                      *settings.keys.values()]
             for key in keys.split(","))
+        self._drop_controls = DropControls()
+
+    def get_line_filters(self) -> Sequence[LineFilter]:
+        """Textual's own filters, then no control character from the daemon's text reaches the
+        terminal (agenttui.no_controls)."""
+        return [*super().get_line_filters(), self._drop_controls]
 
     def server_now(self) -> datetime:
         """The daemon's clock as this client knows it (or a fixed clock, for snapshots)."""

@@ -218,3 +218,27 @@ async def test_quit_gives_the_terminal_back(daemon: Daemon, desk: Device,
                     (b"\x1b[?1006h", b"\x1b[?1006l")):
         assert 0 <= output.rfind(on) < output.rfind(off), (on, off)
     assert not terminal.cursor_hidden
+
+
+async def test_text_from_elsewhere_never_drives_the_terminal(
+        daemon: Daemon, desk: Device, laptop: Device, open_agenttui: OpenAgentTUI) -> None:
+    """A question another device sent, a title, an answer: their control characters went to the
+    terminal as they were (Rich and Textual strip only a few), so `ESC ] 52` set the
+    clipboard, `ESC [ 2 J` cleared the screen, `ESC ] 0` retitled the window."""
+    clipboard = "\x1b]52;c;SU5KRUNURUQ=\x07"
+    title = "\x1b]0;pwned-title\x07plain title"
+    question = f"look {clipboard} here \x1b[2Jcleared \x1b[31mred\x1b[0m end"
+    async with client_for(daemon, desk) as api:
+        conversation_id = (await api.create_conversation(title)).id
+    theirs = open_agenttui(daemon.url, laptop, conversation=conversation_id)
+    await ready(theirs, laptop)
+    async with client_for(daemon, desk) as api:
+        await api.create_run(conversation_id, question, params=QUICK)
+    # The text shows, its controls gone (what followed each ESC is ordinary text).
+    await theirs.wait_for_text("]52;c;SU5KRUNURUQ=")
+    await theirs.wait_for_text("[2Jcleared [31mred[0m end")
+    await theirs.wait_for_text("plain title")
+    await wait_answered(daemon, desk, conversation_id, 1)
+    raw = theirs.output
+    for sent in (b"\x1b]52;c;SU5K", b"\x1b[2Jcleared", b"\x1b]0;pwned", b"\x1b[31mred"):
+        assert sent not in raw, sent

@@ -314,6 +314,7 @@ class Posts(httpx.AsyncBaseTransport):
         self.released.set()
         self.held = 0  # posts waiting for release()
         self.lose_answers = False
+        self.garble_answers = False  # answer handled posts with a page that is not agentd's
         self.lose_for: set[str] = set()  # lose the answers to posts of these texts only
         self.refuse_posts = 0  # posts to refuse (a 422) before they reach the daemon
         self.keys: list[str] = []  # the Idempotency-Key of every post, in order
@@ -339,6 +340,11 @@ class Posts(httpx.AsyncBaseTransport):
             await response.aread()  # the daemon did the work; its answer never arrives
             await response.aclose()
             raise httpx.ReadError("the answer was lost (test)")
+        if self.garble_answers:  # a proxy's page in place of the daemon's answer
+            await response.aread()
+            await response.aclose()
+            return httpx.Response(202, text="<html>signed out</html>",
+                                  headers={"Content-Type": "text/html"})
         return response
 
     def hold(self) -> None:

@@ -103,6 +103,55 @@ async def test_two_lost_sends_handed_back_together_are_resent_one_by_one(
         assert await user_messages(daemon, desk, conversation) == [FIRST, "second words"]
 
 
+async def test_a_send_answered_with_something_not_agentds_is_kept_and_not_doubled(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    """A 2xx whose body is not the daemon's (a proxy's page): the send failed inside the worker
+    with a JSON error, after Enter had cleared the composer, and the text was gone."""
+    async with sending_tui(daemon, desk, agenttui_dirs, "garbled") as (
+            conversation, posts, screen, pilot):
+        posts.garble_answers = True
+        screen.composer.text = "keep me"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "keep me" and
+                       any("may not have been sent" in n for n in screen.notices),
+                       "the text back, uncertain")
+        assert await user_messages(daemon, desk, conversation) == ["keep me"]  # it was
+        posts.garble_answers = False
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: any("had reached the daemon" in n
+                                          for n in screen.notices), "the replayed send")
+        assert await user_messages(daemon, desk, conversation) == ["keep me"]
+
+
+async def test_the_same_words_typed_anew_after_a_lost_send_landed_are_a_new_turn(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    """A lost send that the feed then showed landed: its copy deleted from the composer, the
+    same words typed again later were matched to it and posted under its key, so the daemon
+    replayed the old turn and the new one was never queued."""
+    async with sending_tui(daemon, desk, agenttui_dirs, "same words") as (
+            conversation, posts, screen, pilot):
+        posts.lose_answers = True
+        screen.composer.text = "yes"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "yes" and
+                       any("may not have been sent" in n for n in screen.notices),
+                       "the text back, uncertain")
+        posts.lose_answers = False
+        await wait_for(pilot, lambda: screen.model is not None and any(
+            t.question == "yes" for t in screen.model.turns.values()), "the feed to show it")
+        screen.composer.text = ""  # the user sees it landed and deletes the copy
+        await pilot.pause()
+        screen.composer.text = "yes"  # later: the same answer to a new question
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: screen.composer.text == "", "the send")
+
+        async def two() -> list[str] | None:
+            messages = await user_messages(daemon, desk, conversation)
+            return messages if len(messages) == 2 else None
+
+        assert await poll_until(two, WAIT_S, what="the second turn") == ["yes", "yes"]
+
+
 async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
         daemon: Daemon, desk: Device, agenttui_dirs: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

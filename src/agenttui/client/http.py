@@ -9,9 +9,9 @@ import contextlib
 import email.utils
 import ssl
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import httpx
 import truststore
@@ -40,6 +40,8 @@ from agenttui.models import (
     StopResult,
 )
 from agenttui.pinning import pinned_context
+
+_T = TypeVar("_T")
 
 DEFAULT_URL = "http://127.0.0.1:8740"
 # How long an idle connection is kept for the next call. httpx's own 5 s meant that a turn
@@ -181,7 +183,18 @@ class AgentClient:
             await asyncio.sleep(max(self.backoff.delay(attempt), asked))
 
     async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return (await self._send(method, path, **kwargs)).json()
+        return self._decoded(await self._send(method, path, **kwargs), lambda data: data)
+
+    def _decoded(self, response: httpx.Response, build: Callable[[Any], _T]) -> _T:
+        """`build` of the answer's JSON; an answer that is not the daemon's (no JSON, or not
+        the shape asked for: a proxy's page, an auth wall) is an ApiError with status 0, which
+        a send counts as uncertain (outcome_unknown) rather than an error it cannot handle."""
+        try:
+            return build(response.json())
+        except (ValueError, KeyError, TypeError, AttributeError, httpx.DecodingError) as exc:
+            raise ApiError(0, "bad_answer", f"{self.url} answered {response.status_code} with "
+                                            f"something that is not agentd's answer "
+                                            f"({type(exc).__name__})") from None
 
     async def _object(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         """An answer that is a JSON object (every endpoint's but a few lists)."""
@@ -222,7 +235,8 @@ class AgentClient:
         body: dict[str, Any] = {"title": title}
         if model:
             body["model"] = model
-        return Conversation.from_wire(await self._json("POST", "/v1/conversations", json=body))
+        response = await self._send("POST", "/v1/conversations", json=body)
+        return self._decoded(response, Conversation.from_wire)
 
     async def list_conversations(self, limit: int = 100, *,
                                  archived: bool = False) -> list[Conversation]:
@@ -337,8 +351,8 @@ class AgentClient:
         key = idempotency_key or new_idempotency_key()
         response = await self._send("POST", f"/v1/conversations/{quote_id(conversation_id)}/runs",
                                     json=body, headers={"Idempotency-Key": key}, retries=3)
-        return CreatedRun.from_wire(response.json(), replayed=bool(
-            response.headers.get("Idempotent-Replayed")))
+        replayed = bool(response.headers.get("Idempotent-Replayed"))
+        return self._decoded(response, lambda data: CreatedRun.from_wire(data, replayed=replayed))
 
     async def get_run(self, run_id: str) -> Run:
         return Run.from_wire(await self._json("GET", f"/v1/runs/{quote_id(run_id)}", retries=2))

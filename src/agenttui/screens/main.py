@@ -12,7 +12,7 @@ import contextlib
 import re
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -90,6 +90,16 @@ class UncertainSend:
     text: str
     key: str  # its Idempotency-Key
     at: float  # time.monotonic() when its answer was lost
+    # The turns its conversation showed before it was posted: a turn of this device with its
+    # words that is not one of them is the send itself, landed.
+    known: frozenset[str] = frozenset()
+
+
+def landed(send: UncertainSend, turns: Mapping[str, Any], device_id: str) -> bool:
+    """Whether the feed shows `send` posted: a new turn of this device asking its words."""
+    words = send.text.strip()
+    return any(key not in send.known and turn.device_id == device_id and
+               turn.question.strip() == words for key, turn in turns.items())
 
 
 def resent(text: str, uncertain: list[UncertainSend],
@@ -551,7 +561,17 @@ class MainScreen(LifecycleScreen):
     async def send(self, text: str, target: str | NewConversation, handed_back: Sequence[str],
                    drafts: list[str]) -> None:
         async with self._send_lock:
-            if await self._send(text, target, handed_back):
+            try:
+                sent = await self._send(text, target, handed_back)
+            except Exception as exc:
+                # A fault of agenttui's own: the text typed is not lost with it (the composer
+                # was cleared at Enter).
+                self.log.error("a send failed unexpectedly", repr(exc))
+                self.composer.put_back(text, unless_here=True)
+                self.notify(f"Your message may not have been sent ({type(exc).__name__}); it "
+                            "is back in the composer.", severity="error", title="Send failed")
+                return
+            if sent:
                 self.settle_drafts(drafts)
 
     async def _send(self, text: str, target: str | NewConversation,
@@ -582,7 +602,8 @@ class MainScreen(LifecycleScreen):
         now = time.monotonic()
         earlier = [u for u in self._uncertain.get(conversation_id, [])
                    if now - u.at < RESEND_WINDOW_S]
-        parts = resent(text, earlier, handed_back)
+        parts = resent(text, self._resendable(conversation_id, earlier, handed_back),
+                       handed_back)
         again = [part for part in parts if isinstance(part, UncertainSend)]
         if not again:
             # A new message (one queued behind an uncertain send, say): it leaves those sends'
@@ -613,6 +634,10 @@ class MainScreen(LifecycleScreen):
         """One message under `key`; False (back in the composer) if not known to be posted:
         a lost answer joins `uncertain`, the conversation's sends to be sent again unchanged."""
         settings = self.app.settings
+        # The turns shown before the post went out: a new one asking its words is the post.
+        model = self.model
+        known = frozenset(model.turns) if model is not None and \
+            model.conversation_id == conversation_id else frozenset()
         try:
             run = await self.client.create_run(conversation_id, text, params=settings.params,
                                                idempotency_key=key)
@@ -627,7 +652,7 @@ class MainScreen(LifecycleScreen):
             if not outcome_unknown(exc):
                 self.notify(f"Not sent: {describe(exc)}", severity="error", title="Send failed")
                 return False
-            uncertain.append(UncertainSend(text, key, time.monotonic()))
+            uncertain.append(UncertainSend(text, key, time.monotonic(), known))
             self._uncertain[conversation_id] = uncertain
             here = self.model is not None and self.model.conversation_id == conversation_id
             self.notify(f"Your message{'' if here else ' to another conversation'} may not "
@@ -648,6 +673,19 @@ class MainScreen(LifecycleScreen):
             await self._show_newest()
         await self.render_changes(model, Changes(turns={run.run_id}, bar=True))
         return True
+
+    def _resendable(self, conversation_id: str, earlier: list[UncertainSend],
+                    handed_back: Sequence[str]) -> list[UncertainSend]:
+        """The lost sends the text being sent may be: not one the feed shows posted, unless
+        its copy is what goes again (handed back, unedited). Typed anew, the same words are a
+        new message: matched to the landed send, they went under its key and the daemon
+        replayed the old turn instead of queueing the new one."""
+        model, me = self.model, self.me
+        if model is None or model.conversation_id != conversation_id or me is None:
+            return earlier
+        copies = {text.strip() for text in handed_back}
+        return [u for u in earlier
+                if u.text.strip() in copies or not landed(u, model.turns, me.device_id)]
 
     # -- tool approvals ----------------------------------------------------------------------
 

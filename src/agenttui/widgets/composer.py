@@ -17,6 +17,7 @@ from textual import events
 from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.widgets import TextArea
+from textual.widgets.text_area import Edit, EditResult
 
 # The composer's own actions, run when their key reaches the composer (never earlier).
 OWN_ACTIONS = frozenset({"submit", "newline"})
@@ -100,6 +101,22 @@ class Composer(TextArea):
 
     def action_newline(self) -> None:
         self.insert("\n")
+
+    def edit(self, edit: Edit) -> EditResult:
+        result = super().edit(edit)
+        self._forget_edited_away()
+        return result
+
+    def load_text(self, text: str) -> None:
+        super().load_text(text)
+        self._forget_edited_away()
+
+    def _forget_edited_away(self) -> None:
+        """Text handed back, then deleted or changed, is no longer its copy: the same words
+        typed anew are a new message, not the lost send again (under its key the daemon
+        replays the old turn instead of queueing a new one)."""
+        if self._handed_back and not self._unedited_handed_back(self.text):
+            self._handed_back = []
 
     def _unedited_handed_back(self, text: str) -> tuple[str, ...]:
         """The texts handed back, if `text` still starts with them as they were put back
