@@ -1026,13 +1026,21 @@ FROM (
 -- hands on the wakes of its own endings it will no longer act on (notifier.py).
 SELECT pg_notify('agentd_run_enqueued', $1::text);
 
+-- lock_account_pairings --
+-- params: account_id
+-- Mints of one account take turns until their transaction ends (create_pairing follows in the
+-- same transaction, with a snapshot taken after the turn came): their counts cannot all see
+-- the same codes and all pass the bound. Keyed apart from every other advisory lock by its
+-- first half (hashtext of 'agentd pairing').
+SELECT pg_advisory_xact_lock(hashtext('agentd pairing'), hashtext($1::uuid::text));
+
 -- create_pairing --
 -- params: code_hash, account_id, device_name, created_by, ttl_s, max_open
 -- A one-time code, stored only as its hash, valid until a deadline on the database clock; none
 -- while the account holds max_open codes that can still be redeemed: neither spent nor expired,
 -- nor minted by a device revoked since (no row: one device cannot grow the table without bound,
--- and a stolen device, once revoked, cannot keep its account from pairing; concurrent mints
--- may pass the limit by as many as run at once).
+-- and a stolen device, once revoked, cannot keep its account from pairing). Run after
+-- lock_account_pairings, in its transaction.
 INSERT INTO pairing (code_hash, account_id, device_name, created_by, expires_at)
 SELECT $1::bytea, $2::uuid, $3::text, $4::uuid,
        clock_timestamp() + make_interval(secs => $5::float8)
@@ -1294,7 +1302,9 @@ WHERE r.conversation_id = $1::uuid AND r.id = ANY ($2::uuid[]);
 -- presence, notes and messages. Runs after the stop sweep locked its active runs in the same
 -- transaction (lock_conversation first, so no turn is enqueued or claimed half-way). Wakes the
 -- feeds (they see it gone and end) and the tails of its running turn; the worker still running
--- it finds no row at its next fenced write (LeaseLost) and stops.
+-- it finds no row at its next fenced write (LeaseLost) and stops. A running turn gone frees its
+-- account's running slot: the claim loops are woken too (one wake, however many ran), so a
+-- turn of another conversation that the limit held back starts now, not at a poll.
 WITH running AS (
     SELECT r.id FROM agent_run r
     WHERE r.conversation_id = $1::uuid AND r.account_id = $2::uuid AND r.status = 'running'
@@ -1303,7 +1313,9 @@ WITH running AS (
     RETURNING id
 )
 SELECT gone.id, pg_notify('agentd_conversation', gone.id::text),
-       (SELECT count(pg_notify('agentd_run_event', running.id::text)) FROM running) AS woken
+       (SELECT count(pg_notify('agentd_run_event', running.id::text)) FROM running) AS woken,
+       (SELECT count(pg_notify('agentd_run_enqueued', $1::uuid::text)) FROM running)
+           AS claims_woken
 FROM gone;
 
 -- fork_conversation --

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from uuid import UUID
 
-from agentd.db import fetch_one
+from agentd.db import acquire, fetch_one
 from agentd.queries import Q
 from agentd.queue import Db
 from agentd.settings import MAX_ACCOUNT_QUEUED, MAX_ACCOUNT_RUNNING
@@ -166,9 +166,11 @@ async def store_pairing(db: Db, *, code_hash: bytes, account_id: UUID, device_na
                         created_by: UUID | None, ttl_s: float, max_open: int) -> datetime | None:
     """Keep a one-time code's hash until its deadline (database clock); returns the deadline,
     or None when the account already holds `max_open` codes neither spent nor expired."""
-    expires_at: datetime | None = await db.fetchval(*Q.create_pairing.bind(
-        code_hash=code_hash, account_id=account_id, device_name=device_name,
-        created_by=created_by, ttl_s=ttl_s, max_open=max_open))
+    async with acquire(db) as conn, conn.transaction():
+        await conn.execute(*Q.lock_account_pairings.bind(account_id=account_id))
+        expires_at: datetime | None = await conn.fetchval(*Q.create_pairing.bind(
+            code_hash=code_hash, account_id=account_id, device_name=device_name,
+            created_by=created_by, ttl_s=ttl_s, max_open=max_open))
     return expires_at
 
 

@@ -36,6 +36,7 @@ from agentd.queue import (
     LeaseLost,
     SeqConflict,
     claim_runs,
+    ended_after_lost_answer,
     finish_run,
     lost_race,
     wake_claim_loops,
@@ -350,6 +351,11 @@ class Dispatcher:
             except SeqConflict:
                 continue  # an append landed between our snapshot and our lock: re-read
             except LeaseLost:
+                # Ended already, maybe by the turn's own terminal write whose answer went
+                # unseen (a drain's cancel, a lost answer): its wakes may not have gone out,
+                # and the conversation's next turn would wait for a poll.
+                with contextlib.suppress(*DB_ERRORS):
+                    await ended_after_lost_answer(self._pool, claim, self._hint)
                 return
             except DB_ERRORS as exc:
                 log.warning("backstop could not finalize; the reaper will",

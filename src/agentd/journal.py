@@ -27,6 +27,7 @@ from agentd.queue import (
     LeaseLost,
     NewEvent,
     SeqConflict,
+    announce_landed,
     append_events,
     append_events_batched,
     read_events,
@@ -198,6 +199,8 @@ class Emitter:
             except SeqConflict as exc:
                 # After a connection died mid-commit, our own earlier attempt may have landed.
                 if attempt and await self._landed(batch):
+                    await announce_landed(self._db, self._claim.run_id, self._hint,
+                                          self._journaled)
                     break
                 self._lost = exc
                 raise

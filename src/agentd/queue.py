@@ -471,6 +471,16 @@ def _claim_from_row(row: asyncpg.Record) -> Claim:
 Hint = Callable[[Channel, str], None]
 
 
+async def announce_landed(db: Db, run_id: UUID, hint: Hint | None,
+                          journaled: Callable[[UUID, Journaled], None] | None) -> None:
+    """For journal rows whose append's answer was lost, found landed after all: what their
+    append would have said once committed (tails here and elsewhere learn of them now, not at
+    their next poll). Their rows are not at hand: readers read the database."""
+    if journaled is not None:
+        journaled(run_id, ())
+    await _send_hints(db, hint, [(Channel.RUN_EVENT, str(run_id))])
+
+
 async def _send_hints(db: Db, hint: Hint | None, hints: Sequence[tuple[Channel, str]]) -> None:
     """After a commit: hand wake hints to the process's notifier, or send them right away."""
     if hint is not None:

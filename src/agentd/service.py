@@ -50,6 +50,8 @@ LAST = "last"  # retry_of: the conversation's latest turn
 QUEUE_FULL_RETRY_AFTER_S = 10
 TranscriptChanged = convs.TranscriptChanged  # an export's conversation deleted mid-way
 EXPORT_PAGE = 500  # messages an export reads at a time (what it holds in memory, at most)
+# A tool's full name: an MCP server's prefix, a dot and its name of at most 128 characters.
+MAX_TOOL_NAME = 200
 
 
 class ClaimSlot(Protocol):
@@ -331,6 +333,10 @@ class Service:
         deleted meanwhile."""
         async with self.pool.acquire() as conn:
             ids = await convs.transcript_ids(conn, who.account_id, conversation_id)
+            if not ids and await convs.get_conversation(conn, who.account_id,
+                                                        conversation_id) is None:
+                # Deleted since its heading was read: no order is not an empty transcript.
+                raise TranscriptChanged(conversation_id)
         for start in range(0, len(ids), page_size):
             async with self.pool.acquire() as conn:
                 page = await convs.messages_by_id(conn, conversation_id,
@@ -414,6 +420,10 @@ class Service:
         if ask.retry_of is not None:
             early = await self._retry_tool(who, conversation_id, ask)
         elif isinstance(tool := (ask.params or {}).get("tool"), str):
+            # Authorized first (the retry's read does it too): nothing is started for another
+            # account's conversation, or for none, which is a 404 whatever the tool.
+            if await convs.get_conversation(self.pool, who.account_id, conversation_id) is None:
+                raise not_found("conversation")
             await self._check_tool(tool)
         slot = await self.starter.reserve() if self.starter is not None else None
         for beside in (slot, None):
@@ -469,6 +479,22 @@ class Service:
         if ask.retry_of is not None:
             assert early is not None  # _create_run_once read it before the slot
             return await self._retry(who, conversation_id, ask, idempotency_key, slot, early)
+        try:
+            return await self._create_new_run(who, conversation_id, ask, idempotency_key, slot)
+        except ServiceError as refusal:
+            if idempotency_key is None or ask.model is not None or refusal.status >= 500:
+                raise
+            # A repeat that names no model ran, the first time, on its conversation's model of
+            # that time: a model changed (or refused) since is no reason to refuse the replay.
+            replay = await self._replay_on_first_model(who, conversation_id, ask,
+                                                       idempotency_key)
+            if replay is None:
+                raise
+            return replay
+
+    async def _create_new_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
+                              idempotency_key: str | None,
+                              slot: ClaimSlot | None) -> CreatedRun:
         req, guess = await self._request_for(who, conversation_id, ask, guessing=True)
         try:
             return await self._post(who, conversation_id, req, idempotency_key, slot, guess)
@@ -590,6 +616,9 @@ class Service:
     async def _check_tool(self, name: str) -> None:
         """A run may name only a registered tool (an MCP one is looked up on its server, which
         starts it): a typo is a 422 now, not a failed tool call later."""
+        if len(name) > MAX_TOOL_NAME:  # not looked up, nor echoed back
+            raise ServiceError(422, "invalid_params",
+                               f"params.tool: a tool name is at most {MAX_TOOL_NAME} characters")
         try:
             tool = await self.tools.find(name)
         except ToolError as exc:
@@ -739,6 +768,22 @@ class Service:
         if first.request_hash != queue.request_hash(conversation_id, req.content,
                                                     req.snapshot()):
             raise _idempotency_conflict(first.run_id)
+        return CreatedRun(first.run_id, first.status, first.conversation_id, replayed=True)
+
+    async def _replay_on_first_model(self, who: Principal, conversation_id: UUID,
+                                     ask: RunAsk, key: str) -> CreatedRun | None:
+        """The first run of `key`, if `ask` is its request with the model it ran on."""
+        assert ask.content is not None  # not a retry
+        first = await queue.find_run_by_idempotency_key(self.pool, who.account_id, key)
+        if first is None:
+            return None
+        run = await convs.get_run(self.pool, who.account_id, first.run_id)
+        model = ((run.request if run is not None else None) or {}).get("model")
+        if not isinstance(model, str):
+            return None
+        request = {"content": ask.content, "model": model, "params": ask.params or {}}
+        if first.request_hash != queue.request_hash(conversation_id, ask.content, request):
+            return None
         return CreatedRun(first.run_id, first.status, first.conversation_id, replayed=True)
 
     async def get_run(self, who: Principal, run_id: UUID) -> convs.RunRow:

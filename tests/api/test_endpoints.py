@@ -310,9 +310,28 @@ async def test_run_endpoints_answer_their_documented_shapes(api: Api):
     by_header = await read_sse(api.a, f"/v1/runs/{run_id}/events",
                                headers={"Last-Event-ID": str(middle)})
     assert [e.id for e in by_header] == [e.id for e in events[middle:]]
+    # A client reconnecting as EventSource does: the URL it opened (from=0) and the id it last
+    # read. The header is the later position: the events before it are not sent again.
+    reconnected = await read_sse(api.a, f"/v1/runs/{run_id}/events", params={"from": 0},
+                                 headers={"Last-Event-ID": str(middle)})
+    assert [e.id for e in reconnected] == [e.id for e in events[middle:]]
 
     quick = await api.a.get(f"/v1/runs/{run_id}/wait", params={"timeout": "0"})
     assert quick.status_code == 200 and quick.json()["status"] == "completed"
+
+
+async def test_a_feed_reconnecting_with_last_event_id_resumes_from_it(api: Api):
+    """EventSource reconnects to the URL it opened, ?cursor= and all, with the id it read last
+    in Last-Event-ID: that later position wins (the query's older cursor replayed events)."""
+    conversation_id = await create_conversation(api.a)
+    path = f"/v1/conversations/{conversation_id}/events"
+    async with api.a.stream("GET", path) as stream:
+        snapshot = await anext(iter_sse(stream))
+    # The query's cursor is refused on its own (400 invalid_cursor): the header is read.
+    async with api.a.stream("GET", path, params={"cursor": "not-a-cursor"},
+                            headers={"Last-Event-ID": snapshot.id}) as resumed:
+        assert resumed.status_code == 200
+        assert (await anext(iter_sse(resumed))).event == "snapshot"
 
 
 async def test_conversation_stream_starts_with_a_snapshot_and_shows_presence(api: Api):

@@ -717,3 +717,50 @@ async def test_deleting_while_the_worker_streams_or_calls_a_tool_never_errs(api:
                  "backstop"):
         assert sign not in log, sign
     assert (await api.a.get("/readyz")).status_code == 200
+
+
+async def test_an_export_whose_conversation_goes_before_its_plan_is_read_is_cut(api: Api):
+    """Deleted between the heading and the plan: the plan was empty, and the answer ended as a
+    whole, empty transcript instead of the cut the API promises."""
+    conversation_id = await create_conversation(api.a)
+    async with api.pool.acquire() as conn:
+        deleting = conn.transaction()
+        await deleting.start()
+        # The plan's read waits for this transaction, which deletes the conversation.
+        await conn.execute("LOCK TABLE message IN ACCESS EXCLUSIVE MODE")
+        export = asyncio.ensure_future(api.a.get(f"/v1/conversations/{conversation_id}/export"))
+        await poll_until(lambda: api.pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%message%' AND pid <> $1", conn.get_server_pid()),
+            10, what="the export's plan waiting for the table")
+        await conn.execute("DELETE FROM conversation WHERE id = $1", UUID(conversation_id))
+        await deleting.commit()
+    try:
+        answer = await export
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        return  # cut: the client sees a transfer that did not complete
+    assert answer.status_code == 404, (answer.status_code, answer.text)  # before any byte
+
+
+async def test_a_repeat_naming_no_model_is_replayed_after_the_model_changed(
+        spawn_daemon, pool) -> None:
+    """Its first post's answer lost, a client sends the same request again under the same key;
+    meanwhile another device changed the conversation's model. The repeat was resolved on the
+    new model and answered 409 idempotency_conflict, as if it were another request."""
+    async with started_api(spawn_daemon, pool, env=TWO_DEMO_MODELS) as api:
+        cid = await create_conversation(api.a)
+        body = {"content": "once", "params": {"tokens": 2, "delay_ms": 0}}
+        key = {"Idempotency-Key": f"k-{uuid.uuid4()}"}
+        first = await api.a.post(f"/v1/conversations/{cid}/runs", json=body, headers=key)
+        assert first.status_code == 202, first.text
+        changed = await api.a.patch(f"/v1/conversations/{cid}", json={"model": "demo:echo"})
+        assert changed.status_code == 200
+        again = await api.a.post(f"/v1/conversations/{cid}/runs", json=body, headers=key)
+        assert again.status_code in (200, 202), again.text
+        assert again.json()["run_id"] == first.json()["run_id"]
+        # Another request under that key is still refused.
+        other = await api.a.post(f"/v1/conversations/{cid}/runs",
+                                 json={**body, "content": "twice"}, headers=key)
+        assert_error(other, 409, "idempotency_conflict")
+        assert await api.pool.fetchval("SELECT count(*) FROM agent_run"
+                                       " WHERE conversation_id = $1", UUID(cid)) == 1

@@ -213,3 +213,33 @@ def _dispatcher(pool: asyncpg.Pool, hub: Hub,
     load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
                        max_pool_wait_s=settings.max_pool_wait_ms / 1000)
     return Dispatcher(pool, hub, settings, "vm:dispatcher-test", run_turn, load, metrics)
+
+
+async def test_a_turn_that_ended_unseen_then_failed_still_wakes_who_waits(
+        pool: asyncpg.Pool, hub: Hub) -> None:
+    """The turn's own terminal write committed but it never learned so (a lost answer, a
+    drain's cancel) and failed: the backstop found the run ended (LeaseLost) and returned, and
+    the ending's wakes never went out; the conversation's next turn waited for a poll."""
+    hints: list[tuple[Channel, str]] = []
+
+    async def ended_then_failed(claim: Claim) -> bool:
+        await finish_run(pool, claim, RunStatus.COMPLETED, seq=None)  # no hint: "lost"
+        raise asyncpg.exceptions.ConnectionDoesNotExistError("the answer was lost (test)")
+
+    metrics, settings = Metrics(), Settings()
+    load = LoadMonitor(pool, metrics, max_loop_lag_s=settings.max_loop_lag_ms / 1000,
+                       max_pool_wait_s=settings.max_pool_wait_ms / 1000)
+    dispatcher = Dispatcher(pool, hub, settings, "vm:dispatcher-test", ended_then_failed, load,
+                            metrics, hint=lambda channel, payload: hints.append((channel, payload)))
+    tenant = await new_tenant(pool)
+    queued = await enqueue(pool, tenant.account_id, tenant.conversation_id, "go")
+    dispatcher.start()
+    try:
+        conversation = str(tenant.conversation_id)
+        await poll_until(lambda: (Channel.RUN_ENQUEUED, conversation) in hints,
+                         DEFAULT_TIMEOUT_S, what="the ending's wake to the claim loops")
+        assert (Channel.CONVERSATION, conversation) in hints
+        assert (await run_row(pool, queued.run_id))["status"] == RunStatus.COMPLETED
+    finally:
+        await dispatcher.stop_claiming()
+        await dispatcher.drain(DEFAULT_TIMEOUT_S)

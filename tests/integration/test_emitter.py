@@ -15,9 +15,20 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
+from agentd.group_commit import Batcher
 from agentd.journal import Emitter
-from agentd.queue import Claim, LeaseLost, claim_runs, finish_run, heartbeat, reap_expired
-from agentd.vocabulary import EventType, RunStatus
+from agentd.queue import (
+    Claim,
+    JournalBatch,
+    Journaled,
+    LeaseLost,
+    append_events_many,
+    claim_runs,
+    finish_run,
+    heartbeat,
+    reap_expired,
+)
+from agentd.vocabulary import Channel, EventType, RunStatus
 from tests.integration.helpers import DEFAULT_TIMEOUT_S, count_rows, wait_lease_expired
 from tests.support.daemon import poll_until
 from tests.support.factories import enqueue, new_tenant
@@ -283,3 +294,34 @@ async def test_a_cancelled_writer_whose_batch_is_then_fenced_out_leaves_no_lost_
     finally:
         loop.set_exception_handler(previous)
     assert reported == []
+
+
+async def test_a_batch_found_landed_after_its_lost_answer_is_announced(
+        pool: asyncpg.Pool) -> None:
+    """The append commits, its answer is lost, the retry meets its own rows (SeqConflict) and
+    finds the batch landed: the rows' wake and their note to this process's readers never went
+    out, so every tail and feed learned of them only at its next poll."""
+    claim = await start_run(pool)
+    calls = 0
+
+    async def committed_then_lost(batches: list[JournalBatch]) -> list[Journaled | Exception]:
+        nonlocal calls
+        calls += 1
+        written = await append_events_many(pool, batches)
+        if calls == 1:
+            raise asyncpg.exceptions.ConnectionDoesNotExistError(
+                "connection was closed in the middle of operation")
+        return written
+
+    hints: list[tuple[Channel, str]] = []
+    told: list[object] = []
+    emitter = Emitter(pool, claim, flush_interval_s=NEVER_S,
+                      hint=lambda channel, payload: hints.append((channel, payload)),
+                      appends=Batcher(pool, committed_then_lost),
+                      journaled=lambda run_id, rows: told.append(run_id))
+    await emitter.event(EventType.RUN_STARTED, {})
+    await emitter.flush()
+    assert calls == 2, calls
+    assert [e["type"] for e in await read_journal(pool, claim.run_id)][-1] == EventType.RUN_STARTED
+    assert (Channel.RUN_EVENT, str(claim.run_id)) in hints, "the rows were never announced"
+    assert told == [claim.run_id]

@@ -136,3 +136,23 @@ async def test_a_held_turn_starts_when_what_held_it_ends(spawn_daemon, pool, dsn
         # the daemon was full again right after it.
         heard = await heard_so_far()
         assert not {"no free slot", "overloaded", "claim failed"} & set(heard), heard
+
+
+async def test_a_turn_held_by_the_limit_starts_when_the_running_ones_conversation_is_deleted(
+        spawn_daemon, pool) -> None:
+    """Deleting a conversation removes its running turn with it, which frees its account's
+    running slot; the delete woke no claim loop, so a turn of another conversation that the
+    limit held back waited for the poll (an hour away here)."""
+    daemon = spawn_daemon(tick_s=3600, max_runs=3)
+    await daemon.wait_ready()
+    device = await new_device(pool, "deleting", "laptop")
+    await set_account_limits(pool, "deleting", LimitChange(change_running=True, max_running=1))
+    async with device.client(daemon) as client:
+        doomed, other = [await create_conversation(client) for _ in range(2)]
+        await running_turn(pool, client, doomed, {"tokens": 300, "delay_ms": 100})
+        held = await post_turn(client, other, SHORT)
+        assert held["status"] == "queued", held
+        deleted = await client.delete(f"/v1/conversations/{doomed}")
+        assert deleted.status_code == 204, deleted.text
+        row = await wait_status(pool, UUID(held["run_id"]), "completed", timeout=30)
+        assert row["error"] is None

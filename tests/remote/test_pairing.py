@@ -162,6 +162,38 @@ async def test_an_account_holds_a_bounded_number_of_open_codes(
         assert (await laptop.post("/v1/pairings", json={})).status_code == 201
 
 
+async def test_codes_minted_together_never_pass_the_bound(
+        spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
+    """The count and the insert were one statement: mints sent together each counted the codes
+    committed before any of them, and all passed (the bound overshot by as many as ran at
+    once). Raced from independent connections, the codes removed between rounds."""
+    daemon = spawn_remote()
+    await daemon.wait_ready()
+    device = await new_device(pool, "alice", "laptop")
+    racers = 3 * pairing.MAX_OPEN_CODES // 2
+    limits = httpx.Limits(max_connections=racers, max_keepalive_connections=racers)
+    async with daemon.client(headers=device.headers, limits=limits, timeout=30.0) as laptop:
+        for _ in range(5):
+            await pool.execute("DELETE FROM pairing")
+            # 19 open: the last slot is what every racer competes for.
+            for _ in range(pairing.MAX_OPEN_CODES - 1):
+                assert (await laptop.post("/v1/pairings", json={})).status_code == 201
+            gate = asyncio.Event()
+
+            async def mint(gate: asyncio.Event = gate) -> int:
+                await gate.wait()
+                return (await laptop.post("/v1/pairings", json={})).status_code
+
+            minting = [asyncio.ensure_future(mint()) for _ in range(racers)]
+            await asyncio.sleep(0)  # every racer waits at the gate
+            gate.set()
+            codes = await asyncio.gather(*minting)
+            assert sorted(set(codes)) == [201, 429], codes
+            assert codes.count(201) == 1, codes.count(201)
+            assert await pool.fetchval("SELECT count(*) FROM pairing") == \
+                pairing.MAX_OPEN_CODES
+
+
 async def test_codes_a_revoked_device_minted_no_longer_fill_its_account(
         spawn_remote: SpawnRemote, pool: asyncpg.Pool) -> None:
     """A stolen device fills its account with codes and is revoked: its codes redeem nothing,

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
 from tests.api.helpers import FAST, assert_error, start_run, wait_run
 from tests.support.daemon import ADMIT_ANY_LOAD, free_port, poll_until
 from tests.support.factories import create_conversation
+from tests.tools.conftest import mcp_test_server, read_mcp_journal
 
 SECRET_VARIABLE = "AGENTD_REVIEW_MCP_KEY_NEVER_SET"  # the daemon's environment drops AGENTD_*
 SERVER_WORDS = "the vault at /srv/review-secret is sealed"
@@ -121,3 +123,21 @@ async def test_a_retry_waiting_for_its_tools_server_leaves_the_conversation_unlo
         assert await api.pool.fetchval("SELECT count(*) FROM agent_run") == 2
         assert await api.pool.fetchval(
             "SELECT count(*) FROM message WHERE superseded_by IS NOT NULL") == 0
+
+
+async def test_a_post_to_a_conversation_not_the_callers_starts_no_server(
+        start_tools_api, journal: Path) -> None:
+    """The tool was checked (its MCP server started, for up to start_timeout_s) before the
+    conversation was: a post to another account's conversation, or to none, started servers
+    and was answered about the tool instead of 404."""
+    async with start_tools_api({"t": mcp_test_server(journal, start_timeout_s=10)}) as api:
+        theirs = await create_conversation(api.b)
+        for conversation in (theirs, str(uuid.uuid4())):
+            response = await api.a.post(f"/v1/conversations/{conversation}/runs", json={
+                "content": "x", "params": tool_params("t.echo_meta")})
+            assert_error(response, 404, "not_found")
+        long = await api.a.post(f"/v1/conversations/{theirs}/runs", json={
+            "content": "x", "params": tool_params("t." + "x" * 100_000)})
+        assert long.status_code in (404, 422), long.text
+        assert len(long.text) < 2_000  # the name is not echoed back
+    assert not [e for e in read_mcp_journal(journal) if e["event"] == "started"]

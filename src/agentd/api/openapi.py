@@ -377,6 +377,17 @@ def _sse(item: str) -> dict[str, Any]:
 
 
 def build_spec() -> dict[str, Any]:
+    spec = _spec()
+    # Every operation that reads a JSON body (api/bodies.json_body) can also answer these.
+    for operation in (op for ops in spec["paths"].values() for op in ops.values()):
+        if "requestBody" in operation:
+            responses = operation["responses"]
+            responses.setdefault("408", _error("body_timeout: the body did not arrive in time"))
+            responses.setdefault("413", _error("body too large"))
+    return spec
+
+
+def _spec() -> dict[str, Any]:
     events = ", ".join(str(e) for e in EventType)
     return {
         "openapi": "3.2.0",
@@ -398,6 +409,8 @@ def build_spec() -> dict[str, Any]:
                         "schema": _ref("CreateConversation")}}},
                     "responses": {"201": _json(_ref("Conversation"), "created"),
                                   "400": _error("bad input"),
+                                  "403": _error("model_not_allowed: a model this account "
+                                                "may not use"),
                                   "413": _error("body over 1 MiB"),
                                   "422": _error("unknown or unusable model, or a model name "
                                                 "over 200 characters"), **_ERRORS}},
@@ -435,6 +448,8 @@ def build_spec() -> dict[str, Any]:
                     "responses": {"200": _json(_ref("Conversation"), "updated"),
                                   "400": _error("bad input"),
                                   "404": _error("no such conversation"),
+                                  "403": _error("model_not_allowed: a model this account "
+                                                "may not use"),
                                   "413": _error("body over 1 MiB"),
                                   "422": _error("unknown or unusable model, or a model name "
                                                 "over 200 characters"), **_ERRORS}},

@@ -350,7 +350,9 @@ async def run_events(request: web.Request) -> web.StreamResponse:
     run_id = _path_id(request, "run")
     after = _int_query(request, "from", 0, 0, MAX_SEQ)
     last_id = request.headers.get("Last-Event-ID")
-    if "from" not in request.query and last_id:
+    # The header wins: an EventSource reconnects to the URL it opened (?from= and all) with
+    # the id it read last, which is the later position.
+    if last_id:
         try:
             after = max(0, int(last_id))
         except ValueError:
@@ -383,7 +385,8 @@ async def conversation_events(request: web.Request) -> web.StreamResponse:
     service = _service(request)
     who = principal(request)
     conversation_id = _path_id(request, "conversation")
-    cursor_text = request.query.get("cursor") or request.headers.get("Last-Event-ID")
+    # The header wins, as for a run's stream: it is where a reconnecting EventSource got to.
+    cursor_text = request.headers.get("Last-Event-ID") or request.query.get("cursor")
 
     def cursor_of(query: Mapping[str, str]) -> FeedCursor | None:
         try:
