@@ -3,6 +3,7 @@ comfort actions against a live daemon: copy, export, search, rename, new convers
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,8 @@ async def test_copy_export_search_rename_and_new(daemon: Daemon, desk: Device,
         text = exported[0].read_text()
         assert exported[0].name.startswith("alpha-notes-")
         assert text.startswith("# Alpha notes") and alpha_answer in text
+        # Private, whatever the umask (it was 0644 by default, in a directory often shared).
+        assert stat.S_IMODE(exported[0].stat().st_mode) == 0o600
 
         # A conversation with no message yet is found by its title, and opens.
         search = await search_for(app, pilot, "gamma")

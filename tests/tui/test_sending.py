@@ -43,6 +43,16 @@ async def sending_tui(daemon: Daemon, device: Device, dirs: Path, title: str,
         yield conversation, posts, screen, pilot
 
 
+async def sent_uncertain(pilot: Any, screen: Any, text: str) -> None:
+    """Send `text` and wait until it is back in the composer with the warning that it may
+    have been sent (its answer lost, or not the daemon's)."""
+    screen.composer.text = text
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: screen.composer.text == text and
+                   any("may not have been sent" in n for n in screen.notices),
+                   "the text back, with a warning that says it may have been sent")
+
+
 async def test_a_message_goes_where_it_was_typed_though_a_slow_send_outlasts_a_switch(
         daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
     async with client_for(daemon, desk) as api:
@@ -110,11 +120,7 @@ async def test_a_send_answered_with_something_not_agentds_is_kept_and_not_double
     async with sending_tui(daemon, desk, agenttui_dirs, "garbled") as (
             conversation, posts, screen, pilot):
         posts.garble_answers = True
-        screen.composer.text = "keep me"
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.composer.text == "keep me" and
-                       any("may not have been sent" in n for n in screen.notices),
-                       "the text back, uncertain")
+        await sent_uncertain(pilot, screen, "keep me")
         assert await user_messages(daemon, desk, conversation) == ["keep me"]  # it was
         posts.garble_answers = False
         await pilot.press("enter")
@@ -131,11 +137,7 @@ async def test_the_same_words_typed_anew_after_a_lost_send_landed_are_a_new_turn
     async with sending_tui(daemon, desk, agenttui_dirs, "same words") as (
             conversation, posts, screen, pilot):
         posts.lose_answers = True
-        screen.composer.text = "yes"
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.composer.text == "yes" and
-                       any("may not have been sent" in n for n in screen.notices),
-                       "the text back, uncertain")
+        await sent_uncertain(pilot, screen, "yes")
         posts.lose_answers = False
         await wait_for(pilot, lambda: screen.model is not None and any(
             t.question == "yes" for t in screen.model.turns.values()), "the feed to show it")
@@ -158,11 +160,7 @@ async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
     async with sending_tui(daemon, desk, agenttui_dirs, "lost answers") as (
             conversation, posts, screen, pilot):
         posts.lose_answers = True
-        screen.composer.text = "only once"
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: screen.composer.text == "only once" and
-                       any("may not have been sent" in n for n in screen.notices),
-                       "the text back, with a warning that says it may have been sent")
+        await sent_uncertain(pilot, screen, "only once")
         assert not any(n.startswith("Not sent") for n in screen.notices)
         assert await user_messages(daemon, desk, conversation) == ["only once"]  # it was
 

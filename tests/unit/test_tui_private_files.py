@@ -12,6 +12,7 @@ import pytest
 
 from agentd import files
 from agentd.files import replace_file
+from agenttui.drafts import DraftLedger
 
 
 @pytest.fixture
@@ -75,3 +76,18 @@ def test_temporaries_that_killed_writers_left_are_removed_once_old(tmp_path: Pat
     replace_file(path, "token = 'new'")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [".config.toml.1234abcd", ".other.toml.0badc0de", "config.toml"])
+
+
+def test_two_agenttui_keep_each_others_settled_drafts(tmp_path: Path) -> None:
+    """Two agenttui on one machine share the drafts ledger: each wrote back the list it had
+    read at its start, through one fixed temporary name, and erased what the other added (its
+    drafts were then offered, and could be sent, again)."""
+    path = tmp_path / "state" / "drafts.json"
+    first, second = DraftLedger(path), DraftLedger(path)  # both started before either wrote
+    first.consume(["a", "b"])
+    second.consume(["c"])
+    first.consume(["d"])
+    assert set(DraftLedger(path)._ids) == {"a", "b", "c", "d"}
+    assert "c" in first and "a" in second  # each learns the other's when it writes
+    assert mode(path) == 0o600
+    assert sorted(p.name for p in path.parent.iterdir()) == ["drafts.json", "drafts.json.lock"]

@@ -851,7 +851,9 @@ class MainScreen(LifecycleScreen):
                                                                  model.conversation_id)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(markdown, "utf-8")
+            # Whole or not at all, 0600 (a transcript is private; the default directory is the
+            # working one, often shared), and never through a link planted at its name.
+            replace_file(path, markdown)
         except OSError as exc:
             self.notify(f"Export failed: {exc}", severity="error")
             return None
