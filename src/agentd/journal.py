@@ -199,8 +199,11 @@ class Emitter:
             except SeqConflict as exc:
                 # After a connection died mid-commit, our own earlier attempt may have landed.
                 if attempt and await self._landed(batch):
-                    await announce_landed(self._db, self._claim.run_id, self._hint,
-                                          self._journaled)
+                    # Its wake is owed; a wake that fails leaves the readers to their poll,
+                    # while the batch stands and the seq moves past it.
+                    with contextlib.suppress(*TRANSIENT):
+                        await announce_landed(self._db, self._claim.run_id, self._hint,
+                                              self._journaled)
                     break
                 self._lost = exc
                 raise

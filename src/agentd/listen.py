@@ -98,7 +98,11 @@ def describe_process(pid: int) -> str:
         return f"pid {pid}"
     shown: list[str] = []
     for word in words:
-        if word.startswith("--") or (shown and any(mark in word for mark in ":=@/?&")):
+        # Past the program: its subcommands, and a Python module named by -m; the first
+        # other option, or anything like a value, ends it.
+        module = len(shown) >= 2 and shown[-1] == "-m"
+        if shown and not module and word != "-m" and (
+                word.startswith("-") or any(mark in word for mark in ":=@/?&")):
             break
         shown.append(word)
     command = " ".join(shown) or _name(process)

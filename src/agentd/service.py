@@ -416,6 +416,9 @@ class Service:
         # and a slot held that long is one no other post here can start beside. A retry refuses
         # an unavailable tool only after its replay and its 409s (_retry), so it keeps the
         # answer for then.
+        if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
+            raise ServiceError(400, "invalid_idempotency_key",
+                               "Idempotency-Key must be 1-200 printable ASCII characters")
         early = None
         if ask.retry_of is not None:
             early = await self._retry_tool(who, conversation_id, ask)
@@ -424,7 +427,14 @@ class Service:
             # account's conversation, or for none, which is a 404 whatever the tool.
             if await convs.get_conversation(self.pool, who.account_id, conversation_id) is None:
                 raise not_found("conversation")
-            await self._check_tool(tool)
+            try:
+                await self._check_tool(tool)
+            except ServiceError:
+                # A repeat of a post that landed is its replay, the tool usable now or not.
+                replay = await self._replay_by_key(who, conversation_id, ask, idempotency_key)
+                if replay is None:
+                    raise
+                return replay
         slot = await self.starter.reserve() if self.starter is not None else None
         for beside in (slot, None):
             try:
@@ -473,21 +483,17 @@ class Service:
     async def _create_run(self, who: Principal, conversation_id: UUID, ask: RunAsk,
                           idempotency_key: str | None, slot: ClaimSlot | None,
                           early: RetryTool | None) -> CreatedRun:
-        if idempotency_key is not None and not IDEMPOTENCY_KEY.match(idempotency_key):
-            raise ServiceError(400, "invalid_idempotency_key",
-                               "Idempotency-Key must be 1-200 printable ASCII characters")
         if ask.retry_of is not None:
             assert early is not None  # _create_run_once read it before the slot
             return await self._retry(who, conversation_id, ask, idempotency_key, slot, early)
         try:
             return await self._create_new_run(who, conversation_id, ask, idempotency_key, slot)
         except ServiceError as refusal:
-            if idempotency_key is None or ask.model is not None or refusal.status >= 500:
+            if ask.model is not None or refusal.status >= 500:
                 raise
             # A repeat that names no model ran, the first time, on its conversation's model of
             # that time: a model changed (or refused) since is no reason to refuse the replay.
-            replay = await self._replay_on_first_model(who, conversation_id, ask,
-                                                       idempotency_key)
+            replay = await self._replay_by_key(who, conversation_id, ask, idempotency_key)
             if replay is None:
                 raise
             return replay
@@ -770,15 +776,18 @@ class Service:
             raise _idempotency_conflict(first.run_id)
         return CreatedRun(first.run_id, first.status, first.conversation_id, replayed=True)
 
-    async def _replay_on_first_model(self, who: Principal, conversation_id: UUID,
-                                     ask: RunAsk, key: str) -> CreatedRun | None:
-        """The first run of `key`, if `ask` is its request with the model it ran on."""
-        assert ask.content is not None  # not a retry
+    async def _replay_by_key(self, who: Principal, conversation_id: UUID, ask: RunAsk,
+                             key: str | None) -> CreatedRun | None:
+        """The first run of `key`, if `ask` is its request (with the model it ran on, when
+        `ask` names none): read only when a post is refused, before or without its replay."""
+        if key is None or ask.content is None:  # a retry replays in _replay_retry
+            return None
         first = await queue.find_run_by_idempotency_key(self.pool, who.account_id, key)
         if first is None:
             return None
         run = await convs.get_run(self.pool, who.account_id, first.run_id)
-        model = ((run.request if run is not None else None) or {}).get("model")
+        stored = ((run.request if run is not None else None) or {}).get("model")
+        model = str(ask.model) if ask.model is not None else stored
         if not isinstance(model, str):
             return None
         request = {"content": ask.content, "model": model, "params": ask.params or {}}

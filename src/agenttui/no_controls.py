@@ -6,7 +6,8 @@ Rich and Textual strip only a few controls (BEL, BS, VT, FF, CR) from what they 
 went to the terminal as it was, and `ESC ] 52 ; c ; …` set the clipboard, `ESC [ 2 J` cleared
 the screen, `ESC ] 0 ; …` retitled the window. One line filter sees every line every widget
 draws, so no place that shows such text can forget it. Controls take no cell on the screen, so
-dropping them leaves the layout as it was measured.
+dropping them leaves the layout as it was measured (a drawn line holds no newline or tab, which
+the rule keeps).
 """
 
 from __future__ import annotations
@@ -15,12 +16,8 @@ from rich.segment import Segment
 from textual.color import Color
 from textual.filter import LineFilter
 
-# C0 (tab and newline included: a drawn line holds neither), DEL and C1.
-_DROPPED = dict.fromkeys([*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)])
-
-
-def without_controls(text: str) -> str:
-    return text.translate(_DROPPED)
+# What `agenttui ask` drops from what it prints to a terminal: the same rule for both.
+from agenttui.ask import without_controls
 
 
 class DropControls(LineFilter):

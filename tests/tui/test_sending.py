@@ -154,6 +154,30 @@ async def test_the_same_words_typed_anew_after_a_lost_send_landed_are_a_new_turn
         assert await poll_until(two, WAIT_S, what="the second turn") == ["yes", "yes"]
 
 
+async def test_a_lost_send_with_words_typed_after_it_key_by_key_is_not_doubled(
+        daemon: Daemon, desk: Device, agenttui_dirs: Path) -> None:
+    """The lost send is back in the composer; the user types a new paragraph after it, key by
+    key. Its first newline left text that was neither the copy alone nor the copy and a blank
+    line: the copy was forgotten, and Enter posted it again inside a new message."""
+    async with sending_tui(daemon, desk, agenttui_dirs, "typed after") as (
+            conversation, posts, screen, pilot):
+        posts.lose_answers = True
+        await sent_uncertain(pilot, screen, "lost one")
+        posts.lose_answers = False
+        screen.composer.move_cursor(screen.composer.document.end)
+        await pilot.press("ctrl+j", "ctrl+j", *"more")
+        assert screen.composer.text == "lost one\n\nmore"
+        await pilot.press("enter")
+
+        async def both() -> list[str] | None:
+            messages = await user_messages(daemon, desk, conversation)
+            return messages if len(messages) >= 2 else None
+
+        assert await poll_until(both, WAIT_S, what="the new message") == ["lost one", "more"]
+        await wait_for(pilot, lambda: any("had reached the daemon" in n
+                                          for n in screen.notices), "the replayed send")
+
+
 async def test_a_send_whose_answer_was_lost_is_resent_without_a_second_turn(
         daemon: Daemon, desk: Device, agenttui_dirs: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,12 +3,12 @@ removed, never reused."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-
-import psutil
 
 from agentd.embedded_pg.errors import EmbeddedPgError
 
@@ -50,13 +50,13 @@ def read_pid_file(path: Path) -> PidFile | None:
                    started=at(2))
 
 
-def is_our_postgres(pid: int, data_dir: Path, started: str = "") -> bool:
+def is_our_postgres(pid: int, data_dir: Path) -> bool:
     """Return whether ``pid`` is a live PostgreSQL process working in ``data_dir``.
 
-    `started`: the start time its pid file records, the proof used when its working directory
-    cannot be read (root without CAP_SYS_PTRACE, a container's default, cannot read another
-    account's). A server that cannot be disproved is taken as live: deleting a live server's
-    pid file lets a second one start on its data directory."""
+    Its working directory is the proof; where it cannot be read (root without CAP_SYS_PTRACE,
+    a container's default, cannot read another account's), its command line's `-D` is. A server
+    that cannot be disproved is taken as live: deleting a live server's pid file lets a second
+    one start on its data directory."""
     if pid <= 0:
         return False
     try:
@@ -77,7 +77,7 @@ def is_our_postgres(pid: int, data_dir: Path, started: str = "") -> bool:
             # The postmaster chdirs into its data directory.
             return os.path.realpath(os.readlink(proc / "cwd")) == os.path.realpath(data_dir)
         except PermissionError:
-            return _started_at(pid, started)
+            return _launched_on(proc, data_dir)
         except OSError:
             return False  # gone meanwhile, or a zombie
     # No /proc (macOS, BSD): the process name is the best cheap evidence available.
@@ -91,22 +91,25 @@ def is_our_postgres(pid: int, data_dir: Path, started: str = "") -> bool:
     return Path(out.stdout.strip()).name == "postgres"
 
 
-def _started_at(pid: int, started: str) -> bool:
-    """Whether `pid` began when its pid file says the server did (to the second it records):
-    a reused pid began later. Unknown (no time recorded, or unreadable) counts as yes."""
-    if not started.isdigit():
-        return True
+def _launched_on(proc: Path, data_dir: Path) -> bool:
+    """Whether the postmaster's command line names `data_dir` (pg_ctl starts it with `-D`);
+    a command line that cannot be read, or names none, does not disprove it."""
     try:
-        began = psutil.Process(pid).create_time()
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.Error:
+        args = (proc / "cmdline").read_bytes().split(b"\0")
+    except PermissionError:
         return True
-    return abs(began - int(started)) < 2.0
+    except OSError:
+        return False  # gone meanwhile
+    for flag, value in itertools.pairwise(args):
+        if flag == b"-D":
+            return os.path.realpath(os.fsdecode(value)) == os.path.realpath(data_dir)
+    return True
 
 
 def processes_in(data_dir: Path) -> bool:
-    """Return whether any process we can see has ``data_dir`` as its working directory."""
+    """Return whether any process we can see has ``data_dir`` as its working directory (a
+    PostgreSQL process whose directory cannot be read counts, unless its command line names
+    another data directory: in doubt, the caller waits)."""
     target = os.path.realpath(data_dir)
     try:
         entries = os.listdir("/proc")
@@ -115,9 +118,15 @@ def processes_in(data_dir: Path) -> bool:
     for entry in entries:
         if not entry.isdigit():
             continue
+        proc = Path(f"/proc/{entry}")
         try:
-            if os.path.realpath(os.readlink(f"/proc/{entry}/cwd")) == target:
+            if os.path.realpath(os.readlink(proc / "cwd")) == target:
                 return True
+        except PermissionError:
+            with contextlib.suppress(OSError):
+                if (proc / "comm").read_text().strip() == "postgres" and \
+                        _launched_on(proc, data_dir):
+                    return True
         except OSError:
             continue
     return False

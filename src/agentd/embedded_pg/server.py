@@ -582,12 +582,11 @@ class EmbeddedPostgres:
             info = read_pid_file(pid_path)
             if info is None and not pid_path.exists():
                 return None
-            if info is not None and info.pid < 0 and is_our_postgres(-info.pid, self.data_dir,
-                                                                     info.started):
+            if info is not None and info.pid < 0 and is_our_postgres(-info.pid, self.data_dir):
                 raise EmbeddedPgError(
                     f"a single-user PostgreSQL backend (pid {-info.pid}) is using {self.data_dir}"
                 )
-            if info is None or not is_our_postgres(info.pid, self.data_dir, info.started):
+            if info is None or not is_our_postgres(info.pid, self.data_dir):
                 if clean:
                     self._remove_stale(pid_path, info)
                 return None
@@ -622,8 +621,7 @@ class EmbeddedPostgres:
         socket_dir = _socket_dir_for(self.data_dir, self._configured_port)
         for lock in socket_dir.glob(".s.PGSQL.*.lock"):
             lock_info = read_pid_file(lock)
-            if lock_info is None or not is_our_postgres(lock_info.pid, self.data_dir,
-                                                        lock_info.started):
+            if lock_info is None or not is_our_postgres(lock_info.pid, self.data_dir):
                 try:
                     lock.unlink()
                 except FileNotFoundError:

@@ -44,8 +44,9 @@ BACKOFF_MAX_S = 60.0
 STABLE_AFTER_S = 60.0  # a connection that lived this long resets the backoff
 MAX_TOOL_PAGES = 100
 # Every turn offers the model every tool (their specs go with each model request): a server
-# listing thousands, or megabytes of schema, would make every turn too large for its provider
-# (OpenAI takes 128 tools), and each listing is compiled on the event loop.
+# listing thousands, or megabytes of schema, made every turn too large for its provider, and
+# each listing is compiled on the event loop. The bound is per server; a provider's own limit
+# is on the sum (OpenAI takes 128 tools in all): docs/tools.md says to deny what is not needed.
 MAX_TOOLS_PER_SERVER = 128
 MAX_DESCRIPTION_CHARS = 2_000  # longer ones are cut, not refused
 MAX_SCHEMA_CHARS = 50_000  # as JSON; a larger input schema disables its tool

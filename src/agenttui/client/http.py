@@ -185,6 +185,10 @@ class AgentClient:
     async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._decoded(await self._send(method, path, **kwargs), lambda data: data)
 
+    async def _shaped(self, build: Callable[[Any], _T], method: str, path: str,
+                      **kwargs: Any) -> _T:
+        return self._decoded(await self._send(method, path, **kwargs), build)
+
     def _decoded(self, response: httpx.Response, build: Callable[[Any], _T]) -> _T:
         """`build` of the answer's JSON; an answer that is not the daemon's (no JSON, or not
         the shape asked for: a proxy's page, an auth wall) is an ApiError with status 0, which
@@ -228,7 +232,7 @@ class AgentClient:
     # -- account and conversations --------------------------------------------------------
 
     async def me(self) -> Me:
-        return Me.from_wire(await self._json("GET", "/v1/me", retries=2))
+        return await self._shaped(Me.from_wire, "GET", "/v1/me", retries=2)
 
     async def create_conversation(self, title: str = "",
                                   model: str | None = None) -> Conversation:
@@ -269,9 +273,9 @@ class AgentClient:
             params["before"] = before
         if until is not None:
             params["until"] = until
-        return MessagePage.from_wire(await self._json(
-            "GET", f"/v1/conversations/{quote_id(conversation_id)}/messages", params=params,
-            retries=2))
+        return await self._shaped(
+            MessagePage.from_wire, "GET",
+            f"/v1/conversations/{quote_id(conversation_id)}/messages", params=params, retries=2)
 
     async def rename_conversation(self, conversation_id: str, title: str) -> Conversation:
         return await self.update_conversation(conversation_id, title=title)
@@ -287,8 +291,9 @@ class AgentClient:
             body["model"] = model
         if archived is not None:
             body["archived"] = archived
-        return Conversation.from_wire(await self._json(
-            "PATCH", f"/v1/conversations/{quote_id(conversation_id)}", json=body, retries=2))
+        return await self._shaped(
+            Conversation.from_wire, "PATCH", f"/v1/conversations/{quote_id(conversation_id)}",
+            json=body, retries=2)
 
     async def delete_conversation(self, conversation_id: str) -> None:
         """Stop its running turn and remove it with everything in it (404 when already gone)."""
@@ -296,12 +301,12 @@ class AgentClient:
 
     async def fork_conversation(self, conversation_id: str, message_id: str) -> Conversation:
         """A new conversation holding the transcript up to and including `message_id`."""
-        return Conversation.from_wire(await self._json(
-            "POST", f"/v1/conversations/{quote_id(conversation_id)}/fork",
-            json={"message_id": message_id}))
+        return await self._shaped(
+            Conversation.from_wire, "POST",
+            f"/v1/conversations/{quote_id(conversation_id)}/fork", json={"message_id": message_id})
 
     async def list_models(self) -> Models:
-        return Models.from_wire(await self._json("GET", "/v1/models", retries=2))
+        return await self._shaped(Models.from_wire, "GET", "/v1/models", retries=2)
 
     async def export_conversation(self, conversation_id: str) -> str:
         """The transcript as Markdown."""
@@ -355,24 +360,27 @@ class AgentClient:
         return self._decoded(response, lambda data: CreatedRun.from_wire(data, replayed=replayed))
 
     async def get_run(self, run_id: str) -> Run:
-        return Run.from_wire(await self._json("GET", f"/v1/runs/{quote_id(run_id)}", retries=2))
+        return await self._shaped(Run.from_wire, "GET", f"/v1/runs/{quote_id(run_id)}",
+                                  retries=2)
 
     async def wait_run(self, run_id: str, wait_s: float = 30.0) -> Run:
         """Block (server side) until the run is terminal or `wait_s` seconds passed."""
-        return Run.from_wire(await self._json(
-            "GET", f"/v1/runs/{quote_id(run_id)}/wait", params={"timeout": wait_s},
-            timeout=httpx.Timeout(wait_s + 15.0, connect=5.0), retries=2))
+        return await self._shaped(
+            Run.from_wire, "GET", f"/v1/runs/{quote_id(run_id)}/wait",
+            params={"timeout": wait_s}, timeout=httpx.Timeout(wait_s + 15.0, connect=5.0),
+            retries=2)
 
     async def cancel_run(self, run_id: str, *, queued_only: bool = False) -> StopResult:
         """Cancel one run: a queued one ends at once (its text comes back as a draft), a
         running one is asked to stop, unless `queued_only`."""
         path = f"/v1/runs/{quote_id(run_id)}/cancel" + ("?only=queued" if queued_only else "")
-        return StopResult.from_wire(await self._json("POST", path, retries=3))
+        return await self._shaped(StopResult.from_wire, "POST", path, retries=3)
 
     async def stop_conversation(self, conversation_id: str) -> StopResult:
         """The atomic sweep: queued turns cancelled (drafts handed back), the running flagged."""
-        return StopResult.from_wire(await self._json(
-            "POST", f"/v1/conversations/{quote_id(conversation_id)}/stop", retries=3))
+        return await self._shaped(
+            StopResult.from_wire, "POST",
+            f"/v1/conversations/{quote_id(conversation_id)}/stop", retries=3)
 
     async def decide_approval(self, run_id: str, call_id: str, decision: str,
                               note: str | None = None) -> dict[str, Any]:

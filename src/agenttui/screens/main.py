@@ -42,7 +42,7 @@ from agenttui.client import (
 )
 from agenttui.conversation import Changes, ConversationModel
 from agenttui.locations import clipboard_file
-from agenttui.models import Conversation, Me, RunEvent, SearchHit
+from agenttui.models import Conversation, CreatedRun, Me, RunEvent, SearchHit
 from agenttui.screens.lifecycle import LifecycleScreen
 from agenttui.screens.prompt import TextPrompt
 from agenttui.screens.search import SearchScreen
@@ -661,18 +661,24 @@ class MainScreen(LifecycleScreen):
                         f"{RESEND_WINDOW_S / 60:.0f} minutes, it will not be posted twice.",
                         severity="error", title="Send uncertain")
             return False
+        try:
+            await self._posted(conversation_id, run)
+        except Exception as exc:  # posted all the same: never put back, never sent again
+            self.log.error("showing a posted message failed", repr(exc))
+        return True
+
+    async def _posted(self, conversation_id: str, run: CreatedRun) -> None:
         if run.replayed:
             self.notify("Your message had reached the daemon after all: it was not posted "
                         "again.")
         model = self.model
         if model is None or model.conversation_id != conversation_id:
             self.notify("Your message was sent to the conversation it was typed in.")
-            return True  # the user has moved on: that conversation's feed is not followed here
+            return  # the user has moved on: that conversation's feed is not followed here
         model.note_created(run.run_id)
         if not self.transcript.following:  # read far up: the new turn shows at the bottom
             await self._show_newest()
         await self.render_changes(model, Changes(turns={run.run_id}, bar=True))
-        return True
 
     def _resendable(self, conversation_id: str, earlier: list[UncertainSend],
                     handed_back: Sequence[str]) -> list[UncertainSend]:

@@ -114,8 +114,10 @@ class Composer(TextArea):
     def _forget_edited_away(self) -> None:
         """Text handed back, then deleted or changed, is no longer its copy: the same words
         typed anew are a new message, not the lost send again (under its key the daemon
-        replays the old turn instead of queueing a new one)."""
-        if self._handed_back and not self._unedited_handed_back(self.text):
+        replays the old turn instead of queueing a new one). Only a change inside it counts:
+        what is typed after it, key by key, passes through text that is neither it alone nor
+        it and a blank line (its first newline), and the send decides on the whole."""
+        if self._handed_back and not self.text.startswith(SEPARATOR.join(self._handed_back)):
             self._handed_back = []
 
     def _unedited_handed_back(self, text: str) -> tuple[str, ...]:
