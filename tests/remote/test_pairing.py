@@ -13,6 +13,7 @@ import httpx
 from agentd import pairing
 from agentd.accounts import ensure_account
 from tests.remote.helpers import RemoteDaemon, SpawnRemote
+from tests.support.daemon import poll_until
 from tests.support.factories import new_device
 from tests.support.races import lose_races, race_attempts
 
@@ -173,20 +174,22 @@ async def test_codes_minted_together_never_pass_the_bound(
     racers = 3 * pairing.MAX_OPEN_CODES // 2
     limits = httpx.Limits(max_connections=racers, max_keepalive_connections=racers)
     async with daemon.client(headers=device.headers, limits=limits, timeout=30.0) as laptop:
-        for _ in range(5):
+        for _ in range(15):
             await pool.execute("DELETE FROM pairing")
             # 19 open: the last slot is what every racer competes for.
             for _ in range(pairing.MAX_OPEN_CODES - 1):
                 assert (await laptop.post("/v1/pairings", json={})).status_code == 201
-            gate = asyncio.Event()
+            gate, parked = asyncio.Event(), [0]
 
-            async def mint(gate: asyncio.Event = gate) -> int:
+            async def mint(gate: asyncio.Event = gate, parked: list[int] = parked) -> int:
+                parked[0] += 1
                 await gate.wait()
                 return (await laptop.post("/v1/pairings", json={})).status_code
 
             minting = [asyncio.ensure_future(mint()) for _ in range(racers)]
-            await asyncio.sleep(0)  # every racer waits at the gate
-            gate.set()
+            await poll_until(lambda parked=parked: parked[0] == racers, 10,
+                             what="every racer at the gate")
+            gate.set()  # all post at once
             codes = await asyncio.gather(*minting)
             assert sorted(set(codes)) == [201, 429], codes
             assert codes.count(201) == 1, codes.count(201)

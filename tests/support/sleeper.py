@@ -1,7 +1,7 @@
 """A process that only waits (killed by the test that started it): a stand-in for another
 program holding a port, whose command line the test chooses."""
 
-import time
+import signal
 
 if __name__ == "__main__":
-    time.sleep(60)
+    signal.pause()  # until the test's kill
